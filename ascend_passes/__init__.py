@@ -1,0 +1,38 @@
+"""ascend_passes: graph passes that rewrite the MoE, MLA and MTP subgraphs of PyTorch 2 models
+into fused Ascend kernels, usable as ``torch.compile(model, backend="ascend_passes")``.
+
+Importing the package is cheap: it never imports torch_npu / torchair (they load lazily, only
+for the NPU path).
+"""
+
+from __future__ import annotations
+
+from .backend import AscendInductorPass, inductor_pass, make_backend
+from .config import AscendPassConfig, EplbConfig, SequenceParallelConfig
+from .errors import AscendPassesError, ConfigError, PassError, VerificationError
+from .pass_manager import Match, NearMiss, Pass, PassContext, PassManager, PassResult
+from .report import CompileReport, capture, count_ops
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AscendInductorPass",
+    "AscendPassConfig",
+    "AscendPassesError",
+    "CompileReport",
+    "ConfigError",
+    "EplbConfig",
+    "Match",
+    "NearMiss",
+    "Pass",
+    "PassContext",
+    "PassError",
+    "PassManager",
+    "PassResult",
+    "SequenceParallelConfig",
+    "VerificationError",
+    "capture",
+    "count_ops",
+    "inductor_pass",
+    "make_backend",
+]

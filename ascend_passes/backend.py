@@ -1,0 +1,227 @@
+"""The ``torch.compile`` backend: Dynamo graph → AOT ATen inference graph → pass pipeline →
+downstream compiler (eager, Inductor, or torchair / npugraph_ex on Ascend NPUs).
+
+Also the two entry points serving engines import: ``make_backend(config)`` and
+``inductor_pass(config)`` (an Inductor ``CustomGraphPass`` with a cache-stable ``uuid()``).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.fx as fx
+from torch._inductor.custom_graph_pass import CustomGraphPass
+
+from .config import AscendPassConfig
+from .errors import ConfigError
+from .pass_manager import Pass, PassContext, PassHook, PassManager
+from .report import CompileReport, publish
+
+log = logging.getLogger("ascend_passes.backend")
+
+Compiled = Callable[[list[Any]], Any]
+
+
+# --------------------------------------------------------------------------- environment
+@functools.cache
+def torch_npu_available() -> bool:
+    """True when torch_npu imports (it needs the CANN toolkit) and an NPU is visible."""
+    try:
+        import torch_npu  # noqa: F401
+    except Exception as exc:  # ImportError, or OSError for a missing libhccl.so
+        log.debug("torch_npu is not usable here: %s", exc)
+        return False
+    return bool(getattr(torch, "npu", None) and torch.npu.is_available())
+
+
+def resolve_target(config: AscendPassConfig, example_inputs: Sequence[Any]) -> str:
+    """``target="auto"``: npu where torch_npu works, else the device of the example inputs."""
+    if config.target != "auto":
+        if config.target == "npu" and not torch_npu_available():
+            raise ConfigError(
+                "target='npu' needs torch_npu with the CANN toolkit (import torch_npu failed); "
+                "use target='cpu' or 'auto' here"
+            )
+        return config.target
+    if torch_npu_available():
+        return "npu"
+    for x in example_inputs:
+        if isinstance(x, torch.Tensor) and x.device.type == "cuda":
+            return "cuda"
+    return "cpu"
+
+
+def resolve_compiler(config: AscendPassConfig, target: str) -> str:
+    """``compiler="auto"``: torchair on NPU, else Inductor."""
+    compiler = config.compiler
+    if compiler == "auto":
+        return "torchair" if target == "npu" else "inductor"
+    if compiler in ("torchair", "npugraph_ex") and target != "npu":
+        raise ConfigError(
+            f"compiler={compiler!r} runs only on Ascend NPUs (target 'npu', torch_npu importable); "
+            f"this compile targets {target!r}: use compiler='inductor' or 'eager'"
+        )
+    return compiler
+
+
+# --------------------------------------------------------------------------- downstream
+def _boxed(fn: Callable[..., Any]) -> Compiled:
+    def call(args: list[Any]) -> Any:
+        return fn(*args)
+
+    call._boxed_call = True  # type: ignore[attr-defined]
+    return call
+
+
+def compile_downstream(compiler: str, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Compiled:
+    """Hand the rewritten ATen graph to the downstream compiler; returns a boxed callable."""
+    if compiler == "eager":
+        return _boxed(gm)
+    if compiler == "inductor":
+        from torch._inductor.compile_fx import compile_fx
+
+        return _boxed(compile_fx(gm, list(example_inputs)))
+    if compiler == "torchair":
+        import torch_npu  # noqa: F401  (registers the NPU device and torchair)
+        import torchair
+
+        cfg = torchair.CompilerConfig()
+        cfg.mode = "max-autotune"  # GE graph mode; ascend ops were lowered to npu ops
+        return _boxed(torchair.get_compiler(compiler_config=cfg)(gm, list(example_inputs)))
+    if compiler == "npugraph_ex":
+        import torch_npu  # noqa: F401
+
+        return _boxed(torch.npu.npugraph_ex.compile_fx(gm, list(example_inputs)))
+    raise ConfigError(f"unknown compiler {compiler!r}")
+
+
+# --------------------------------------------------------------------------- pipeline
+def _compile_id() -> str:
+    ctx = torch._guards.CompileContext.try_get()
+    cid = getattr(ctx, "compile_id", None) if ctx is not None else None
+    return str(cid) if cid is not None else "?"
+
+
+def _real_inputs_for(aten_inputs: Sequence[Any], real: Sequence[Any] | None) -> list[Any] | None:
+    """The Dynamo-level real inputs when they line up one to one with the ATen placeholders."""
+    if real is None or len(real) != len(aten_inputs):
+        return None
+    for fake, value in zip(aten_inputs, real):
+        if isinstance(fake, torch.Tensor):
+            if not isinstance(value, torch.Tensor) or fake.dim() != value.dim():
+                return None
+            if fake.dtype != value.dtype:
+                return None
+        elif isinstance(value, torch.Tensor):
+            return None
+    return list(real)
+
+
+def run_pipeline(config: AscendPassConfig, gm: fx.GraphModule, example_inputs: Sequence[Any], *,
+                 real_inputs: Sequence[Any] | None = None, target: str = "cpu",
+                 compiler: str = "eager", decompositions: str = "none",
+                 hooks: Sequence[PassHook] = (), pipeline: Sequence[Pass] | None = None) -> CompileReport:
+    """Run the configured passes (or the ``pipeline`` pass objects) over ``gm`` in place and
+    publish a ``CompileReport``."""
+    manager = PassManager(config, pipeline)
+    ctx = PassContext(config, example_inputs, real_inputs, decompositions, target)
+    all_hooks = list(hooks)
+    if config.dump_dir:
+        from .inspect.dump import GraphDumper
+
+        all_hooks.append(GraphDumper(config.dump_dir, graph_name=_compile_id()))
+    result = manager.run(gm, ctx, all_hooks)
+    report = CompileReport(
+        graph_id=_compile_id(), passes=result.passes, graph=gm, compiler=compiler, target=target,
+        config_hash=config.hash(), seconds=result.seconds, verified=result.verified,
+        facts=ctx.facts,
+    )
+    log.info("ascend_passes: graph %s, %d passes, %d rewrites in %.1f ms -> %s", report.graph_id,
+             len(report.passes), report.num_matches, report.seconds * 1e3, compiler)
+    publish(report)
+    return report
+
+
+def make_backend(config: AscendPassConfig | dict[str, Any] | None = None, *,
+                 pipeline: Sequence[Pass] | None = None, hooks: Sequence[PassHook] = (),
+                 **options: Any) -> Callable[[fx.GraphModule, list[Any]], Compiled]:
+    """A Dynamo backend running ``config``'s pipeline: ``torch.compile(m, backend=make_backend(cfg))``.
+
+    ``pipeline`` replaces the configured passes with pass objects of your own (for example a
+    serving engine's extra pass); ``hooks`` see the graph before and after every pass.
+    """
+    cfg = AscendPassConfig.from_options(config, **options)
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.aot_autograd import make_boxed_func
+
+    def backend(gm: fx.GraphModule, example_inputs: list[Any]) -> Compiled:
+        target = resolve_target(cfg, example_inputs)
+        compiler = resolve_compiler(cfg, target)
+        dynamo_inputs = list(example_inputs)
+
+        def inference_compiler(aten_gm: fx.GraphModule, aten_inputs: list[Any]) -> Compiled:
+            real = _real_inputs_for(aten_inputs, dynamo_inputs)
+            run_pipeline(cfg, aten_gm, aten_inputs, real_inputs=real, target=target,
+                         compiler=compiler, hooks=hooks, pipeline=pipeline)
+            return compile_downstream(compiler, aten_gm, aten_inputs)
+
+        def training_compiler(aten_gm: fx.GraphModule, aten_inputs: list[Any]) -> Compiled:
+            log.warning(
+                "ascend_passes rewrites inference graphs only; this graph needs autograd, so it "
+                "runs without rewrites. Call the model under torch.no_grad() or "
+                "torch.inference_mode() to get the fused kernels."
+            )
+            return make_boxed_func(aten_gm.forward)
+
+        def backward_compiler(aten_gm: fx.GraphModule, aten_inputs: list[Any]) -> Compiled:
+            return make_boxed_func(aten_gm.forward)
+
+        return aot_autograd(fw_compiler=training_compiler, bw_compiler=backward_compiler,
+                            inference_compiler=inference_compiler)(gm, example_inputs)
+
+    backend.config = cfg  # type: ignore[attr-defined]
+    return backend
+
+
+def ascend_passes_backend(gm: fx.GraphModule, example_inputs: list[Any],
+                          options: dict[str, Any] | None = None) -> Compiled:
+    """The ``backend="ascend_passes"`` entry point (``torch_dynamo_backends`` group)."""
+    return make_backend(options)(gm, example_inputs)
+
+
+# --------------------------------------------------------------------------- Inductor pass
+class AscendInductorPass(CustomGraphPass):
+    """Runs the pipeline as an Inductor post-grad pass::
+
+        torch._inductor.config.post_grad_custom_post_pass = ascend_passes.inductor_pass(cfg)
+
+    ``uuid()`` depends only on the config and the passes' code, so it is equal across processes
+    for equal configs and Inductor's FX graph cache keeps working.
+    """
+
+    def __init__(self, config: AscendPassConfig) -> None:
+        self.config = config
+        self._uuid = PassManager(config).uuid()
+
+    def __call__(self, graph: fx.Graph) -> None:
+        gm = graph.owning_module
+        if gm is None:
+            gm = fx.GraphModule(torch.nn.Module(), graph)
+        inputs = [n.meta.get("val") for n in graph.nodes if n.op == "placeholder"]
+        target = "cpu" if self.config.target == "auto" else self.config.target
+        run_pipeline(self.config, gm, inputs, target=target, compiler="inductor",
+                     decompositions="inductor")
+
+    def uuid(self) -> str:
+        return self._uuid
+
+
+def inductor_pass(config: AscendPassConfig | dict[str, Any] | None = None,
+                  **options: Any) -> AscendInductorPass:
+    """An Inductor ``CustomGraphPass`` running ``config``'s pipeline (for
+    ``post_grad_custom_post_pass``)."""
+    return AscendInductorPass(AscendPassConfig.from_options(config, **options))

@@ -1,0 +1,240 @@
+"""``ascend-passes``: compile bundled or user models and show what every pass did.
+
+    ascend-passes demo                      compile the bundled DeepSeek-V3-style model (+ MTP)
+    ascend-passes dump MODULE:FACTORY|NAME  graph before/after each pass, diffs, summary
+    ascend-passes passes                    the passes, in pipeline order
+    ascend-passes models                    the bundled models
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+from .config import AscendPassConfig
+from .errors import AscendPassesError
+from .report import CompileReport, capture
+
+
+def _console() -> Any:
+    from rich.console import Console
+
+    return Console(highlight=False)
+
+
+# --------------------------------------------------------------------------- targets
+def load_target(spec: str) -> tuple[torch.nn.Module, tuple[Any, ...]]:
+    """``MODULE:FACTORY`` (a function returning ``(model, example_inputs)``) or a bundled name."""
+    if ":" in spec:
+        module_name, _, attr = spec.partition(":")
+        try:
+            factory = getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError) as exc:
+            raise AscendPassesError(f"cannot load factory {spec!r}: {exc}") from exc
+    else:
+        from . import models
+
+        if spec not in models.BUNDLED:
+            raise AscendPassesError(
+                f"unknown model {spec!r}; bundled models: {', '.join(models.BUNDLED)} "
+                "(or give MODULE:FACTORY)"
+            )
+        factory = models.BUNDLED[spec]
+    model, inputs = factory()
+    return model, tuple(inputs)
+
+
+@dataclass
+class CompileRun:
+    name: str
+    reports: list[CompileReport]
+    max_abs_diff: float
+    output_scale: float
+    compile_seconds: float
+
+
+def _flat_tensors(out: Any) -> list[torch.Tensor]:
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, dict):
+        out = list(out.values())
+    if hasattr(out, "to_tuple"):
+        out = out.to_tuple()
+    if isinstance(out, (list, tuple)):
+        return [t for o in out for t in _flat_tensors(o)]
+    return []
+
+
+def compile_and_compare(name: str, model: torch.nn.Module, inputs: Sequence[Any],
+                        config: AscendPassConfig) -> CompileRun:
+    """Compile ``model`` with ``config``, run it once, and compare with the uncompiled model."""
+    from .backend import make_backend
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        expected = _flat_tensors(model(*inputs))
+        with capture() as reports:
+            t0 = time.perf_counter()
+            got = _flat_tensors(torch.compile(model, backend=make_backend(config))(*inputs))
+            seconds = time.perf_counter() - t0
+    diff = max(((a.double() - b.double()).abs().max().item() for a, b in zip(expected, got)),
+               default=0.0)
+    scale = max((a.double().abs().max().item() for a in expected), default=0.0)
+    return CompileRun(name, list(reports), diff, scale, seconds)
+
+
+# --------------------------------------------------------------------------- printing
+def print_run(run: CompileRun, console: Any) -> None:
+    from rich.table import Table
+
+    for report in run.reports:
+        table = Table(title=f"{run.name}: graph {report.graph_id} → {report.compiler} ({report.target})")
+        for col, just in (("pass", "left"), ("status", "left"), ("matches", "right"),
+                          ("near-misses", "right"), ("nodes", "right"), ("ms", "right"),
+                          ("rewrites", "left")):
+            table.add_column(col, justify=just)  # type: ignore[arg-type]
+        for r in report.passes.values():
+            counts = ", ".join(f"{k}×{v}" for k, v in sorted(r.counts().items())) or "-"
+            table.add_row(r.name, r.status, str(r.num_matches), str(len(r.near_misses)),
+                          f"{r.nodes_before}→{r.nodes_after}", f"{r.seconds * 1e3:.1f}", counts)
+        console.print(table)
+        ops = report.rewritten_ops()
+        if ops:
+            console.print("  fused ops in the final graph: "
+                          + ", ".join(f"{k}×{v}" for k, v in ops.items()))
+        for r in report.passes.values():
+            for nm in r.near_misses:
+                console.print(f"  near-miss [{r.name}] {nm.pattern} at {nm.layer or nm.node}: {nm.reason}")
+            if r.error:
+                console.print(f"  [{r.name}] rolled back: {r.error}")
+    console.print(f"  {run.name}: max |compiled - eager| = {run.max_abs_diff:.3g} "
+                  f"(output scale {run.output_scale:.3g}); compile + first run {run.compile_seconds:.1f} s\n")
+
+
+# --------------------------------------------------------------------------- commands
+def _config(args: argparse.Namespace, **extra: Any) -> AscendPassConfig:
+    options: dict[str, Any] = {"compiler": args.compiler, **extra}
+    if getattr(args, "passes", None):
+        options["passes"] = args.passes
+    return AscendPassConfig.from_options(options)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from . import models
+
+    console = _console()
+    config = _config(args)
+    names = [n for n in models.DEMO_MODELS] if not args.model else [args.model]
+    console.print(f"ascend_passes demo: compiler={config.compiler}, passes={','.join(config.pipeline())}\n")
+    worst = 0.0
+    for name in names:
+        model, inputs = load_target(name)
+        run = compile_and_compare(name, model, inputs, config)
+        print_run(run, console)
+        worst = max(worst, run.max_abs_diff / max(run.output_scale, 1e-12))
+    if worst > 1e-3:
+        console.print(f"[red]outputs differ from eager (relative {worst:.3g})[/red]")
+        return 1
+    return 0
+
+
+def cmd_dump(args: argparse.Namespace) -> int:
+    console = _console()
+    out = Path(args.out)
+    config = _config(args, dump_dir=str(out), verify_each=args.verify_each,
+                     strict=args.verify_each and args.strict)
+    model, inputs = load_target(args.target)
+    run = compile_and_compare(args.target, model, inputs, config)
+    print_run(run, console)
+    if args.print_after_all:
+        for path in sorted(out.rglob("*.after.py")):
+            console.rule(str(path))
+            console.print(path.read_text(), markup=False)
+    console.print(f"graphs, diffs and summary written to {out}/")
+    return 0
+
+
+def cmd_passes(args: argparse.Namespace) -> int:
+    from rich.table import Table
+
+    from .config import DEFAULT_PIPELINE
+    from .passes import pass_class
+
+    table = Table(title="ascend_passes pipeline (default order)")
+    table.add_column("#", justify="right")
+    table.add_column("pass")
+    table.add_column("rewrite")
+    for i, name in enumerate(DEFAULT_PIPELINE, 1):
+        table.add_row(str(i), name, pass_class(name).summary)
+    _console().print(table)
+    return 0
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    from rich.table import Table
+
+    from . import models
+
+    table = Table(title="bundled models")
+    table.add_column("name")
+    table.add_column("what")
+    for name in models.BUNDLED:
+        table.add_row(name, models.DESCRIPTIONS.get(name, ""))
+    _console().print(table)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ascend-passes", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("-v", "--verbose", action="count", default=0,
+                        help="log INFO (-v) or DEBUG (-vv) lines of the passes")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def common(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--compiler", default="eager", choices=["eager", "inductor", "auto"],
+                       help="downstream compiler after the passes (default: eager)")
+        p.add_argument("--passes", default=None, help="pipeline, e.g. 'cleanup,norm,moe'")
+
+    demo = sub.add_parser("demo", help="compile the bundled DeepSeek-V3-style model (+ MTP drafter)")
+    common(demo)
+    demo.add_argument("--model", default=None, help="one bundled model instead of the demo set")
+    demo.set_defaults(func=cmd_demo)
+
+    dump = sub.add_parser("dump", help="write the graph before/after each pass, diffs and a summary")
+    dump.add_argument("target", help="MODULE:FACTORY returning (model, example_inputs), or a bundled name")
+    dump.add_argument("--out", default="ascend_passes_dump", help="output folder")
+    dump.add_argument("--print-after-all", action="store_true", help="also print each graph after each pass")
+    dump.add_argument("--verify-each", action="store_true",
+                      help="run the graph after every pass and compare with the original")
+    dump.add_argument("--strict", action="store_true", help="stop at the first failing pass")
+    common(dump)
+    dump.set_defaults(func=cmd_dump)
+
+    sub.add_parser("passes", help="list the passes").set_defaults(func=cmd_passes)
+    sub.add_parser("models", help="list the bundled models").set_defaults(func=cmd_models)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    level = {0: logging.WARNING, 1: logging.INFO}.get(args.verbose, logging.DEBUG)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("ascend_passes").setLevel(level)
+    try:
+        return int(args.func(args))
+    except AscendPassesError as exc:
+        print(f"ascend-passes: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

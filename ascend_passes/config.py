@@ -1,0 +1,224 @@
+"""One configuration object for a compile: the pass pipeline, the downstream compiler and the
+settings of the distributed / EPLB passes; built from ``torch.compile(options=...)`` with checks."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass, field, fields
+from typing import Any, Mapping
+
+from .errors import ConfigError
+
+from .passes import PASS_TABLE
+
+# The default pipeline: every pass the package has, in order (DESIGN.md, "Passes").
+DEFAULT_PIPELINE: tuple[str, ...] = tuple(PASS_TABLE)
+
+TARGETS = ("auto", "cpu", "cuda", "npu")
+COMPILERS = ("auto", "eager", "inductor", "torchair", "npugraph_ex")
+
+
+@dataclass(frozen=True)
+class SequenceParallelConfig:
+    """Sequence parallelism: ``all_reduce → norm`` becomes ``reduce_scatter → norm → all_gather``.
+
+    ``tp_group`` is a ``torch.distributed`` ProcessGroup or a group name; ``None`` means the
+    default (world) group.  It is left out of the hash except for its name and size.
+    """
+
+    enabled: bool = False
+    tp_group: Any = None
+
+
+@dataclass(frozen=True)
+class EplbConfig:
+    """Expert-parallel load balancing: logical→physical expert indirection in every MoE layer."""
+
+    enabled: bool = False
+    num_redundant_experts: int = 0
+    placement_file: str | None = None
+    record_load: bool = True
+    ep_size: int = 1
+
+
+@dataclass(frozen=True)
+class AscendPassConfig:
+    """Everything one compile with ``backend="ascend_passes"`` needs to know.
+
+    ``passes`` is the pipeline, in order; the textual form ``"cleanup,norm,moe"`` is accepted.
+    ``disable`` removes passes from it.  ``verify`` runs the rewritten graph on the example
+    inputs and compares it with the original (``verify_each`` does so after every pass).
+    """
+
+    passes: tuple[str, ...] = DEFAULT_PIPELINE
+    disable: tuple[str, ...] = ()
+    target: str = "auto"
+    compiler: str = "auto"
+    strict: bool = False
+    verify: bool = False
+    verify_each: bool = False
+    verify_rtol: float = 1e-4
+    verify_atol: float = 1e-4
+    dump_dir: str | None = None
+    sequence_parallel: SequenceParallelConfig = field(default_factory=SequenceParallelConfig)
+    shared_expert_dp: bool = False
+    eplb: EplbConfig = field(default_factory=EplbConfig)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "passes", _pass_list("passes", self.passes))
+        object.__setattr__(self, "disable", _pass_list("disable", self.disable))
+        _choice("target", self.target, TARGETS)
+        _choice("compiler", self.compiler, COMPILERS)
+        for name in ("strict", "verify", "verify_each", "shared_expert_dp"):
+            _typed(name, getattr(self, name), bool)
+        for name in ("verify_rtol", "verify_atol"):
+            value = getattr(self, name)
+            _typed(name, value, (int, float))
+            if value < 0:
+                raise ConfigError(f"option '{name}'={value!r} is negative; use a tolerance >= 0")
+        if self.dump_dir is not None:
+            _typed("dump_dir", self.dump_dir, str)
+        _typed("sequence_parallel", self.sequence_parallel, SequenceParallelConfig)
+        _typed("eplb", self.eplb, EplbConfig)
+        _typed("sequence_parallel.enabled", self.sequence_parallel.enabled, bool)
+        _typed("eplb.enabled", self.eplb.enabled, bool)
+        _typed("eplb.record_load", self.eplb.record_load, bool)
+        _typed("eplb.num_redundant_experts", self.eplb.num_redundant_experts, int)
+        _typed("eplb.ep_size", self.eplb.ep_size, int)
+        if self.eplb.num_redundant_experts < 0:
+            raise ConfigError(
+                f"option 'eplb.num_redundant_experts'={self.eplb.num_redundant_experts} is "
+                "negative; use 0 or more redundant experts"
+            )
+        if self.eplb.ep_size < 1:
+            raise ConfigError(f"option 'eplb.ep_size'={self.eplb.ep_size} must be 1 or more")
+
+    # ----------------------------------------------------------------------------- building
+    @classmethod
+    def from_options(cls, options: "AscendPassConfig | Mapping[str, Any] | None" = None,
+                     **overrides: Any) -> "AscendPassConfig":
+        """Build a config from ``torch.compile(options=...)``.
+
+        Keys are the field names; sections take a dict (``{"eplb": {"num_redundant_experts": 4}}``)
+        or dotted keys (``{"eplb.num_redundant_experts": 4}``).  Unknown keys raise ConfigError
+        naming the key and the valid ones.
+        """
+        if isinstance(options, AscendPassConfig):
+            base = options
+            options = {}
+        else:
+            base = cls()
+        if options is None:
+            options = {}
+        if not isinstance(options, Mapping):
+            raise ConfigError(
+                f"options must be a dict or an AscendPassConfig, got {type(options).__name__}"
+            )
+        merged: dict[str, Any] = {**options, **overrides}
+        top: dict[str, Any] = {}
+        sections: dict[str, dict[str, Any]] = {}
+        top_names = {f.name for f in fields(cls)}
+        for key, value in merged.items():
+            if not isinstance(key, str):
+                raise ConfigError(f"option names must be strings, got {key!r}")
+            head, _, rest = key.partition(".")
+            if head not in top_names:
+                raise ConfigError(_unknown(key, sorted(top_names)))
+            section_cls = _SECTIONS.get(head)
+            if rest:
+                if section_cls is None:
+                    raise ConfigError(f"option '{head}' has no sub-options; got '{key}'")
+                sections.setdefault(head, {})[rest] = value
+            elif section_cls is not None and isinstance(value, Mapping):
+                sections.setdefault(head, {}).update(value)
+            elif section_cls is not None and isinstance(value, bool):
+                sections.setdefault(head, {})["enabled"] = value
+            else:
+                top[key] = value
+        for head, values in sections.items():
+            section_cls = _SECTIONS[head]
+            valid = sorted(f.name for f in fields(section_cls))
+            for sub in values:
+                if sub not in valid:
+                    raise ConfigError(_unknown(f"{head}.{sub}", [f"{head}.{v}" for v in valid]))
+            current = top.get(head, getattr(base, head))
+            if not isinstance(current, section_cls):
+                raise ConfigError(f"option '{head}' must be a dict or {section_cls.__name__}")
+            top[head] = dataclasses.replace(current, **values)
+        return dataclasses.replace(base, **top)
+
+    # ----------------------------------------------------------------------------- derived
+    def pipeline(self) -> tuple[str, ...]:
+        """The passes that run, in order: ``passes`` minus ``disable``."""
+        return tuple(p for p in self.passes if p not in self.disable)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-able view; process groups appear by name and size only."""
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if dataclasses.is_dataclass(value):
+                value = {g.name: _jsonable(getattr(value, g.name)) for g in fields(value)}
+            else:
+                value = _jsonable(value)
+            out[f.name] = value
+        return out
+
+    def hash(self) -> str:
+        """Stable across processes: equal configs give equal hashes."""
+        text = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(text.encode()).hexdigest()
+
+
+_SECTIONS = {"sequence_parallel": SequenceParallelConfig, "eplb": EplbConfig}
+
+
+def _unknown(key: str, valid: list[str]) -> str:
+    return f"unknown option '{key}'; valid options are: {', '.join(valid)}"
+
+
+def _choice(name: str, value: Any, valid: tuple[str, ...]) -> None:
+    if value not in valid:
+        raise ConfigError(f"option '{name}'={value!r} is not valid; choose one of {', '.join(valid)}")
+
+
+def _typed(name: str, value: Any, types: Any) -> None:
+    if isinstance(value, bool) and types in (int, (int, float)):
+        ok = False  # True is an int in Python, never a count or a tolerance here
+    else:
+        ok = isinstance(value, types)
+    if not ok:
+        expected = types.__name__ if isinstance(types, type) else " or ".join(t.__name__ for t in types)
+        raise ConfigError(f"option '{name}'={value!r} must be of type {expected}")
+
+
+def _pass_list(name: str, value: Any) -> tuple[str, ...]:
+    """Parse ``"cleanup, norm,moe"`` or a sequence of names; check every name is a known pass."""
+    if isinstance(value, str):
+        items = [p.strip() for p in value.split(",") if p.strip()]
+    elif isinstance(value, (list, tuple)):
+        items = list(value)
+    else:
+        raise ConfigError(f"option '{name}' must be a comma-separated string or a list of pass names")
+    for item in items:
+        if item not in DEFAULT_PIPELINE:
+            raise ConfigError(
+                f"option '{name}' names unknown pass {item!r}; valid passes are: "
+                f"{', '.join(DEFAULT_PIPELINE)}"
+            )
+    if len(set(items)) != len(items):
+        raise ConfigError(f"option '{name}' lists a pass twice: {', '.join(items)}")
+    return tuple(items)
+
+
+def _jsonable(value: Any) -> Any:
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    # a process group: identify it by name and size, never by address
+    name = getattr(value, "group_name", None) or type(value).__name__
+    size = value.size() if callable(getattr(value, "size", None)) else None
+    return {"group": str(name), "size": size}

@@ -1,0 +1,30 @@
+"""The passes, one module each, listed in their default order.
+
+``PASS_TABLE`` maps a pass name to ``"module:Class"``; modules are imported only when a pipeline
+uses them.  It is a constant of the package, not a registry: nothing adds to it at run time.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ..config import AscendPassConfig
+    from ..pass_manager import Pass
+
+# Default order (DESIGN.md "Passes").  A pass of the design that is not built yet is absent
+# here; docs/architecture.md says which.
+PASS_TABLE: dict[str, str] = {
+    "cleanup": "ascend_passes.passes.cleanup:CleanupPass",
+}
+
+
+def pass_class(name: str) -> "type[Pass]":
+    module, _, cls = PASS_TABLE[name].partition(":")
+    return getattr(importlib.import_module(module), cls)
+
+
+def build_passes(config: "AscendPassConfig") -> "list[Pass]":
+    """Fresh pass objects for one compile, in pipeline order."""
+    return [pass_class(name)(config) for name in config.pipeline()]

@@ -1,0 +1,39 @@
+"""CPU kernels of the ``torch.ops.ascend`` ops: loads the C++ library built from this folder.
+
+``available()`` says whether ``torch.ops.ascend_kernels`` is loaded; ops fall back to their
+reference implementations when it is not, or when ``ASCEND_PASSES_KERNELS=reference``.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("ascend_passes.kernels")
+
+
+@functools.cache
+def _load() -> bool:
+    if os.environ.get("ASCEND_PASSES_KERNELS", "").lower() == "reference":
+        log.info("ASCEND_PASSES_KERNELS=reference: using the reference implementations")
+        return False
+    here = Path(__file__).resolve().parent
+    libs = sorted(here.glob("_C*.so"))
+    if not libs:
+        log.warning(
+            "ascend_passes C++ kernels are not built (no %s/_C*.so); the ascend ops use their "
+            "reference implementations. Reinstall with `pip install --no-build-isolation -e .`.",
+            here,
+        )
+        return False
+    torch.ops.load_library(str(libs[0]))
+    return True
+
+
+def available() -> bool:
+    """True when the C++ kernel library is loaded and not disabled by the environment."""
+    return _load()

@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# One-step set-up on a fresh machine (idempotent, quick when already done): the pinned CPU torch
+# first, then the test/demo dependencies, then ascend_passes itself without build isolation (so
+# its C++ kernels build against that torch instead of fetching another one).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY="${PYTHON:-python}"
+export PIP_ROOT_USER_ACTION=ignore
+"$PY" -m pip install -q --disable-pip-version-check "torch==2.13.0"
+"$PY" -m pip install -q --disable-pip-version-check -r requirements-dev.txt
+"$PY" -m pip install -q --disable-pip-version-check --no-build-isolation -e .

@@ -13,10 +13,13 @@ if TYPE_CHECKING:
     from ..config import AscendPassConfig
     from ..pass_manager import Pass
 
-# Default order (DESIGN.md "Passes").  A pass of the design that is not built yet is absent
-# here; docs/architecture.md says which.
+# Default order (DESIGN.md "Passes", with one change: moe runs before activation, because the
+# experts' silu(gate)·up is part of the MoE patterns and must not be fused to swiglu on its own
+# first).  A pass of the design that is not built yet is absent here; docs/architecture.md says
+# which.
 PASS_TABLE: dict[str, str] = {
     "cleanup": "ascend_passes.passes.cleanup:CleanupPass",
+    "moe": "ascend_passes.passes.moe:MoePass",
 }
 
 

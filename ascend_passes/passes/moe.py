@@ -1,0 +1,409 @@
+"""MoE rewrite: Hugging Face routers and expert computations become the fused torch_npu MoE chain.
+
+``router (sigmoid/softmax → top-k …) → experts (sort → grouped_mm/bmm → silu·up → … → sum)``
+becomes ``moe_gating_top_k[_softmax] → moe_init_routing_v2 → grouped_matmul → swiglu →
+grouped_matmul → moe_finalize_routing``.  Routers and expert blocks are matched separately (a
+model may pair any router with any experts implementation); each match is checked against the
+fused op's limits, and a subgraph that matches but cannot be fused is reported as a near-miss
+with its layer and the reason.  The shared expert that runs beside the routed experts is
+recognised and recorded in ``ctx.facts["moe_layers"]`` for the sequence-parallel, shared-expert
+DP and EPLB passes.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.fx as fx
+from torch._inductor import pattern_matcher as pm
+
+from ..pass_manager import Pass, PassContext, PassResult
+from ..patterns import moe_experts, moe_router
+from ..patterns.moe_router import RouterConstants
+from .layers import layer_of, where
+
+log = logging.getLogger("ascend_passes.passes.moe")
+aten = torch.ops.aten
+
+_IGNORED = (int, float, list, torch.device, torch.dtype)
+
+
+@dataclass
+class MoeLayer:
+    """One MoE block as the later passes see it (node names in the rewritten graph)."""
+
+    layer: str | None
+    router: str | None = None
+    num_experts: int | None = None
+    top_k: int | None = None
+    gating: str | None = None  # the moe_gating_top_k[_softmax] node
+    init_routing: str | None = None
+    finalize: str | None = None
+    shared_expert_add: str | None = None  # node adding the shared expert's output
+    unsupported: str | None = None  # why the block was left unfused
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+# ----------------------------------------------------------------------------- tracing
+def _trace_fn(decompositions: str) -> Callable[..., fx.GraphModule]:
+    if decompositions == "inductor":
+        return pm.fwd_only
+    return functools.partial(pm.fwd_only, get_decomp_fn=lambda: {})
+
+
+@functools.lru_cache(maxsize=None)
+def _patterns(name: str, decompositions: str) -> tuple[pm.PatternExpr, ...]:
+    """Traced patterns of one search function, one per dtype combination that changes the
+    graph (casts appear or vanish); identical traces are kept once.  Cached: a PatternExpr is
+    immutable, so sharing it between compiles shares no state."""
+    spec = _SEARCH[name]
+    trace = _trace_fn(decompositions)
+    seen: dict[str, pm.PatternExpr] = {}
+    for dtypes in spec.dtypes:
+        args = spec.example_inputs(*dtypes)
+        gm = trace(spec.fn, args)
+        key = gm.code
+        if key not in seen:
+            seen[key] = pm.fx_to_pattern(gm, ignore_types=_IGNORED, argnames=spec.argnames)
+    return tuple(seen.values())
+
+
+@dataclass(frozen=True)
+class _Search:
+    fn: Callable[..., Any]
+    argnames: tuple[str, ...]
+    example_inputs: Callable[..., list[torch.Tensor]]
+    dtypes: tuple[tuple[torch.dtype, ...], ...]
+
+
+_LOW = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _router_inputs(dtype: torch.dtype) -> list[torch.Tensor]:
+    return [torch.randn(8, 16, dtype=dtype), torch.randn(16, dtype=dtype)]
+
+
+def _expert_inputs(dtype: torch.dtype, weight_dtype: torch.dtype) -> list[torch.Tensor]:
+    tokens, k, experts, hidden, inter = 8, 2, 4, 16, 8
+    return [
+        torch.randn(tokens, hidden, dtype=dtype),
+        torch.randint(0, experts, (tokens, k)),
+        torch.rand(tokens, k, dtype=weight_dtype),
+        torch.randn(experts, 2 * inter, hidden, dtype=dtype),
+        torch.randn(experts, hidden, inter, dtype=dtype),
+    ]
+
+
+_EXPERT_ARGS = ("hidden", "top_k_index", "top_k_weights", "gate_up_proj", "down_proj")
+_EXPERT_DTYPES = tuple((d, w) for d in _LOW for w in {torch.float32, d})
+
+
+def _deepseek(renormalize: bool) -> Callable[..., Any]:
+    def search(logits: torch.Tensor, bias: torch.Tensor) -> Any:
+        return moe_router.deepseek_router(logits, bias, renormalize=renormalize)
+
+    return search
+
+
+def _softmax(renormalize: bool) -> Callable[..., Any]:
+    def search(logits: torch.Tensor) -> Any:
+        return moe_router.softmax_router(logits, renormalize=renormalize)
+
+    return search
+
+
+_SEARCH: dict[str, _Search] = {
+    "deepseek_router": _Search(_deepseek(True), ("logits", "bias"), _router_inputs, ((torch.float32,),)),
+    "deepseek_router_no_renorm": _Search(_deepseek(False), ("logits", "bias"), _router_inputs,
+                                         ((torch.float32,),)),
+    "softmax_router": _Search(_softmax(True), ("logits",), lambda d: _router_inputs(d)[:1],
+                              tuple((d,) for d in _LOW)),
+    "softmax_router_no_renorm": _Search(_softmax(False), ("logits",), lambda d: _router_inputs(d)[:1],
+                                        tuple((d,) for d in _LOW)),
+    "grouped_mm_experts": _Search(
+        moe_experts.grouped_mm_experts(moe_experts.transformers_grouped_mm, histc_on_float=True),
+        _EXPERT_ARGS, _expert_inputs, _EXPERT_DTYPES),
+    "torch_grouped_mm_experts": _Search(
+        moe_experts.grouped_mm_experts(moe_experts.torch_grouped_mm, histc_on_float=True),
+        _EXPERT_ARGS, _expert_inputs, tuple((d, w) for d, w in _EXPERT_DTYPES if d == torch.bfloat16)),
+    "batched_mm_experts": _Search(moe_experts.batched_mm_experts, _EXPERT_ARGS, _expert_inputs,
+                                  _EXPERT_DTYPES),
+}
+
+_ROUTERS = ("deepseek_router", "deepseek_router_no_renorm", "softmax_router", "softmax_router_no_renorm")
+# Not covered: the int-histc form transformers emits on devices other than cpu/mps (histc on int
+# has no CPU kernel, so that pattern cannot be traced here).
+_EXPERTS = ("grouped_mm_experts", "torch_grouped_mm_experts",
+            "batched_mm_experts")
+
+
+# ----------------------------------------------------------------------------- helpers
+def _val(node: Any) -> Any:
+    return node.meta.get("val") if isinstance(node, fx.Node) else None
+
+
+def _find(nodes: Sequence[fx.Node], target: Any, pred: Callable[[fx.Node], bool] = lambda n: True
+          ) -> fx.Node | None:
+    for n in nodes:
+        if n.target is target and pred(n):
+            return n
+    return None
+
+
+def _match_layer(match: pm.Match) -> str | None:
+    for node in match.nodes:
+        layer = layer_of(node)
+        if layer is not None:
+            return layer
+    return next((w for w in map(where, match.nodes) if w is not None), None)
+
+
+def _stamp(graph: fx.Graph, before: set[fx.Node], match: pm.Match) -> list[fx.Node]:
+    """Give the replacement's new nodes the source info of the nodes they replaced."""
+    anchor = max(match.nodes, key=lambda n: len(n.meta.get("nn_module_stack", {}) or {}))
+    new = [n for n in graph.nodes if n not in before]
+    for n in new:
+        for key in ("nn_module_stack", "stack_trace", "source_fn_stack"):
+            if key not in n.meta and key in anchor.meta:
+                n.meta[key] = anchor.meta[key]
+    return new
+
+
+# ----------------------------------------------------------------------------- the pass
+class MoePass(Pass):
+    name = "moe"
+    summary = ("router → experts(sort/grouped_mm|bmm/silu·up) → sum  becomes  moe_gating_top_k → "
+               "init_routing_v2 → grouped_matmul → swiglu → grouped_matmul → finalize_routing")
+
+    def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+        import ascend_passes.ops  # noqa: F401  (registers torch.ops.ascend)
+
+        result = PassResult(self.name)
+        layers: dict[str | None, MoeLayer] = {}
+        trace = _trace_fn(ctx.decompositions)
+
+        def layer_entry(layer: str | None) -> MoeLayer:
+            return layers.setdefault(layer, MoeLayer(layer))
+
+        # routers first, then experts: each PatternMatcherPass is built for this run only
+        routers = pm.PatternMatcherPass(pass_name="ascend_moe_router")
+        for name in _ROUTERS:
+            for pattern in _patterns(name, ctx.decompositions):
+                pm.GraphPatternEntry(pattern=pattern, extra_check=_always,
+                                     handler=functools.partial(self._router, name, gm, result,
+                                                               layer_entry, trace)).register(routers)
+        routers.apply(gm)
+
+        experts = pm.PatternMatcherPass(pass_name="ascend_moe_experts")
+        for name in _EXPERTS:
+            for pattern in _patterns(name, ctx.decompositions):
+                pm.GraphPatternEntry(pattern=pattern, extra_check=_always,
+                                     handler=functools.partial(self._experts, name, gm, result,
+                                                               layer_entry, trace)).register(experts)
+        experts.apply(gm)
+
+        self._check_split_blocks(gm, result, layers)
+        gm.graph.eliminate_dead_code()
+        ctx.facts["moe_layers"] = [layers[k] for k in layers]
+        return result
+
+    # ------------------------------------------------------------------ routers
+    def _router(self, name: str, gm: fx.GraphModule, result: PassResult,
+                layer_entry: Callable[[str | None], MoeLayer], trace: Callable[..., Any],
+                match: pm.Match, *args: Any, **kwargs: Any) -> None:
+        layer = _match_layer(match)
+        nodes = match.nodes
+        logits = kwargs["logits"]
+        num_experts = int(_val(logits).shape[-1])
+        topks = [n for n in nodes if n.target is aten.topk.default]
+        final_topk = max(topks, key=lambda n: _val(n)[0].dim() == 2 and _val(n.args[0]).shape[-1] == num_experts)
+        top_k = int(final_topk.args[1])
+        if name.startswith("deepseek"):
+            view = _find(nodes, aten.view.default, lambda n: len(n.args[1]) == 3)
+            group_topk = _find(nodes, aten.topk.default, lambda n: n.args[0].target is aten.sum.dim_IntList)
+            first_topk = _find(nodes, aten.topk.default, lambda n: n.args[0] is view)
+            mul = _find(nodes, aten.mul.Tensor, lambda n: not isinstance(n.args[1], fx.Node))
+            num_groups = int(view.args[1][1]) if view is not None else 1
+            c = RouterConstants(
+                top_k=top_k, num_experts=num_experts, num_groups=num_groups,
+                topk_groups=int(group_topk.args[1]) if group_topk is not None else 1,
+                routed_scaling_factor=float(mul.args[1]) if mul is not None else 1.0,
+                renormalize=not name.endswith("no_renorm"),
+            )
+            reason = _deepseek_gating_unsupported(c, first_topk)
+            replacement = functools.partial(moe_router.deepseek_router_fused, c=c)
+            call_args = [logits, kwargs["bias"]]
+            op = "moe_gating_top_k"
+        else:
+            c = RouterConstants(top_k=top_k, num_experts=num_experts,
+                                renormalize=not name.endswith("no_renorm"))
+            reason = None if top_k <= num_experts else f"top_k {top_k} > {num_experts} experts"
+            replacement = functools.partial(moe_router.softmax_router_fused, c=c)
+            call_args = [logits]
+            op = "moe_gating_top_k_softmax"
+        entry = layer_entry(layer)
+        entry.router, entry.num_experts, entry.top_k = name, num_experts, top_k
+        if reason is not None:
+            entry.unsupported = reason
+            result.near_miss(name, f"router not fused into {op}: {reason}", layer=layer, node=final_topk)
+            return
+        before = set(gm.graph.nodes)
+        if not _replace(match, _as_fn(replacement, len(call_args)), call_args, trace, result, name, layer):
+            return
+        new = _stamp(gm.graph, before, match)
+        gating = next((n for n in new if n.target is getattr(torch.ops.ascend, op).default), None)
+        entry.gating = gating.name if gating is not None else None
+        result.match(name, layer=layer, nodes=[final_topk], op=f"ascend.{op}", **vars(c))
+
+    # ------------------------------------------------------------------ experts
+    def _experts(self, name: str, gm: fx.GraphModule, result: PassResult,
+                 layer_entry: Callable[[str | None], MoeLayer], trace: Callable[..., Any],
+                 match: pm.Match, *args: Any, **kwargs: Any) -> None:
+        layer = _match_layer(match)
+        hidden, index, weights = kwargs["hidden"], kwargs["top_k_index"], kwargs["top_k_weights"]
+        gate_up, down = kwargs["gate_up_proj"], kwargs["down_proj"]
+        gu, dn, x = _val(gate_up), _val(down), _val(hidden)
+        reason = None
+        if gu.dim() != 3 or dn.dim() != 3 or gu.shape[0] != dn.shape[0]:
+            reason = "expert weights are not [E, 2I, H] and [E, H, I]"
+        elif gu.shape[1] != 2 * dn.shape[2] or gu.shape[2] != x.shape[-1]:
+            reason = f"gate_up {tuple(gu.shape)} and down {tuple(dn.shape)} do not fit hidden {x.shape[-1]}"
+        elif gu.dtype != x.dtype or dn.dtype != x.dtype:
+            reason = f"expert weights are {gu.dtype} but activations are {x.dtype}"
+        router_problem = layer_entry(layer).unsupported
+        if reason is None and router_problem is not None:
+            # all or nothing per layer: a layer is either one fused MoE block or untouched, so
+            # later passes (EPLB, SP) never meet a half-fused block
+            reason = f"left unfused with this layer's router ({router_problem})"
+        if reason is not None:
+            layer_entry(layer).unsupported = reason
+            result.near_miss(name, f"experts not fused: {reason}", layer=layer)
+            return
+        output = match.output_node()
+        before = set(gm.graph.nodes)
+        if not _replace(match, moe_experts.fused_experts, [hidden, index, weights, gate_up, down],
+                        trace, result, name, layer):
+            return
+        new = _stamp(gm.graph, before, match)
+        entry = layer_entry(layer)
+        entry.num_experts = int(gu.shape[0])
+        ops = torch.ops.ascend
+        init = next((n for n in new if n.target is ops.moe_init_routing_v2.default), None)
+        fin = next((n for n in new if n.target is ops.moe_finalize_routing.default), None)
+        entry.init_routing = init.name if init is not None else None
+        entry.finalize = fin.name if fin is not None else None
+        if fin is not None:
+            entry.shared_expert_add = _shared_expert_add(fin)
+        result.match(name, layer=layer, nodes=[output] if output is not None else [],
+                     num_experts=int(gu.shape[0]), shared_expert=entry.shared_expert_add is not None)
+
+    # ------------------------------------------------------------------ split blocks
+    def _check_split_blocks(self, gm: fx.GraphModule, result: PassResult,
+                            layers: dict[str | None, MoeLayer]) -> None:
+        """A router whose ids leave the graph without reaching fused experts: the block was split
+        by a graph break (Hugging Face's default "eager" experts loop does that)."""
+        output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+        outputs = set(output.all_input_nodes)
+        for entry in layers.values():
+            if entry.router is None or entry.init_routing is not None or entry.unsupported:
+                continue
+            gating = next((n for n in gm.graph.nodes if n.name == entry.gating), None)
+            reaches_output = gating is not None and _reaches(gating, outputs)
+            why = ("its router outputs leave this graph, so the experts run in another graph "
+                   "(a Dynamo graph break, e.g. Hugging Face's default 'eager' experts loop)"
+                   if reaches_output or gating is None else "no expert computation matched")
+            result.near_miss(
+                "moe_block",
+                f"MoE block not fused: {why}; set config._experts_implementation = 'grouped_mm' "
+                "or 'batched_mm' to get one graph",
+                layer=entry.layer,
+            )
+
+
+def _replace(match: pm.Match, fn: Callable[..., Any], args: list[Any], trace: Callable[..., Any],
+             result: PassResult, name: str, layer: str | None) -> bool:
+    """Trace ``fn`` on the match's inputs and splice it in; a replacement that cannot be traced
+    (the fused op rejects these inputs) leaves the graph untouched and becomes a near-miss."""
+    try:
+        match.replace_by_example(fn, args, trace_fn=trace)
+    except Exception as exc:  # tracing happens before any graph change
+        result.near_miss(name, f"replacement failed: {type(exc).__name__}: {exc}", layer=layer)
+        return False
+    return True
+
+
+def _always(match: pm.Match) -> bool:
+    return True
+
+
+def _as_fn(fn: Callable[..., Any], nargs: int) -> Callable[..., Any]:
+    """make_fx wants a function whose positional parameters are exactly the traced inputs."""
+    if nargs == 1:
+        return lambda a: fn(a)
+    return lambda a, b: fn(a, b)
+
+
+def _deepseek_gating_unsupported(c: RouterConstants, first_topk: fx.Node | None) -> str | None:
+    """Why ``moe_gating_top_k`` cannot compute this router (REFERENCE.md limits), or None."""
+    per_group = c.num_experts // max(c.num_groups, 1)
+    if not c.renormalize:
+        return "the weights are not renormalised (norm_topk_prob=False); the fused op always renormalises sigmoid weights"
+    if first_topk is not None and int(first_topk.args[1]) != 2:
+        return f"group score is the sum of the top-{first_topk.args[1]} (the op supports top-2 only)"
+    if c.num_experts > 2048:
+        return f"{c.num_experts} experts > 2048"
+    if c.num_experts % c.num_groups:
+        return f"{c.num_experts} experts do not divide into {c.num_groups} groups"
+    if per_group <= 2:
+        return f"{per_group} experts per group (the op needs more than 2)"
+    if not 1 <= c.top_k <= per_group * c.topk_groups:
+        return f"top_k {c.top_k} outside [1, {per_group * c.topk_groups}]"
+    return None
+
+
+def _reaches(node: fx.Node, targets: set[fx.Node], limit: int = 64) -> bool:
+    frontier, seen = [node], set()
+    while frontier and len(seen) < limit:
+        n = frontier.pop()
+        if n in targets:
+            return True
+        seen.add(n)
+        frontier.extend(u for u in n.users if u not in seen and u.op != "output")
+        if any(u.op == "output" for u in n.users):
+            return True
+    return False
+
+
+_VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
+
+
+def _shared_expert_add(finalize: fx.Node) -> str | None:
+    """The ``add`` that sums the routed output with the shared expert's (DeepseekV3MoE)."""
+    frontier = [finalize]
+    for _ in range(3):
+        nxt = []
+        for n in frontier:
+            for user in n.users:
+                if user.target in _VIEWS:
+                    nxt.append(user)
+                elif user.target is aten.add.Tensor and all(isinstance(a, fx.Node) for a in user.args):
+                    other = user.args[1] if user.args[0] is n else user.args[0]
+                    if _has_matmul_producer(other):
+                        return user.name
+        frontier = nxt
+    return None
+
+
+def _has_matmul_producer(node: fx.Node) -> bool:
+    for _ in range(3):
+        if node.target in (aten.mm.default, aten.addmm.default, aten.bmm.default):
+            return True
+        if node.target in _VIEWS and isinstance(node.args[0], fx.Node):
+            node = node.args[0]
+            continue
+        return False
+    return False

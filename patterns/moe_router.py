@@ -1,0 +1,92 @@
+"""MoE router patterns: Hugging Face router code (search) and the fused gating op (replacement).
+
+DeepSeek-V3 ``noaux_tc`` routing (sigmoid + correction bias + group-limited top-k + gather of the
+unbiased scores + renormalisation + routed scaling) becomes ``ascend.moe_gating_top_k``; Qwen3 /
+Mixtral softmax top-k routing becomes ``ascend.moe_gating_top_k_softmax`` (+ the renormalisation,
+which that op does not do).  Search functions take the router's constants as keyword-only
+arguments: they are traced once with small example values, and the matcher treats ints and
+floats as wildcards, so one trace matches every expert count, group count and k; the pass reads
+the real constants off the matched nodes (``RouterConstants``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+ascend = torch.ops.ascend
+
+
+@dataclass(frozen=True)
+class RouterConstants:
+    """What a matched router computes, read off its nodes."""
+
+    top_k: int
+    num_experts: int
+    num_groups: int = 1
+    topk_groups: int = 1
+    routed_scaling_factor: float = 1.0
+    renormalize: bool = True
+    eps: float = 1e-20
+
+
+# ------------------------------------------------------------------------- DeepSeek-V3 noaux_tc
+def deepseek_router(logits: torch.Tensor, bias: torch.Tensor, *, num_groups: int = 4,
+                    topk_groups: int = 2, top_k: int = 2, routed_scaling_factor: float = 2.5,
+                    renormalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """``DeepseekV3TopkRouter.forward`` after the router matmul: (weights [T,k], ids [T,k])."""
+    num_experts = logits.shape[-1]
+    scores = logits.sigmoid()
+    scores_for_choice = scores + bias
+    group_scores = (
+        scores_for_choice.view(-1, num_groups, num_experts // num_groups).topk(2, dim=-1)[0].sum(dim=-1)
+    )
+    group_idx = torch.topk(group_scores, k=topk_groups, dim=-1, sorted=False)[1]
+    group_mask = torch.zeros_like(group_scores).scatter(1, group_idx, 1)  # functional form
+    score_mask = (
+        group_mask.unsqueeze(-1).expand(-1, num_groups, num_experts // num_groups).reshape(-1, num_experts)
+    )
+    scores_for_choice = scores_for_choice.masked_fill(~score_mask.bool(), float("-inf"))
+    topk_indices = torch.topk(scores_for_choice, k=top_k, dim=-1, sorted=False)[1]
+    topk_weights = scores.gather(1, topk_indices)
+    if renormalize:
+        denominator = topk_weights.sum(dim=-1, keepdim=True) + 1e-20
+        topk_weights = topk_weights / denominator
+    topk_weights = topk_weights * routed_scaling_factor
+    return topk_weights, topk_indices
+
+
+def deepseek_router_fused(logits: torch.Tensor, bias: torch.Tensor, c: RouterConstants
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same routing as one ``moe_gating_top_k`` (sigmoid scores, group mode 1 = top-2 sum).
+    The bias is cast to the logits' dtype, as the model's ``scores + bias`` promotes it.
+
+    The op always renormalises sigmoid weights; a router without renormalisation is not
+    rewritten (``renormalize`` must be True).
+    """
+    weights, ids, _ = ascend.moe_gating_top_k(
+        logits, c.top_k, bias=bias.to(logits.dtype), k_group=c.topk_groups, group_count=c.num_groups,
+        group_select_mode=1, renorm=0, norm_type=1, out_flag=False,
+        routed_scaling_factor=c.routed_scaling_factor, eps=c.eps,
+    )
+    return weights, ids.to(torch.int64)
+
+
+# ------------------------------------------------------------------------- Qwen3 / Mixtral softmax
+def softmax_router(logits: torch.Tensor, *, top_k: int = 2, renormalize: bool = True
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``Qwen3MoeTopKRouter.forward`` after the router matmul (fp32 logits)."""
+    probs = torch.nn.functional.softmax(logits, dtype=torch.float, dim=-1)
+    top_value, indices = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        top_value = top_value / top_value.sum(dim=-1, keepdim=True)
+    return top_value.to(logits.dtype), indices
+
+
+def softmax_router_fused(logits: torch.Tensor, c: RouterConstants) -> tuple[torch.Tensor, torch.Tensor]:
+    """``moe_gating_top_k_softmax`` (softmax → top-k, not renormalised) + the renormalisation."""
+    weights, ids, _ = ascend.moe_gating_top_k_softmax(logits, None, c.top_k)
+    if c.renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(logits.dtype), ids.to(torch.int64)

@@ -15,7 +15,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -24,10 +24,17 @@ from .errors import AscendPassesError
 from .report import CompileReport, capture
 
 
+# The demo: the DeepSeek-V3-style target model and its MTP drafter, compiled in one process.
+DEMO_MODELS = ("deepseek_v3_grouped_mm", "deepseek_v3_mtp1")
+
+
 def _console() -> Any:
+    import shutil
+
     from rich.console import Console
 
-    return Console(highlight=False)
+    # a pipe or CI log has no terminal width: use a wide default instead of rich's 80 columns
+    return Console(highlight=False, width=shutil.get_terminal_size((160, 40)).columns)
 
 
 # --------------------------------------------------------------------------- targets
@@ -128,11 +135,9 @@ def _config(args: argparse.Namespace, **extra: Any) -> AscendPassConfig:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from . import models
-
     console = _console()
     config = _config(args)
-    names = [n for n in models.DEMO_MODELS] if not args.model else [args.model]
+    names = list(DEMO_MODELS) if not args.model else [args.model]
     console.print(f"ascend_passes demo: compiler={config.compiler}, passes={','.join(config.pipeline())}\n")
     worst = 0.0
     for name in names:

@@ -244,3 +244,40 @@ def test_npu_compilers_refused_on_cpu():
     with pytest.raises(BackendCompilerFailed, match="compiler='torchair' runs only on Ascend NPUs"):
         with torch.no_grad():
             torch.compile(MLP(), backend="ascend_passes", options={"compiler": "torchair"})(torch.ones(2, 4))
+
+
+# ----------------------------------------------------------------------------- real models
+@pytest.mark.parametrize("compiler", ["eager", "inductor"])
+def test_deepseek_v3_matches_uncompiled(compiler):
+    from ascend_passes import models
+
+    model, inputs = models.deepseek_v3("grouped_mm")
+    with torch.no_grad():
+        ref = model(*inputs)
+    out, reports = _compile(model, *inputs, compiler=compiler)
+    assert (out - ref).abs().max().item() <= 1e-4
+    (report,) = reports
+    assert list(report.passes) == list(ap.AscendPassConfig().pipeline())
+    assert all(r.status == "ok" for r in report.passes.values())
+    assert report.compiler == compiler and report.target == "cpu"
+
+
+def test_two_differently_shaped_models_in_one_process():
+    """A target and a drafter-like second model compile one after the other in one process
+    (no torch._dynamo.reset() between them): both are rewritten and both stay correct."""
+    from ascend_passes import models
+
+    torch._dynamo.reset()
+    big, big_inputs = models.deepseek_v3("grouped_mm", tokens=24)
+    small, small_inputs = models.deepseek_v3("batched_mm", num_layers=2, tokens=5, hidden_size=32,
+                                             n_routed_experts=8, num_experts_per_tok=2, n_group=2,
+                                             topk_group=1, seed=1)
+    with torch.no_grad(), ap.capture() as reports:
+        big_c = torch.compile(big, backend="ascend_passes", options={"compiler": "eager"})
+        small_c = torch.compile(small, backend="ascend_passes", options={"compiler": "eager"})
+        outs = [big_c(*big_inputs), small_c(*small_inputs), big_c(*big_inputs)]
+        refs = [big(*big_inputs), small(*small_inputs), big(*big_inputs)]
+    for out, ref in zip(outs, refs):
+        assert (out - ref).abs().max().item() <= 1e-4
+    assert len(reports) == 2  # the third call reused the first compile
+    assert [r.count("ascend.moe_init_routing_v2") for r in reports] == [2, 1]

@@ -1,0 +1,56 @@
+"""The ascend-passes command line, run as a user would (subprocess, installed console script)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+import pytest
+
+
+def run(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "COLUMNS": "200"}
+    return subprocess.run(["ascend-passes", *args], capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def test_passes_lists_the_pipeline():
+    out = run("passes")
+    assert out.returncode == 0, out.stderr
+    for name in ("cleanup", "norm", "moe", "activation"):
+        assert name in out.stdout
+
+
+def test_models_lists_bundled_models():
+    out = run("models")
+    assert out.returncode == 0, out.stderr
+    assert "deepseek_v3_grouped_mm" in out.stdout and "deepseek_v3_mtp1" in out.stdout
+
+
+def test_unknown_model_is_a_clear_error():
+    out = run("dump", "no_such_model", "--out", "/tmp/never")
+    assert out.returncode == 2
+    assert "unknown bundled model 'no_such_model'" in out.stderr or "unknown model 'no_such_model'" in out.stderr
+
+
+@pytest.mark.parametrize("target", ["deepseek_v3_grouped_mm", "ascend_passes.models:llama_dense"])
+def test_dump_writes_graphs_diffs_and_summary(tmp_path, target):
+    out = run("dump", target, "--out", str(tmp_path), "--passes", "cleanup,norm,moe")
+    assert out.returncode == 0, out.stderr
+    (graph_dir,) = [p for p in tmp_path.iterdir() if p.is_dir()]
+    names = {p.name for p in graph_dir.iterdir()}
+    for i, name in enumerate(("cleanup", "norm", "moe")):
+        assert f"{i:02d}_{name}.before.py" in names and f"{i:02d}_{name}.after.py" in names
+        assert f"{i:02d}_{name}.diff" in names
+    summary = (graph_dir / "summary.txt").read_text()
+    assert "norm" in summary and "moe" in summary
+    if target.startswith("deepseek"):
+        assert "ascend.moe_init_routing_v2" in (graph_dir / "02_moe.diff").read_text()
+        assert "moe_init_routing_v2" in out.stdout
+
+
+def test_demo_prints_rewrites_for_target_and_drafter():
+    out = run("demo", timeout=600)
+    assert out.returncode == 0, out.stderr
+    assert "deepseek_v3_grouped_mm" in out.stdout and "deepseek_v3_mtp1" in out.stdout
+    assert "ascend.moe_gating_top_k" in out.stdout
+    assert "max |compiled - eager|" in out.stdout

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib
 import inspect
 import logging
 import time
@@ -106,6 +107,8 @@ class Pass:
 
     name: ClassVar[str] = ""
     summary: ClassVar[str] = ""
+    # modules (besides the pass's own) whose source decides what the pass does: enter uuid()
+    uuid_modules: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, config: AscendPassConfig) -> None:
         self.config = config
@@ -132,6 +135,8 @@ class Pass:
                 h.update(inspect.getsource(inspect.getmodule(cls)).encode())
             except (OSError, TypeError):
                 h.update(cls.__qualname__.encode())
+        for module in self.uuid_modules:
+            h.update(inspect.getsource(importlib.import_module(module)).encode())
         h.update(repr(self.config_key()).encode())
         return h.hexdigest()
 

@@ -176,6 +176,7 @@ def _stamp(graph: fx.Graph, before: set[fx.Node], match: pm.Match) -> list[fx.No
 # ----------------------------------------------------------------------------- the pass
 class MoePass(Pass):
     name = "moe"
+    uuid_modules = ("ascend_passes.patterns.moe_router", "ascend_passes.patterns.moe_experts")
     summary = ("router → experts(sort/grouped_mm|bmm/silu·up) → sum  becomes  moe_gating_top_k → "
                "init_routing_v2 → grouped_matmul → swiglu → grouped_matmul → finalize_routing")
 

@@ -19,7 +19,9 @@ if TYPE_CHECKING:
 # which.
 PASS_TABLE: dict[str, str] = {
     "cleanup": "ascend_passes.passes.cleanup:CleanupPass",
+    "norm": "ascend_passes.passes.norm:NormPass",
     "moe": "ascend_passes.passes.moe:MoePass",
+    "activation": "ascend_passes.passes.activation:ActivationPass",
 }
 
 

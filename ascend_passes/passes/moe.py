@@ -163,13 +163,14 @@ def _match_layer(match: pm.Match) -> str | None:
 
 
 def _stamp(graph: fx.Graph, before: set[fx.Node], match: pm.Match) -> list[fx.Node]:
-    """Give the replacement's new nodes the source info of the nodes they replaced."""
+    """Give the replacement's new nodes the source info of the nodes they replaced, and our own
+    ``ascend_*`` tags (e.g. the MTP layer), as the PatternPass infrastructure does."""
     anchor = max(match.nodes, key=lambda n: len(n.meta.get("nn_module_stack", {}) or {}))
+    location = {k: v for k, v in anchor.meta.items()
+                if k in ("stack_trace", "nn_module_stack") or k.startswith("ascend_")}
     new = [n for n in graph.nodes if n not in before]
     for n in new:
-        for key in ("nn_module_stack", "stack_trace", "source_fn_stack"):
-            if key not in n.meta and key in anchor.meta:
-                n.meta[key] = anchor.meta[key]
+        n.meta.update(location)
     return new
 
 

@@ -1,11 +1,44 @@
-// Schema of the C++ kernel library: namespace ascend_kernels holds the CPU kernels that the
-// portable torch.ops.ascend.* ops call when this library is loaded (see kernels/__init__.py).
+// Registers the C++ kernels twice:
+//  * as the CPU kernels of the portable ops torch.ops.ascend.* (schemas, fake and reference
+//    implementations are defined in ascend_passes/ops); no Python runs per call;
+//  * under torch.ops.ascend_kernels.* with the same schemas, so tests and benchmarks can call the
+//    C++ kernels explicitly next to the reference implementation.
 #include <torch/library.h>
 
+#include "kernels.h"
+
 namespace {
-int64_t version() { return 1; }
+int64_t version() { return 2; }
 }  // namespace
 
 TORCH_LIBRARY(ascend_kernels, m) {
   m.def("version", &version);
+  m.def("rms_norm(Tensor self, Tensor gamma, float epsilon=1e-06) -> (Tensor, Tensor)");
+  m.def("add_rms_norm(Tensor x1, Tensor x2, Tensor gamma, float epsilon=1e-06) -> (Tensor, Tensor, Tensor)");
+  m.def("swiglu(Tensor self, int dim=-1) -> Tensor");
+  m.def(
+      "moe_init_routing_v2(Tensor x, Tensor expert_idx, *, Tensor? scale=None, Tensor? offset=None, "
+      "int active_num=-1, int expert_capacity=-1, int expert_num=-1, int drop_pad_mode=0, "
+      "int expert_tokens_num_type=0, bool expert_tokens_num_flag=False, int quant_mode=-1, "
+      "int[2] active_expert_range=[], int row_idx_type=0) -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def(
+      "grouped_matmul(Tensor[] x, Tensor[] weight, *, Tensor[]? bias=None, Tensor? group_list=None, "
+      "int split_item=0, int? group_type=None, int group_list_type=0, int act_type=0, "
+      "ScalarType? output_dtype=None) -> Tensor[]");
+  m.def(
+      "moe_finalize_routing(Tensor expanded_permuted_rows, Tensor? skip1, Tensor? skip2, Tensor? bias, "
+      "Tensor? scales, Tensor expanded_src_to_dst_row, Tensor? export_for_source_row, "
+      "int? drop_pad_mode=0, int? k=1) -> Tensor");
 }
+
+#define ASCEND_IMPLS(m)                                                         \
+  m.impl("rms_norm", TORCH_FN(ascend_kernels::rms_norm));                       \
+  m.impl("add_rms_norm", TORCH_FN(ascend_kernels::add_rms_norm));               \
+  m.impl("swiglu", TORCH_FN(ascend_kernels::swiglu));                           \
+  m.impl("moe_init_routing_v2", TORCH_FN(ascend_kernels::moe_init_routing_v2)); \
+  m.impl("grouped_matmul", TORCH_FN(ascend_kernels::grouped_matmul));           \
+  m.impl("moe_finalize_routing", TORCH_FN(ascend_kernels::moe_finalize_routing))
+
+TORCH_LIBRARY_IMPL(ascend_kernels, CPU, m) { ASCEND_IMPLS(m); }
+
+TORCH_LIBRARY_IMPL(ascend, CPU, m) { ASCEND_IMPLS(m); }

@@ -1,0 +1,137 @@
+// Shared helpers of the ascend CPU kernels: argument checks with the same messages as
+// ascend_passes/ops/checks.py, float conversion of the element types, and a fast exp.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <sstream>
+#include <string>
+
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
+
+// Hot loops are compiled twice: for the x86-64 baseline and for AVX2 (selected by the CPU feature
+// bit, not the CPU model, so AMD CPUs get it too; GCC function multiversioning). This keeps the
+// library safe on any x86-64 machine without -march=native.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define ASCEND_HOT __attribute__((target_clones("avx2", "default")))
+#else
+#define ASCEND_HOT
+#endif
+
+// Helpers called from ASCEND_HOT functions are force-inlined so they are compiled (and
+// vectorised) for each clone's target, not once for the baseline.
+#define ASCEND_INLINE inline __attribute__((always_inline))
+
+namespace ascend_kernels {
+
+// Raises ValueError("ascend.<op>: <message>") in Python.
+#define ASCEND_CHECK(cond, op, ...) TORCH_CHECK_VALUE((cond), "ascend.", op, ": ", __VA_ARGS__)
+
+inline std::string dtype_name(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return "torch.float32";
+    case at::kBFloat16: return "torch.bfloat16";
+    case at::kHalf: return "torch.float16";
+    case at::kDouble: return "torch.float64";
+    case at::kInt: return "torch.int32";
+    case at::kLong: return "torch.int64";
+    case at::kBool: return "torch.bool";
+    default: return std::string("torch.") + c10::toString(t);
+  }
+}
+
+inline std::string shape_str(at::IntArrayRef s) {
+  std::ostringstream os;
+  os << "(";
+  for (size_t i = 0; i < s.size(); ++i) os << s[i] << (s.size() == 1 ? "," : (i + 1 < s.size() ? ", " : ""));
+  os << ")";
+  return os.str();
+}
+
+inline void check_float(const char* op, const char* name, const at::Tensor& t) {
+  auto d = t.scalar_type();
+  ASCEND_CHECK(d == at::kFloat || d == at::kBFloat16 || d == at::kHalf, op, name,
+               " must be float32, bfloat16 or float16, got ", dtype_name(d));
+}
+
+inline void check_same_dtype(const char* op, const char* name, const at::Tensor& t, const char* ref_name,
+                             const at::Tensor& ref) {
+  ASCEND_CHECK(t.scalar_type() == ref.scalar_type(), op, name, " dtype ", dtype_name(t.scalar_type()),
+               " does not match ", ref_name, " dtype ", dtype_name(ref.scalar_type()));
+}
+
+inline void check_dim(const char* op, const char* name, const at::Tensor& t, int64_t dim) {
+  ASCEND_CHECK(t.dim() == dim, op, name, " must be ", dim, "-D, got ", t.dim(), "-D");
+}
+
+// at::empty for large outputs, backed by transparent huge pages where the kernel allows it
+// (THP "madvise" mode): a fresh 50 MB buffer otherwise costs ~12k page faults on first touch,
+// which in a VM is as slow as the kernel itself. Advice only; no effect on results.
+inline at::Tensor empty_output(at::IntArrayRef sizes, const at::TensorOptions& options) {
+  auto t = at::empty(sizes, options);
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  constexpr uintptr_t kHuge = uintptr_t(2) << 20;
+  const size_t nbytes = t.nbytes();
+  if (nbytes >= 4 * kHuge) {
+    const uintptr_t begin = reinterpret_cast<uintptr_t>(t.data_ptr());
+    const uintptr_t first = (begin + kHuge - 1) & ~(kHuge - 1);
+    const uintptr_t last = (begin + nbytes) & ~(kHuge - 1);
+    if (last > first) madvise(reinterpret_cast<void*>(first), last - first, MADV_HUGEPAGE);
+  }
+#endif
+  return t;
+}
+
+ASCEND_INLINE float to_f(float v) { return v; }
+ASCEND_INLINE float to_f(c10::BFloat16 v) { return static_cast<float>(v); }
+ASCEND_INLINE float to_f(c10::Half v) { return static_cast<float>(v); }
+
+template <typename T>
+ASCEND_INLINE T from_f(float v) {
+  return static_cast<T>(v);
+}
+
+// exp(x) for float, accurate to a few ulp over the float range; written with plain arithmetic
+// so the compiler vectorises loops that call it (std::exp does not vectorise here).
+ASCEND_INLINE float fast_exp(float x) {
+  x = x < -87.3f ? -87.3f : (x > 88.3f ? 88.3f : x);
+  // round(x / ln 2) by the 1.5 * 2^23 trick (no libm call, so loops vectorise)
+  const float magic = 12582912.0f;
+  const float n = (x * 1.44269504088896341f + magic) - magic;
+  float r = x - n * 0.693359375f;
+  r = r + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t e = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &e, sizeof(scale));
+  return p * scale;
+}
+
+// Calls f(scalar_t{}) for float32 / bfloat16 / float16 (f is a generic lambda).
+template <typename F>
+inline void dispatch_float(at::ScalarType t, F&& f) {
+  switch (t) {
+    case at::kFloat: f(float{}); break;
+    case at::kBFloat16: f(c10::BFloat16{}); break;
+    case at::kHalf: f(c10::Half{}); break;
+    default: TORCH_CHECK_VALUE(false, "ascend kernels: unsupported dtype ", dtype_name(t));
+  }
+}
+
+ASCEND_INLINE float silu_f(float a) { return a / (1.0f + fast_exp(-a)); }
+
+}  // namespace ascend_kernels

@@ -1,0 +1,271 @@
+// CPU kernel of ascend.grouped_matmul: y[rows of group g] = x[rows of group g] @ weight[g] (+ bias[g]).
+// The rows covered by group_list are cut into equal chunks that threads take from a shared counter
+// (a group may be shared by two chunks), so work is balanced however unevenly tokens are routed. Per (thread, group) piece:
+// few rows (decode) -> a streaming kernel that reads each weight element once, converting bf16/fp16
+// on the fly; many rows (prefill) -> one single-threaded BLAS sgemm (bf16/fp16 converted to fp32
+// first, as this CPU has no fast bf16 GEMM).
+#include "common.h"
+#include "kernels.h"
+
+#include <algorithm>
+#include <atomic>
+#include <vector>
+
+namespace ascend_kernels {
+namespace {
+
+constexpr const char* kGmm = "grouped_matmul";
+constexpr int64_t kSmallRows = 8;  // at most this many rows -> streaming kernel
+constexpr int kLanes = 16;
+
+// acc[r, :] = x[r, :] @ w for w stored row-major [K, N] (w_stride_k between rows).
+template <typename T>
+ASCEND_INLINE void stream_rows_kn(const T* x, int64_t x_stride, const T* w, int64_t w_stride_k, float* acc, int64_t m,
+                           int64_t k, int64_t n) {
+  std::fill(acc, acc + m * n, 0.f);
+  for (int64_t kk = 0; kk < k; ++kk) {
+    const T* wrow = w + kk * w_stride_k;
+    for (int64_t r = 0; r < m; ++r) {
+      const float a = to_f(x[r * x_stride + kk]);
+      float* out = acc + r * n;
+      for (int64_t j = 0; j < n; ++j) out[j] += a * to_f(wrow[j]);
+    }
+  }
+}
+
+// acc[r, j] = dot(x[r, :], w[:, j]) for w stored column-major (w[:, j] contiguous, w_stride_n apart),
+// the layout of a Hugging Face [E, N, K] expert weight passed as its transpose.
+template <typename T>
+ASCEND_INLINE void stream_rows_nk(const T* x, int64_t x_stride, const T* w, int64_t w_stride_n, float* acc, int64_t m,
+                           int64_t k, int64_t n) {
+  const int64_t k_main = k - k % kLanes;
+  for (int64_t j = 0; j < n; ++j) {
+    const T* col = w + j * w_stride_n;
+    for (int64_t r = 0; r < m; ++r) {
+      const T* row = x + r * x_stride;
+      float lanes[kLanes] = {0.f};
+      for (int64_t i = 0; i < k_main; i += kLanes) {
+        for (int l = 0; l < kLanes; ++l) lanes[l] += to_f(row[i + l]) * to_f(col[i + l]);
+      }
+      float s = 0.f;
+      for (int l = 0; l < kLanes; ++l) s += lanes[l];
+      for (int64_t i = k_main; i < k; ++i) s += to_f(row[i]) * to_f(col[i]);
+      acc[r * n + j] = s;
+    }
+  }
+}
+
+ASCEND_INLINE float activate(float v, int64_t act_type) {
+  switch (act_type) {
+    case 1: return v > 0.f ? v : 0.f;
+    case 2: {  // GELU, tanh approximation
+      const float u = 0.7978845608028654f * (v + 0.044715f * v * v * v);
+      return 0.5f * v * (1.f + std::tanh(u));
+    }
+    case 5: return silu_f(v);
+    default: return v;
+  }
+}
+
+template <typename T>
+ASCEND_INLINE void store_rows(const float* acc, const T* bias, int64_t act_type, T* y, int64_t y_stride, int64_t m,
+                       int64_t n) {
+  for (int64_t r = 0; r < m; ++r) {
+    const float* a = acc + r * n;
+    T* out = y + r * y_stride;
+    if (bias == nullptr && act_type == 0) {
+      for (int64_t j = 0; j < n; ++j) out[j] = from_f<T>(a[j]);
+    } else {
+      for (int64_t j = 0; j < n; ++j) out[j] = from_f<T>(activate(a[j] + (bias ? to_f(bias[j]) : 0.f), act_type));
+    }
+  }
+}
+
+#define ASCEND_GMM_ENTRY(T)                                                                                       \
+  ASCEND_HOT void small_kn(const T* x, int64_t xs, const T* w, int64_t ws, float* acc, int64_t m, int64_t k,       \
+                           int64_t n) {                                                                           \
+    stream_rows_kn(x, xs, w, ws, acc, m, k, n);                                                                   \
+  }                                                                                                               \
+  ASCEND_HOT void small_nk(const T* x, int64_t xs, const T* w, int64_t ws, float* acc, int64_t m, int64_t k,       \
+                           int64_t n) {                                                                           \
+    stream_rows_nk(x, xs, w, ws, acc, m, k, n);                                                                   \
+  }                                                                                                               \
+  ASCEND_HOT void store(const float* acc, const T* bias, int64_t act, T* y, int64_t ys, int64_t m, int64_t n) {   \
+    store_rows(acc, bias, act, y, ys, m, n);                                                                      \
+  }
+ASCEND_GMM_ENTRY(float)
+ASCEND_GMM_ENTRY(c10::BFloat16)
+ASCEND_GMM_ENTRY(c10::Half)
+#undef ASCEND_GMM_ENTRY
+
+void activate_inplace(at::Tensor& y, int64_t act_type) {
+  if (act_type == 1) y.relu_();
+  else if (act_type == 2) y.copy_(at::gelu(y, "tanh"));
+  else if (act_type == 5) y.copy_(at::silu(y));
+}
+
+// y = x @ w (+ bias) for one piece of one group; x, y are row slices, w is [K, N] with any strides.
+template <typename T>
+void matmul_piece(const at::Tensor& x, const at::Tensor& w, const T* bias, int64_t act_type, at::Tensor y) {
+  const int64_t m = x.size(0), k = x.size(1), n = w.size(1);
+  if (m == 0) return;
+  if (m <= kSmallRows && (w.stride(1) == 1 || w.stride(0) == 1)) {
+    std::vector<float> acc(m * n);
+    const T* xp = x.const_data_ptr<T>();
+    const T* wp = w.const_data_ptr<T>();
+    if (w.stride(1) == 1) small_kn(xp, x.stride(0), wp, w.stride(0), acc.data(), m, k, n);
+    else small_nk(xp, x.stride(0), wp, w.stride(1), acc.data(), m, k, n);
+    store(acc.data(), bias, act_type, y.data_ptr<T>(), y.stride(0), m, n);
+    return;
+  }
+  if constexpr (std::is_same_v<T, float>) {
+    at::mm_out(y, x, w);
+    if (bias) y.add_(at::from_blob(const_cast<float*>(bias), {n}, y.options()));
+    activate_inplace(y, act_type);
+  } else {
+    auto yf = at::mm(x.to(at::kFloat), w.to(at::kFloat));
+    if (bias) yf.add_(at::from_blob(const_cast<T*>(bias), {n}, x.options()).to(at::kFloat));
+    activate_inplace(yf, act_type);
+    y.copy_(yf);
+  }
+}
+
+std::vector<int64_t> group_counts(const at::Tensor& group_list, int64_t group_list_type) {
+  auto gl = group_list.to(at::kCPU).contiguous();
+  const int64_t* p = gl.const_data_ptr<int64_t>();
+  std::vector<int64_t> counts(gl.numel());
+  int64_t prev = 0;
+  for (int64_t g = 0; g < gl.numel(); ++g) {
+    counts[g] = group_list_type == 1 ? p[g] : p[g] - prev;
+    prev = p[g];
+    ASCEND_CHECK(counts[g] >= 0, kGmm,
+                 "group_list must be non-negative counts (type 1) or a non-decreasing cumsum (type 0)");
+  }
+  return counts;
+}
+
+}  // namespace
+
+std::vector<at::Tensor> grouped_matmul(at::TensorList x, at::TensorList weight, std::optional<at::TensorList> bias,
+                                       const std::optional<at::Tensor>& group_list, int64_t split_item,
+                                       std::optional<int64_t> group_type, int64_t group_list_type, int64_t act_type,
+                                       std::optional<at::ScalarType> output_dtype) {
+  ASCEND_CHECK(!x.empty() && !weight.empty(), kGmm, "x and weight must be non-empty lists");
+  ASCEND_CHECK(split_item >= 0 && split_item <= 3, kGmm, "split_item must be one of [0, 1, 2, 3], got ", split_item);
+  ASCEND_CHECK(group_list_type == 0 || group_list_type == 1, kGmm, "group_list_type must be one of [0, 1], got ",
+               group_list_type);
+  ASCEND_CHECK(act_type == 0 || act_type == 1 || act_type == 2 || act_type == 5, kGmm,
+               "act_type must be one of [0, 1, 2, 5], got ", act_type);
+  for (size_t i = 0; i < x.size(); ++i) {
+    const std::string name = "x[" + std::to_string(i) + "]";
+    check_float(kGmm, name.c_str(), x[i]);
+    check_dim(kGmm, name.c_str(), x[i], 2);
+    check_same_dtype(kGmm, name.c_str(), x[i], "x[0]", x[0]);
+  }
+  for (size_t i = 0; i < weight.size(); ++i) {
+    const std::string name = "weight[" + std::to_string(i) + "]";
+    check_same_dtype(kGmm, name.c_str(), weight[i], "x[0]", x[0]);
+  }
+  ASCEND_CHECK(!output_dtype.has_value() || *output_dtype == x[0].scalar_type(), kGmm, "output_dtype=",
+               output_dtype.has_value() ? dtype_name(*output_dtype) : "None", " must be None or the dtype of x (",
+               dtype_name(x[0].scalar_type()), ")");
+
+  if (!group_list.has_value()) {  // independent matmuls, one per (x[i], weight[i])
+    ASCEND_CHECK(!group_type.has_value() || *group_type == -1, kGmm, "group_type must be one of [None, -1], got ",
+                 *group_type);
+    ASCEND_CHECK(x.size() == weight.size(), kGmm, "without group_list, x and weight must have the same length, got ",
+                 x.size(), " and ", weight.size());
+    if (bias.has_value()) {
+      ASCEND_CHECK(bias->size() == weight.size(), kGmm, "bias must have one tensor per weight (", weight.size(),
+                   "), got ", bias->size());
+    }
+    std::vector<at::Tensor> outs;
+    for (size_t i = 0; i < x.size(); ++i) {
+      const std::string wname = "weight[" + std::to_string(i) + "]";
+      check_dim(kGmm, wname.c_str(), weight[i], 2);
+      ASCEND_CHECK(x[i].size(1) == weight[i].size(0), kGmm, "x[", i, "] has K=", x[i].size(1),
+                   " columns but weight[", i, "] has ", weight[i].size(0), " rows");
+      auto y = at::empty({x[i].size(0), weight[i].size(1)}, x[i].options());
+      const at::Tensor* b = nullptr;
+      if (bias.has_value()) {
+        b = &(*bias)[i];
+        ASCEND_CHECK(b->dim() == 1 && b->size(0) == weight[i].size(1), kGmm, "bias[", i, "] must have shape [",
+                     weight[i].size(1), "], got ", shape_str(b->sizes()));
+        check_same_dtype(kGmm, ("bias[" + std::to_string(i) + "]").c_str(), *b, "x[0]", x[0]);
+      }
+      auto xi = x[i].contiguous();
+      at::Tensor bc = b ? b->contiguous() : at::Tensor();
+      dispatch_float(xi.scalar_type(), [&](auto tag) {
+    using scalar_t = decltype(tag);
+        if constexpr (!std::is_same_v<scalar_t, double>) {
+          matmul_piece<scalar_t>(xi, weight[i], bc.defined() ? bc.const_data_ptr<scalar_t>() : nullptr, act_type, y);
+        }
+      });
+      outs.push_back(y);
+    }
+    if (split_item == 2 || split_item == 3) return {at::cat(outs, 0)};
+    return outs;
+  }
+
+  ASCEND_CHECK(group_type.has_value() && *group_type == 0, kGmm, "group_type must be one of [0], got ",
+               group_type.has_value() ? std::to_string(*group_type) : std::string("None"));
+  ASCEND_CHECK(x.size() == 1 && weight.size() == 1 && weight[0].dim() == 3, kGmm,
+               "with group_list, pass one x [M, K] and one weight [E, K, N] (split on M, group_type=0)");
+  const auto& w = weight[0];
+  const auto& gl = *group_list;
+  ASCEND_CHECK(gl.scalar_type() == at::kLong && gl.dim() == 1, kGmm, "group_list must be a 1-D int64 tensor, got ",
+               gl.dim(), "-D ", dtype_name(gl.scalar_type()));
+  ASCEND_CHECK(gl.size(0) == w.size(0), kGmm, "group_list has ", gl.size(0), " entries but weight has ", w.size(0),
+               " experts");
+  ASCEND_CHECK(x[0].size(1) == w.size(1), kGmm, "x[0] has K=", x[0].size(1), " columns but weight is [E, K=",
+               w.size(1), ", N]");
+  at::Tensor bias_c;
+  if (bias.has_value()) {
+    ASCEND_CHECK(bias->size() == 1 && (*bias)[0].dim() == 2 && (*bias)[0].size(0) == w.size(0) &&
+                     (*bias)[0].size(1) == w.size(2),
+                 kGmm, "bias must be one tensor of shape [E, N] = [", w.size(0), ", ", w.size(2), "]");
+    check_same_dtype(kGmm, "bias[0]", (*bias)[0], "x[0]", x[0]);
+    bias_c = (*bias)[0].contiguous();
+  }
+  const auto counts = group_counts(gl, group_list_type);
+  const int64_t num_groups = static_cast<int64_t>(counts.size());
+  std::vector<int64_t> begin(num_groups + 1, 0);
+  for (int64_t g = 0; g < num_groups; ++g) begin[g + 1] = begin[g] + counts[g];
+  const int64_t total = begin[num_groups];
+  auto x0 = x[0].contiguous();
+  const int64_t m = x0.size(0), n = w.size(2);
+  ASCEND_CHECK(total <= m, kGmm, "group_list covers ", total, " rows but x[0] has only ", m);
+  auto y = empty_output({m, n}, x0.options());
+  if (total < m) y.narrow(0, total, m - total).zero_();  // rows no group owns (e.g. dropped by EP)
+
+  dispatch_float(x0.scalar_type(), [&](auto tag) {
+    using scalar_t = decltype(tag);
+    if constexpr (!std::is_same_v<scalar_t, double>) {
+      const scalar_t* bp = bias_c.defined() ? bias_c.const_data_ptr<scalar_t>() : nullptr;
+      // Rows are cut into ~4 chunks per thread, taken from a shared counter: a thread that the OS
+      // deschedules (a loaded machine) delays the call by one chunk, not by half of the work.
+      const int64_t threads = at::get_num_threads();
+      const int64_t num_chunks = std::min<int64_t>(total, 4 * threads);
+      const int64_t chunk_rows = num_chunks == 0 ? 0 : (total + num_chunks - 1) / num_chunks;
+      std::atomic<int64_t> next_chunk{0};
+      auto run_chunk = [&](int64_t lo, int64_t hi) {
+        // first group whose rows reach past `lo`
+        int64_t g = std::upper_bound(begin.begin(), begin.end(), lo) - begin.begin() - 1;
+        for (; g < num_groups && begin[g] < hi; ++g) {
+          const int64_t r0 = std::max(lo, begin[g]), r1 = std::min(hi, begin[g + 1]);
+          if (r1 <= r0) continue;
+          matmul_piece<scalar_t>(x0.narrow(0, r0, r1 - r0), w.select(0, g), bp ? bp + g * n : nullptr, act_type,
+                                 y.narrow(0, r0, r1 - r0));
+        }
+      };
+      at::parallel_for(0, std::min(threads, num_chunks), 1, [&](int64_t, int64_t) {
+        for (int64_t c = next_chunk++; c < num_chunks; c = next_chunk++) {
+          run_chunk(c * chunk_rows, std::min(total, (c + 1) * chunk_rows));
+        }
+      });
+    }
+  });
+  return {y};
+}
+
+}  // namespace ascend_kernels

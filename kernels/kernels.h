@@ -1,0 +1,38 @@
+// Declarations of the ascend CPU kernels; registration.cpp binds them to ascend::* (CPU key) and
+// to ascend_kernels::* (called directly by tests and tools/bench_kernels.py).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <optional>
+#include <tuple>
+#include <vector>
+
+namespace ascend_kernels {
+
+std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& self, const at::Tensor& gamma, double epsilon);
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x1, const at::Tensor& x2,
+                                                            const at::Tensor& gamma, double epsilon);
+
+at::Tensor swiglu(const at::Tensor& self, int64_t dim);
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_init_routing_v2(
+    const at::Tensor& x, const at::Tensor& expert_idx, const std::optional<at::Tensor>& scale,
+    const std::optional<at::Tensor>& offset, int64_t active_num, int64_t expert_capacity, int64_t expert_num,
+    int64_t drop_pad_mode, int64_t expert_tokens_num_type, bool expert_tokens_num_flag, int64_t quant_mode,
+    at::IntArrayRef active_expert_range, int64_t row_idx_type);
+
+std::vector<at::Tensor> grouped_matmul(at::TensorList x, at::TensorList weight,
+                                       std::optional<at::TensorList> bias,
+                                       const std::optional<at::Tensor>& group_list, int64_t split_item,
+                                       std::optional<int64_t> group_type, int64_t group_list_type,
+                                       int64_t act_type, std::optional<at::ScalarType> output_dtype);
+
+at::Tensor moe_finalize_routing(const at::Tensor& expanded_permuted_rows, const std::optional<at::Tensor>& skip1,
+                                const std::optional<at::Tensor>& skip2, const std::optional<at::Tensor>& bias,
+                                const std::optional<at::Tensor>& scales, const at::Tensor& expanded_src_to_dst_row,
+                                const std::optional<at::Tensor>& export_for_source_row,
+                                std::optional<int64_t> drop_pad_mode, std::optional<int64_t> k);
+
+}  // namespace ascend_kernels

@@ -1,0 +1,316 @@
+"""Benchmark of the ascend MoE kernels on a DeepSeek-like layer, against the machine's limits.
+
+Shape: H=1024, I=256 (w13 is [E, H, 2I], w2 is [E, I, H]), E=64 experts, top-k=6, at prefill
+(T=2048 tokens) and decode (T=8), in float32 and bfloat16.  For each op: the C++ kernel, the
+plain-PyTorch reference and, for the whole layer, a naive per-expert PyTorch loop.  Limits are
+measured in the same run: the throughput of one dense ``torch.mm`` with the FLOPs of the up
+projection (compute limit, float32: this CPU has no bf16 FMA, torch's bf16 mm is shown for
+reference) and a large tensor copy (memory limit, read + write bytes).
+
+Run: ``python tools/bench_kernels.py [--quick]``.  Timings are the minimum over repetitions,
+interleaved so that load from other processes affects kernels and limits alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+import torch
+import torch.nn.functional as F
+
+import ascend_passes.ops as ops
+from ascend_passes.ops import reference
+
+H, I, E, TOP_K = 1024, 256, 64, 6
+A = torch.ops.ascend
+
+
+def best_time(fn: Callable[[], object], budget_s: float = 0.6, max_reps: int = 20, min_reps: int = 2,
+              warmup: bool = True) -> float:
+    if warmup:
+        fn()
+    times: list[float] = []
+    start = time.perf_counter()
+    while len(times) < min_reps or (len(times) < max_reps and time.perf_counter() - start < budget_s):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def paired_best(fn: Callable[[], object], limit_fn: Callable[[], object], budget_s: float) -> tuple[float, float]:
+    """Minimum times of ``fn`` and ``limit_fn`` called alternately, so both see the same machine load."""
+    fn(), limit_fn()
+    best, best_limit = float("inf"), float("inf")
+    start, reps = time.perf_counter(), 0
+    while reps < 3 or time.perf_counter() - start < budget_s:
+        t0 = time.perf_counter()
+        fn()
+        t1 = time.perf_counter()
+        limit_fn()
+        t2 = time.perf_counter()
+        best, best_limit, reps = min(best, t1 - t0), min(best_limit, t2 - t1), reps + 1
+    return best, best_limit
+
+
+@dataclass
+class Layer:
+    x: torch.Tensor
+    logits: torch.Tensor
+    w13: torch.Tensor
+    w2: torch.Tensor
+    weights: torch.Tensor = field(init=False)
+    ids: torch.Tensor = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.weights, self.ids, _ = A.moe_gating_top_k_softmax(self.logits, None, TOP_K)
+
+
+def make_layer(tokens: int, dtype: torch.dtype, seed: int = 0) -> Layer:
+    g = torch.Generator().manual_seed(seed)
+    return Layer(
+        x=torch.randn(tokens, H, generator=g).to(dtype),
+        logits=torch.randn(tokens, E, generator=g).to(dtype),
+        w13=(torch.randn(E, H, 2 * I, generator=g) / 32).to(dtype),
+        w2=(torch.randn(E, I, H, generator=g) / 16).to(dtype),
+    )
+
+
+def moe_steps(impl) -> dict[str, Callable]:
+    """The five steps of the fused MoE layer, for ``impl`` = torch.ops.ascend or the reference module."""
+
+    def init(L: Layer):
+        return impl.moe_init_routing_v2(L.x, L.ids, expert_num=E, expert_tokens_num_type=1,
+                                        expert_tokens_num_flag=True)
+
+    def gmm(x, w, counts):
+        return impl.grouped_matmul([x], [w], group_list=counts, group_type=0, group_list_type=1, split_item=2)[0]
+
+    def finalize(L: Layer, y, row_idx):
+        return impl.moe_finalize_routing(y, None, None, None, L.weights, row_idx, L.ids, 2, TOP_K)
+
+    def layer(L: Layer):
+        ex, row_idx, counts, _ = init(L)
+        h = gmm(ex, L.w13, counts)
+        y = gmm(impl.swiglu(h, -1), L.w2, counts)
+        return finalize(L, y, row_idx)
+
+    return {"init": init, "gmm": gmm, "swiglu": lambda h: impl.swiglu(h, -1), "finalize": finalize, "layer": layer}
+
+
+def naive_loop(L: Layer, experts: int = E) -> torch.Tensor:
+    """What model code does without fused kernels: one masked matmul pair per expert."""
+    out = torch.zeros_like(L.x)
+    for e in range(experts):
+        token, slot = torch.where(L.ids == e)
+        if token.numel() == 0:
+            continue
+        h = L.x[token] @ L.w13[e]
+        a, b = h.chunk(2, dim=-1)
+        y = (F.silu(a) * b) @ L.w2[e]
+        out.index_add_(0, token, y * L.weights[token, slot, None])
+    return out
+
+
+def copy_bandwidth() -> float:
+    src = torch.empty(64 * 1024 * 1024, dtype=torch.float32).fill_(1.0)  # 256 MiB
+    dst = torch.empty_like(src)
+    t = best_time(lambda: dst.copy_(src), budget_s=1.0)
+    return 2 * src.numel() * src.element_size() / t
+
+
+def dense_mm_flops(rows: int, dtype: torch.dtype, budget_s: float = 0.6) -> float:
+    a, b = torch.randn(rows, H).to(dtype), torch.randn(H, 2 * I).to(dtype)
+    out = torch.empty(rows, 2 * I, dtype=dtype)  # preallocated: the limit excludes allocation
+    t = best_time(lambda: torch.mm(a, b, out=out), budget_s=budget_s, max_reps=10, min_reps=1)
+    return 2 * rows * H * 2 * I / t
+
+
+@dataclass
+class Row:
+    shape: str
+    dtype: str
+    step: str
+    cpp_ms: float | None
+    ref_ms: float | None
+    naive_ms: float | None
+    kind: str = ""  # "compute": work is FLOPs; "memory": work is weight bytes; "routing": work is a share
+    work: float = 0.0
+    label: str = ""
+    limit: float = 0.0  # the limit measured alternately with this kernel (FLOP/s or B/s); 0: global
+    metric: str = ""
+    fraction: str = ""
+
+    def score(self, mm_flops: float, copy_bw: float) -> None:
+        """Fill metric and fraction against the limits (known only once every case has run)."""
+        seconds = (self.cpp_ms or 0.0) / 1e3
+        if self.kind in ("compute", "memory"):
+            rate = self.work / seconds
+            best = mm_flops if self.kind == "compute" else copy_bw
+            name = "dense mm" if self.kind == "compute" else "copy BW"
+            unit = "GFLOP/s" if self.kind == "compute" else "GB/s weights"
+            self.metric = f"{rate / 1e9:.1f} {unit}{self.label}"
+            if self.limit:  # paired limit first; the run's best limit (a quieter moment) in brackets
+                self.fraction = f"{100 * rate / self.limit:.0f}% of {name} [{100 * rate / max(best, self.limit):.0f}%]"
+            else:
+                self.fraction = f"{100 * rate / best:.0f}% of {name}"
+        elif self.kind == "routing":
+            self.metric = self.label
+            self.fraction = f"routing {100 * self.work:.1f}% of layer"
+
+
+def bench_case(tokens: int, dtype: torch.dtype, quick: bool) -> list[Row]:
+    L = make_layer(tokens, dtype)
+    cpp, ref = moe_steps(A), moe_steps(reference)
+    shape = f"prefill T={tokens}" if tokens > 64 else f"decode T={tokens}"
+    dname = str(dtype).replace("torch.", "")
+    budget = 0.3 if quick else 0.8
+    ex, row_idx, counts, _ = cpp["init"](L)
+    h = cpp["gmm"](ex, L.w13, counts)
+    act = cpp["swiglu"](h)
+    y = cpp["gmm"](act, L.w2, counts)
+    pairs = tokens * TOP_K
+    up_flops, down_flops = 2 * pairs * H * 2 * I, 2 * pairs * I * H
+    experts_touched = int(torch.unique(L.ids).numel())
+    per_expert = (L.w13[0].numel() + L.w2[0].numel()) * L.w13.element_size()
+    slow = tokens > 64  # reference and naive loop take seconds at prefill: time them once or twice
+
+    # Decode is memory-bound: rotate over copies of the expert weights (as consecutive layers of a
+    # model would), so that repeated calls do not find them in the last-level cache.
+    copies = [L] if slow else [L] + [replace(L, w13=L.w13.clone(), w2=L.w2.clone()) for _ in range(3)]
+    turn = itertools.count()
+
+    def pick() -> Layer:
+        return copies[next(turn) % len(copies)]
+
+    def timed(step: str, *args) -> tuple[float, float]:
+        def call(impl: dict[str, Callable]):
+            layer = pick()
+            real = [layer.w13 if a is L.w13 else layer.w2 if a is L.w2 else layer if a is L else a for a in args]
+            return impl[step](*real)
+
+        return (best_time(lambda: call(cpp), budget, min_reps=3),
+                best_time(lambda: call(ref), budget if not slow else 0.1, max_reps=5, min_reps=1,
+                          warmup=not slow))
+
+    t_init = timed("init", L)
+    t_up = timed("gmm", ex, L.w13, counts)
+    t_act = timed("swiglu", h)
+    t_down = timed("gmm", act, L.w2, counts)
+    t_fin = timed("finalize", L, y, row_idx)
+    t_layer = timed("layer", L)
+    if dtype != torch.float32 and slow:
+        # torch's bf16 mm runs at ~1 GFLOP/s on this CPU: time 8 of the 64 experts and scale
+        t_naive = best_time(lambda: naive_loop(L, 8), 0.1, max_reps=1, min_reps=1, warmup=False) * E / 8
+        naive_note = " (naive: 8/64 experts x8)"
+    else:
+        t_naive = best_time(lambda: naive_loop(pick()), budget if not slow else 0.1, max_reps=5, min_reps=1,
+                            warmup=not slow)
+        naive_note = ""
+
+    def row(step: str, t: tuple[float, float], kind: str = "", work: float = 0.0, label: str = "") -> Row:
+        return Row(shape, dname, step, t[0] * 1e3, t[1] * 1e3, None, kind, work, label)
+
+    def gemm(step: str, t: tuple[float, float], flops: int, weight: torch.Tensor, x: torch.Tensor) -> Row:
+        if slow:  # compute-bound: against a dense float32 mm of the same shape, timed alternately
+            a, b = x.float(), weight[0].float()
+            out = torch.empty(a.shape[0], b.shape[1])
+            t_kernel, t_mm = paired_best(lambda: cpp["gmm"](x, weight, counts), lambda: torch.mm(a, b, out=out),
+                                         budget)
+            r = row(step, (t_kernel, t[1]), "compute", flops)
+            r.limit = flops / t_mm
+            return r
+        return row(step, t, "memory", experts_touched * weight[0].numel() * weight.element_size())
+
+    rows = [
+        row("init_routing", t_init),
+        gemm("grouped_matmul up", t_up, up_flops, L.w13, ex),
+        row("swiglu", t_act),
+        gemm("grouped_matmul down", t_down, down_flops, L.w2, act),
+        row("finalize_routing", t_fin),
+    ]
+    if slow:
+        layer = row("MoE layer" + naive_note, t_layer, "routing", (t_init[0] + t_fin[0]) / t_layer[0],
+                    f"{(up_flops + down_flops) / t_layer[0] / 1e9:.1f} GFLOP/s")
+    else:  # memory-bound: against a 256 MiB copy, timed alternately with the layer
+        src = torch.ones(64 * 1024 * 1024)
+        dst = torch.empty_like(src)
+        t_kernel, t_copy = paired_best(lambda: cpp["layer"](pick()), lambda: dst.copy_(src), 2 * budget)
+        layer = row("MoE layer", (t_kernel, t_layer[1]), "memory", experts_touched * per_expert,
+                    f" ({experts_touched} experts)")
+        layer.limit = 2 * src.numel() * src.element_size() / t_copy
+    layer.naive_ms = t_naive * 1e3
+    rows.append(layer)
+    return rows
+
+
+def render(rows: list[Row], header: list[str]) -> None:
+    cols = ["shape", "dtype", "step", "C++ ms", "reference ms", "naive loop ms", "throughput", "vs limit"]
+
+    def fmt(v: float | None) -> str:
+        return "" if v is None else f"{v:.3f}"
+
+    cells = [[r.shape, r.dtype, r.step, fmt(r.cpp_ms), fmt(r.ref_ms), fmt(r.naive_ms), r.metric, r.fraction]
+             for r in rows]
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:  # plain text
+        for line in header:
+            print(line)
+        widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
+        print("  ".join(c.ljust(w) for c, w in zip(cols, widths)))
+        for row in cells:
+            print("  ".join(v.ljust(w) for v, w in zip(row, widths)))
+        return
+    console = Console(width=160)
+    for line in header:
+        console.print(line)
+    table = Table(title=f"ascend MoE kernels: H={H} I={I} E={E} k={TOP_K}")
+    for c in cols:
+        table.add_column(c, justify="right" if c.endswith("ms") else "left")
+    for row in cells:
+        table.add_row(*row)
+    console.print(table)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="shorter timing budgets")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    start = time.perf_counter()
+    copy_bw, mm_fp32 = [], []
+    rows: list[Row] = []
+    for tokens in (2048, 8):
+        for dtype in (torch.float32, torch.bfloat16):
+            # limits measured between the cases; the best of them is the machine's limit
+            copy_bw.append(copy_bandwidth())
+            mm_fp32.append(dense_mm_flops(2048 * TOP_K, torch.float32))
+            rows += bench_case(tokens, dtype, args.quick)
+    copy_bw.append(copy_bandwidth())
+    mm_fp32.append(dense_mm_flops(2048 * TOP_K, torch.float32))
+    mm_bf16 = dense_mm_flops(2 * TOP_K * 64, torch.bfloat16, budget_s=0.2)
+    best_bw, best_mm = max(copy_bw), max(mm_fp32)
+    for r in rows:
+        r.score(best_mm, best_bw)
+    header = [
+        f"kernels: {ops.kernel_backend()}, threads: {torch.get_num_threads()}",
+        "fractions of the MoE layer (decode) and grouped_matmul (prefill) use a limit timed alternately "
+        "with that kernel, [in brackets: against the best limit of the whole run]; other rows use the best limit:",
+        f"memory limit: copy {best_bw / 1e9:.1f} GB/s (read + write; best of "
+        f"{', '.join(f'{b / 1e9:.1f}' for b in copy_bw)})",
+        f"compute limit: dense torch.mm [{2048 * TOP_K}x{H}]@[{H}x{2 * I}] float32 {best_mm / 1e9:.1f} GFLOP/s "
+        f"(best of {', '.join(f'{m / 1e9:.0f}' for m in mm_fp32)}); torch bf16 mm: {mm_bf16 / 1e9:.1f} GFLOP/s, "
+        "so bf16 kernels are compared with the float32 limit",
+    ]
+    render(rows, header)
+    print(f"total bench time {time.perf_counter() - start:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

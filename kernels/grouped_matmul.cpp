@@ -150,6 +150,8 @@ std::vector<at::Tensor> grouped_matmul(at::TensorList x, at::TensorList weight, 
                                        const std::optional<at::Tensor>& group_list, int64_t split_item,
                                        std::optional<int64_t> group_type, int64_t group_list_type, int64_t act_type,
                                        std::optional<at::ScalarType> output_dtype) {
+  // below autograd: the ATen calls inside (mm_out, …) must not see requires_grad
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
   ASCEND_CHECK(!x.empty() && !weight.empty(), kGmm, "x and weight must be non-empty lists");
   ASCEND_CHECK(split_item >= 0 && split_item <= 3, kGmm, "split_item must be one of [0, 1, 2, 3], got ", split_item);
   ASCEND_CHECK(group_list_type == 0 || group_list_type == 1, kGmm, "group_list_type must be one of [0, 1], got ",

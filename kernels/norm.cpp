@@ -87,6 +87,8 @@ int64_t grain_rows(int64_t row_elems) { return std::max<int64_t>(1, 16384 / std:
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& self, const at::Tensor& gamma, double epsilon) {
+  // below autograd: the ATen calls inside (mm_out, …) must not see requires_grad
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
   check_norm(kRms, self, gamma);
   auto x = self.contiguous();
   auto g = gamma.contiguous();
@@ -110,6 +112,8 @@ std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& self, const at::Te
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x1_, const at::Tensor& x2_,
                                                             const at::Tensor& gamma, double epsilon) {
+  // below autograd: the ATen calls inside (mm_out, …) must not see requires_grad
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
   check_same_dtype(kAddRms, "x2", x2_, "x1", x1_);
   ASCEND_CHECK(x1_.sizes().equals(x2_.sizes()), kAddRms, "x1 shape ", shape_str(x1_.sizes()), " and x2 shape ",
                shape_str(x2_.sizes()), " differ");
@@ -140,6 +144,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x1
 }
 
 at::Tensor swiglu(const at::Tensor& self, int64_t dim) {
+  // below autograd: the ATen calls inside (mm_out, …) must not see requires_grad
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
   check_float(kSwiglu, "x", self);
   ASCEND_CHECK(self.dim() >= 1, kSwiglu, "x must have at least 1 dim");
   ASCEND_CHECK(dim >= -self.dim() && dim < self.dim(), kSwiglu, "dim ", dim, " out of range for a ", self.dim(),

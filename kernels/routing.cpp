@@ -51,6 +51,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_init_routing_v2(
     const std::optional<at::Tensor>& offset, int64_t active_num, int64_t expert_capacity, int64_t expert_num,
     int64_t drop_pad_mode, int64_t expert_tokens_num_type, bool expert_tokens_num_flag, int64_t quant_mode,
     at::IntArrayRef active_expert_range, int64_t row_idx_type) {
+  // below autograd: the ATen calls inside (mm_out, …) must not see requires_grad
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
   (void)expert_capacity;  // unused in dropless mode, as on NPU
   check_float(kInit, "x", x_);
   check_dim(kInit, "x", x_, 2);
@@ -189,6 +191,8 @@ at::Tensor moe_finalize_routing(const at::Tensor& rows_, const std::optional<at:
                                 const std::optional<at::Tensor>& scales, const at::Tensor& src_to_dst_,
                                 const std::optional<at::Tensor>& export_for_source_row,
                                 std::optional<int64_t> drop_pad_mode_, std::optional<int64_t> k_) {
+  // below autograd: the ATen calls inside (mm_out, …) must not see requires_grad
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
   check_float(kFinal, "expanded_permuted_rows", rows_);
   check_dim(kFinal, "expanded_permuted_rows", rows_, 2);
   check_dim(kFinal, "expanded_src_to_dst_row", src_to_dst_, 1);

@@ -110,7 +110,7 @@ def print_table(rows: list[Row]) -> None:
                       f"{eager / r.median_ms:.2f}x" if eager else "-",
                       f"{inductor / r.median_ms:.2f}x" if inductor else "-",
                       f"{r.compile_s:.1f}", r.rewrites)
-    Console().print(table)
+    Console(width=160).print(table)
 
 
 def main() -> None:

@@ -95,6 +95,7 @@ def _register() -> Library | None:
 # Keep the Library alive for the life of the process: dropping it would unregister the ops.
 # On a reload the module dict already holds the first Library, which is kept.
 _LIB: Library | None = globals().get("_LIB") or _register()
+from . import mla  # noqa: E402,F401  (registers ascend.mla_prolog)
 
 # Load the C++ kernels (they register ascend::* for CPU); warns once if they are not built.
 kernels.available()

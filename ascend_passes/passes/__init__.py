@@ -19,9 +19,11 @@ if TYPE_CHECKING:
 # which.
 PASS_TABLE: dict[str, str] = {
     "cleanup": "ascend_passes.passes.cleanup:CleanupPass",
+    "mtp": "ascend_passes.passes.mtp:MtpPass",
     "norm": "ascend_passes.passes.norm:NormPass",
     "moe": "ascend_passes.passes.moe:MoePass",
     "activation": "ascend_passes.passes.activation:ActivationPass",
+    "mla": "ascend_passes.passes.mla:MlaPass",
 }
 
 

@@ -107,6 +107,9 @@ void activate_inplace(at::Tensor& y, int64_t act_type) {
 // y = x @ w (+ bias) for one piece of one group; x, y are row slices, w is [K, N] with any strides.
 template <typename T>
 void matmul_piece(const at::Tensor& x, const at::Tensor& w, const T* bias, int64_t act_type, at::Tensor y) {
+  // runs on worker threads, which do not inherit the caller's no-autograd state: the ATen calls
+  // below (mm_out, …) must not see the weights' requires_grad
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
   const int64_t m = x.size(0), k = x.size(1), n = w.size(1);
   if (m == 0) return;
   if (m <= kSmallRows && (w.stride(1) == 1 || w.stride(0) == 1)) {

@@ -141,3 +141,21 @@ def test_environment_forces_reference_fallback():
                           timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "reference-ok" in proc.stdout
+
+
+@pytest.mark.parametrize("grad_enabled", [True, False])
+def test_grouped_matmul_with_parameter_weights_on_worker_threads(grad_enabled):
+    """Regression: BLAS runs on at::parallel_for worker threads, which do not inherit the caller's
+    no-autograd state; weights that are nn.Parameters (requires_grad) must not trip mm_out's
+    autograd check there."""
+    import ascend_passes.ops  # noqa: F401
+
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(4, 8, 6))
+    x = torch.randn(300, 8)
+    counts = torch.tensor([100, 100, 50, 50])
+    with torch.set_grad_enabled(grad_enabled):
+        y = torch.ops.ascend.grouped_matmul([x], [w], group_list=counts, split_item=2, group_type=0,
+                                            group_list_type=1)[0]
+    expected = torch.cat([x[:100] @ w[0], x[100:200] @ w[1], x[200:250] @ w[2], x[250:] @ w[3]])
+    torch.testing.assert_close(y.detach(), expected.detach(), rtol=1e-5, atol=1e-5)

@@ -20,6 +20,7 @@ from .config import AscendPassConfig
 from .errors import ConfigError
 from .pass_manager import Pass, PassContext, PassHook, PassManager
 from .report import CompileReport, publish
+from .weights import record_execution_weights
 
 log = logging.getLogger("ascend_passes.backend")
 
@@ -135,6 +136,8 @@ def run_pipeline(config: AscendPassConfig, gm: fx.GraphModule, example_inputs: S
 
         all_hooks.append(GraphDumper(config.dump_dir, graph_name=_compile_id()))
     result = manager.run(gm, ctx, all_hooks)
+    # mark the parameters the rewritten graph reads through fused kernels (weights.prepare/restore)
+    ctx.facts["execution_weights"] = record_execution_weights(gm, ctx.real_inputs)
     report = CompileReport(
         graph_id=_compile_id(), passes=result.passes, graph=gm, compiler=compiler, target=target,
         config_hash=config.hash(), seconds=result.seconds, verified=result.verified,

@@ -192,21 +192,15 @@ class MoePass(Pass):
             return layers.setdefault(layer, MoeLayer(layer))
 
         # routers first, then experts: each PatternMatcherPass is built for this run only
-        routers = pm.PatternMatcherPass(pass_name="ascend_moe_router")
-        for name in _ROUTERS:
-            for pattern in _patterns(name, ctx.decompositions):
-                pm.GraphPatternEntry(pattern=pattern, extra_check=_always,
-                                     handler=functools.partial(self._router, name, gm, result,
-                                                               layer_entry, trace)).register(routers)
-        routers.apply(gm)
-
-        experts = pm.PatternMatcherPass(pass_name="ascend_moe_experts")
-        for name in _EXPERTS:
-            for pattern in _patterns(name, ctx.decompositions):
-                pm.GraphPatternEntry(pattern=pattern, extra_check=_always,
-                                     handler=functools.partial(self._experts, name, gm, result,
-                                                               layer_entry, trace)).register(experts)
-        experts.apply(gm)
+        for stage, names, handler in (("router", _ROUTERS, self._router),
+                                      ("experts", _EXPERTS, self._experts)):
+            matcher = pm.PatternMatcherPass(pass_name=f"ascend_moe_{stage}")
+            for name in names:
+                on_match = functools.partial(handler, name, gm, result, layer_entry, trace)
+                for pattern in _patterns(name, ctx.decompositions):
+                    pm.GraphPatternEntry(pattern=pattern, extra_check=_always,
+                                         handler=on_match).register(matcher)
+            matcher.apply(gm)
 
         self._check_split_blocks(gm, result, layers)
         gm.graph.eliminate_dead_code()

@@ -140,6 +140,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=1 << 20, help="routed tokens per layer")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeat", type=int, default=5, help="timed runs per policy")
+    parser.add_argument("--forward", action="store_true",
+                        help="also time the forward pass of the bundled deepseek_v3 with and "
+                        "without the EPLB indirection (R = 0)")
     args = parser.parse_args()
 
     layers = args.moe_layers + args.mtp_layers
@@ -209,6 +212,32 @@ def main() -> None:
             ["lower bound", f"{bound.mean():.4f}", f"{bound.max():.4f}"],
         ],
     )
+    if args.forward:
+        forward_cost(repeat=max(args.repeat, 20))
+
+
+def forward_cost(repeat: int, tokens: int = 16) -> None:
+    """Forward time of the bundled deepseek_v3 (2 MoE layers) compiled without EPLB and with the
+    EPLB indirection at R = 0 (map + load counting, same placement), eager downstream compiler."""
+    import copy
+
+    from ascend_passes import models
+    from ascend_passes.eplb.state import attach
+
+    base, inputs = models.deepseek_v3("grouped_mm", tokens=tokens)
+    variants = {"no EPLB": (base, {}), "EPLB R=0, recording": (copy.deepcopy(base), {"eplb": True}),
+                "EPLB R=0, recording off": (copy.deepcopy(base), {"eplb": True})}
+    rows = []
+    for name, (model, extra) in variants.items():
+        if extra:
+            state = attach(model, {"num_redundant_experts": 0})
+            state.set_recording("off" not in name)
+        compiled = torch.compile(model, backend="ascend_passes", options={"compiler": "eager", **extra})
+        with torch.no_grad():
+            _, best, median = timed(lambda: compiled(*inputs), repeat)
+        rows.append([name, f"{best * 1e3:.2f}", f"{median * 1e3:.2f}"])
+    print_table(f"Forward time, deepseek_v3 tiny, {tokens} tokens (eager downstream)",
+                ["variant", "min ms", "median ms"], rows)
 
 
 if __name__ == "__main__":

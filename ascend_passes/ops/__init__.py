@@ -96,6 +96,7 @@ def _register() -> Library | None:
 # On a reload the module dict already holds the first Library, which is kept.
 _LIB: Library | None = globals().get("_LIB") or _register()
 from . import mla  # noqa: E402,F401  (registers ascend.mla_prolog)
+from . import eplb  # noqa: E402,F401  (registers ascend.eplb_*)
 
 # Load the C++ kernels (they register ascend::* for CPU); warns once if they are not built.
 kernels.available()

@@ -24,6 +24,7 @@ PASS_TABLE: dict[str, str] = {
     "moe": "ascend_passes.passes.moe:MoePass",
     "activation": "ascend_passes.passes.activation:ActivationPass",
     "mla": "ascend_passes.passes.mla:MlaPass",
+    "eplb": "ascend_passes.passes.eplb:EplbPass",
 }
 
 

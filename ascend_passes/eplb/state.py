@@ -1,0 +1,384 @@
+"""EPLB runtime state of one model: expert weights in physical layout, the per-layer expert maps
+and load counters, and ``rebalance()`` — all as tensors the compiled graph reads, so changing
+them never recompiles.
+
+``attach(model, config)`` rewrites every MoE block of ``model`` in place (before
+``torch.compile``): the experts' ``gate_up_proj [E, 2I, H]`` / ``down_proj [E, H, I]``
+parameters become ``eplb_gate_up_proj [P, 2I, H]`` / ``eplb_down_proj [P, H, I]`` (slot ``p``
+holds logical expert ``phy2log[p]``; memory grows by the redundant slots only), and the experts
+module gets the buffers
+
+    eplb_log2phy [E, R + 1] int64   physical slots of each logical expert, -1 padded
+    eplb_replica_count [E] int64    replicas of each logical expert
+    eplb_phy2log [P] int64          logical expert of each slot
+    eplb_load [P] int64             tokens routed to each slot since the last reset
+    eplb_record [] bool             load counting on/off
+
+Hugging Face's expert code still reads ``experts.gate_up_proj``: on an attached module that is a
+property returning ``ascend.eplb_logical_weight(...)`` (the first replica of every expert), so
+the eager model computes exactly what it did, and in a compiled graph that op carries the tables
+to the ``eplb`` pass, which routes the fused MoE chain over the physical slots.  The replica
+table is ``R + 1`` wide (the most replicas one expert can get), so every placement has the same
+shapes and a new one is a few in-place copies.
+
+A target model and its MTP drafter are attached separately and keep separate statistics;
+``attach(drafter, config, main=target_state)`` gives the drafter's layers the same redundancy
+and numbers them after the target's MoE layers in placement files.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+from ascend_passes.errors import ConfigError
+from ascend_passes.eplb.placement import (
+    Placement,
+    balance_ratio,
+    default_placement,
+    rank_loads,
+    rebalance_experts,
+)
+from ascend_passes.eplb.placement_file import export_placement, load_placement
+from ascend_passes.eplb.validate import check_redundancy, validate_placement
+
+log = logging.getLogger("ascend_passes.eplb")
+
+__all__ = ["EplbLayer", "EplbState", "attach", "find_moe_blocks", "state_of"]
+
+_STATE_ATTR = "_ascend_eplb_state"
+_TABLE_MARK = "_ascend_eplb_table"
+_WEIGHTS = (("gate_up_proj", "eplb_gate_up_proj"), ("down_proj", "eplb_down_proj"))
+
+
+# --------------------------------------------------------------------------------- discovery
+def _is_experts(module: nn.Module) -> bool:
+    params = module._parameters
+    return all(isinstance(params.get(name), torch.Tensor) and params[name].dim() == 3
+               for name, _ in _WEIGHTS)
+
+
+def find_moe_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``(path, experts module)`` of every MoE block of ``model`` in module order: a module with a
+    ``gate`` (router) and ``experts`` holding 3-D ``gate_up_proj`` and ``down_proj``
+    (Hugging Face's fused-experts layout: DeepseekV3, Qwen3-MoE, their MTP layers)."""
+    found = []
+    for path, module in model.named_modules():
+        experts = getattr(module, "experts", None)
+        if isinstance(experts, nn.Module) and hasattr(module, "gate") and (
+                _is_experts(experts) or isinstance(getattr(experts, _STATE_ATTR, None), EplbLayer)):
+            found.append((f"{path}.experts" if path else "experts", experts))
+    return found
+
+
+# --------------------------------------------------------------------------------- the layer
+@dataclass(eq=False)
+class EplbLayer:
+    """One MoE layer's runtime tables (the tensors are the experts module's buffers)."""
+
+    name: str
+    experts: nn.Module
+
+    def _get(self, name: str) -> torch.Tensor:
+        return getattr(self.experts, name)
+
+    @property
+    def log2phy(self) -> torch.Tensor:
+        return self._get("eplb_log2phy")
+
+    @property
+    def replica_count(self) -> torch.Tensor:
+        return self._get("eplb_replica_count")
+
+    @property
+    def phy2log(self) -> torch.Tensor:
+        return self._get("eplb_phy2log")
+
+    @property
+    def expert_load(self) -> torch.Tensor:
+        return self._get("eplb_load")
+
+    @property
+    def record(self) -> torch.Tensor:
+        return self._get("eplb_record")
+
+    def weights(self) -> Iterator[torch.Tensor]:
+        for _, phy in _WEIGHTS:
+            yield self._get(phy)
+
+
+def _eplb_logical(self: nn.Module, phy_name: str) -> torch.Tensor:
+    import ascend_passes.ops  # noqa: F401  (registers torch.ops.ascend.eplb_*)
+
+    return torch.ops.ascend.eplb_logical_weight(
+        getattr(self, phy_name), self.eplb_log2phy, self.eplb_replica_count, self.eplb_load,
+        self.eplb_record)
+
+
+@functools.cache
+def _attached_class(cls: type) -> type:
+    """``cls`` with ``gate_up_proj`` / ``down_proj`` read through the physical layout."""
+    namespace = {
+        logical: property(functools.partial(lambda self, phy: _eplb_logical(self, phy), phy=phy),
+                          doc=f"[E, ...] logical view of ``{phy}`` (first replica of each expert)")
+        for logical, phy in _WEIGHTS
+    }
+    namespace["__module__"] = cls.__module__
+    return type(f"Eplb{cls.__name__}", (cls,), namespace)
+
+
+def _tables(phy2log: torch.Tensor, num_logical: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``log2phy [E, width]`` (-1 padded) and ``replica_count [E]`` of one layer's ``phy2log [P]``."""
+    count = torch.bincount(phy2log, minlength=num_logical)
+    order = torch.argsort(phy2log, stable=True)  # slots grouped by expert, ascending
+    first = torch.cumsum(count, 0) - count
+    rank_in_expert = torch.arange(phy2log.numel()) - first[phy2log[order]]
+    log2phy = torch.full((num_logical, width), -1, dtype=torch.int64)
+    log2phy[phy2log[order], rank_in_expert] = order
+    return log2phy, count
+
+
+# --------------------------------------------------------------------------------- the state
+class EplbState:
+    """EPLB state of one model (a target model, or an MTP drafter): its MoE layers' tables,
+    the expert weights in physical layout, load statistics, placement and ``rebalance()``.
+
+    Layer ``i`` of ``layers`` is row ``first_layer + i`` of placement files (``first_layer`` is
+    the target's MoE layer count for a drafter attached with ``main=``, else 0).
+    """
+
+    def __init__(self, layers: list[EplbLayer], num_logical: int, num_redundant: int, ep_size: int,
+                 *, first_layer: int = 0, total_layers: int | None = None, rank: int = 0) -> None:
+        self.layers = layers
+        self.num_logical = num_logical
+        self.num_redundant = num_redundant
+        self.ep_size = ep_size
+        self.first_layer = first_layer
+        self.total_layers = total_layers if total_layers is not None else first_layer + len(layers)
+        self.rank = rank
+
+    # ----------------------------------------------------------------------------- sizes
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def num_physical(self) -> int:
+        return self.num_logical + self.num_redundant
+
+    @property
+    def slots_per_rank(self) -> int:
+        return self.num_physical // self.ep_size
+
+    def layer(self, name: str) -> EplbLayer:
+        for layer in self.layers:
+            if layer.name == name or layer.name.startswith(name + "."):
+                return layer
+        raise KeyError(f"no MoE layer {name!r}; layers: {[layer.name for layer in self.layers]}")
+
+    # ----------------------------------------------------------------------------- placement
+    @property
+    def phy2log(self) -> torch.Tensor:
+        """``[L, P]`` current placement (a copy)."""
+        return torch.stack([layer.phy2log.clone() for layer in self.layers])
+
+    def placement(self) -> Placement:
+        return Placement.from_phy2log(self.phy2log, self.num_logical, self.ep_size)
+
+    def apply_placement(self, phy2log: torch.Tensor, *, source: str = "placement") -> int:
+        """Switch to placement ``phy2log[L, P]``: copy into a slot only the expert weights that
+        change, then update the maps in place (no recompilation).  Validates first: an unusable
+        placement raises ``ConfigError`` and leaves everything as it was.  Resets the load
+        counters (their slots now mean other experts).  Returns the number of slots moved."""
+        validate_placement(phy2log, self.num_logical, self.ep_size, num_layers=self.num_layers,
+                           source=source)
+        if phy2log.shape[1] != self.num_physical:
+            raise ConfigError(
+                f"{source}: {phy2log.shape[1]} physical slots per layer, but the model was "
+                f"attached with {self.num_logical} experts + {self.num_redundant} redundant = "
+                f"{self.num_physical}; use num_redundant_experts={phy2log.shape[1] - self.num_logical}"
+                " when attaching, or a placement for this redundancy")
+        phy2log = phy2log.to("cpu", torch.int64)
+        moved = 0
+        with torch.no_grad():
+            for layer, new in zip(self.layers, phy2log):
+                old = layer.phy2log
+                changed = (new != old.cpu()).nonzero().flatten()
+                if changed.numel():
+                    # the source of each changed slot: the old first replica of its new expert
+                    source_slot = layer.log2phy[:, 0].cpu()[new[changed]]
+                    for weight in layer.weights():
+                        idx = changed.to(weight.device)
+                        weight.index_copy_(0, idx, weight.index_select(0, source_slot.to(weight.device)))
+                    moved += changed.numel()
+                log2phy, count = _tables(new, self.num_logical, layer.log2phy.shape[1])
+                layer.log2phy.copy_(log2phy)
+                layer.replica_count.copy_(count)
+                layer.phy2log.copy_(new)
+                layer.expert_load.zero_()
+        log.info("eplb: new placement for %d layers, %d expert slots moved", self.num_layers, moved)
+        return moved
+
+    def load_placement_file(self, path: str | Path) -> int:
+        """Read a placement file (rows ``first_layer ..`` of ``total_layers``) and apply it."""
+        phy2log = load_placement(path, num_layers=self.total_layers, num_logical=self.num_logical,
+                                 num_ranks=self.ep_size)
+        rows = phy2log[self.first_layer:self.first_layer + self.num_layers]
+        return self.apply_placement(rows, source=f"placement file {path}")
+
+    def export_placement(self, path: str | Path, *, after: "EplbState | None" = None) -> None:
+        """Write the placement (this model's layers, then ``after``'s — e.g. a drafter's)."""
+        rows = [self.phy2log] + ([after.phy2log] if after is not None else [])
+        export_placement(torch.cat(rows), self.ep_size, path)
+
+    # ----------------------------------------------------------------------------- load
+    def physical_load(self) -> torch.Tensor:
+        """``[L, P]`` tokens routed to every physical slot since the last reset."""
+        return torch.stack([layer.expert_load.detach().cpu().clone() for layer in self.layers])
+
+    def expert_load(self) -> torch.Tensor:
+        """``[L, E]`` tokens routed to every logical expert (its replicas summed)."""
+        out = torch.zeros(self.num_layers, self.num_logical, dtype=torch.int64)
+        return out.scatter_add_(1, self.phy2log, self.physical_load())
+
+    def reset_load(self) -> None:
+        with torch.no_grad():
+            for layer in self.layers:
+                layer.expert_load.zero_()
+
+    @property
+    def recording(self) -> bool:
+        return bool(self.layers and self.layers[0].record.item())
+
+    def set_recording(self, on: bool) -> None:
+        """Switch load counting on or off (a tensor the graph reads: no recompilation)."""
+        with torch.no_grad():
+            for layer in self.layers:
+                layer.record.fill_(bool(on))
+
+    def rank_balance(self, weight: torch.Tensor | None = None) -> torch.Tensor:
+        """``[L]`` max/mean per-rank load of the current placement for loads ``weight[L, E]``
+        (default: the recorded load)."""
+        weight = self.expert_load() if weight is None else weight
+        return balance_ratio(rank_loads(self.phy2log, weight, self.ep_size))
+
+    # ----------------------------------------------------------------------------- rebalance
+    def rebalance(self, weight: torch.Tensor | None = None, *, num_groups: int = 1,
+                  num_nodes: int = 1) -> Placement:
+        """Compute a placement from the recorded load (or ``weight[L, E]``), move the expert
+        weights that change and update the maps in place; returns the new placement."""
+        weight = self.expert_load() if weight is None else weight
+        phy2log, _, _ = rebalance_experts(weight, self.num_physical, num_groups, num_nodes,
+                                          self.ep_size)
+        self.apply_placement(phy2log, source="rebalance")
+        return self.placement()
+
+
+# --------------------------------------------------------------------------------- attach
+def state_of(model: nn.Module) -> EplbState | None:
+    """The state ``attach`` gave ``model``, or None."""
+    return model.__dict__.get(_STATE_ATTR)
+
+
+def _eplb_config(config: Any) -> Any:
+    from ascend_passes.config import AscendPassConfig, EplbConfig
+
+    if config is None:
+        return EplbConfig(enabled=True)
+    if isinstance(config, AscendPassConfig):
+        return config.eplb
+    if isinstance(config, EplbConfig):
+        return config
+    if isinstance(config, dict):
+        return AscendPassConfig.from_options({"eplb": {"enabled": True, **config}}).eplb
+    raise ConfigError(f"attach() takes an EplbConfig, an AscendPassConfig or a dict, got "
+                      f"{type(config).__name__}")
+
+
+def attach(model: nn.Module, config: Any = None, *, main: EplbState | None = None,
+           num_mtp_layers: int = 0, rank: int = 0) -> EplbState:
+    """Put every MoE block of ``model`` into physical layout with runtime EPLB tables (see the
+    module docstring); call before ``torch.compile``.  Returns the model's ``EplbState``.
+
+    ``config``: ``EplbConfig`` / ``AscendPassConfig`` / ``{"num_redundant_experts": 4, ...}``.
+    ``main``: the target model's state when ``model`` is its MTP drafter — the drafter then uses
+    the target's redundancy and EP size, and its layers follow the target's in placement files.
+    ``num_mtp_layers``: for a target, the drafter layers that follow its own in placement files.
+    Raises ``ConfigError`` (model unchanged) for impossible settings or a bad placement file.
+    """
+    cfg = _eplb_config(config)
+    if state_of(model) is not None:
+        raise ConfigError("this model is already attached to EPLB; use its state "
+                          "(ascend_passes.eplb.state_of(model)) instead of attaching again")
+    blocks = find_moe_blocks(model)
+    if not blocks:
+        raise ConfigError(f"{type(model).__name__} has no MoE block with fused expert weights "
+                          "(a module with `gate` and `experts.gate_up_proj/down_proj`); nothing to attach")
+    num_redundant, ep_size = cfg.num_redundant_experts, cfg.ep_size
+    first_layer = 0
+    if main is not None:
+        if (num_redundant, ep_size) != (main.num_redundant, main.ep_size) and (
+                num_redundant, ep_size) != (0, 1):
+            raise ConfigError(
+                f"the drafter's EPLB settings (num_redundant_experts={num_redundant}, ep_size="
+                f"{ep_size}) differ from the target's ({main.num_redundant}, {main.ep_size}); "
+                "MTP layers get the target's redundancy, so leave them unset or equal")
+        num_redundant, ep_size = main.num_redundant, main.ep_size
+        first_layer = main.first_layer + main.num_layers
+    shapes = {tuple(e.gate_up_proj.shape[:1]) for _, e in blocks}
+    if len(shapes) != 1:
+        raise ConfigError(f"MoE blocks with different expert counts {sorted(shapes)}; EPLB needs one")
+    num_logical = blocks[0][1].gate_up_proj.shape[0]
+    if main is not None and num_logical != main.num_logical:
+        raise ConfigError(f"the drafter has {num_logical} experts per layer, the target "
+                          f"{main.num_logical}; they must match")
+    check_redundancy(num_logical, num_redundant, ep_size)
+    for path, experts in blocks:
+        if getattr(experts, "has_bias", False):
+            raise ConfigError(f"{path}: experts with biases are not supported by EPLB yet")
+    total = first_layer + len(blocks) + num_mtp_layers
+    if main is not None:
+        total = max(total, main.total_layers)
+    phy2log = default_placement(len(blocks), num_logical, num_redundant, ep_size)
+    if cfg.placement_file is not None:  # validated before anything changes
+        phy2log = load_placement(cfg.placement_file, num_layers=total, num_logical=num_logical,
+                                 num_ranks=ep_size)[first_layer:first_layer + len(blocks)]
+    layers = []
+    for (path, experts), row in zip(blocks, phy2log):
+        _convert(experts, row, num_logical, num_redundant, cfg.record_load)
+        layers.append(EplbLayer(path, experts))
+        experts.__dict__[_STATE_ATTR] = layers[-1]
+    state = EplbState(layers, num_logical, num_redundant, ep_size, first_layer=first_layer,
+                      total_layers=total, rank=rank)
+    model.__dict__[_STATE_ATTR] = state
+    log.info("eplb: attached %d MoE layers (%d experts + %d redundant, ep_size %d)", len(layers),
+             num_logical, num_redundant, ep_size)
+    return state
+
+
+def _convert(experts: nn.Module, phy2log: torch.Tensor, num_logical: int, num_redundant: int,
+             record: bool) -> None:
+    """Replace the logical expert weights by physical ones and add the tables (in place)."""
+    device = experts.gate_up_proj.device
+    for logical, phy in _WEIGHTS:
+        weight = experts._parameters.pop(logical)
+        physical = weight.detach().index_select(0, phy2log.to(weight.device))
+        new = nn.Parameter(physical, requires_grad=weight.requires_grad)
+        new.__dict__.update({k: v for k, v in weight.__dict__.items() if k not in new.__dict__})
+        experts.register_parameter(phy, new)
+    log2phy, count = _tables(phy2log, num_logical, num_redundant + 1)
+    experts.register_buffer("eplb_log2phy", log2phy.to(device), persistent=False)
+    experts.register_buffer("eplb_replica_count", count.to(device), persistent=False)
+    experts.register_buffer("eplb_phy2log", phy2log.clone().to(device), persistent=False)
+    experts.register_buffer("eplb_load", torch.zeros(phy2log.numel(), dtype=torch.int64, device=device),
+                            persistent=False)
+    experts.register_buffer("eplb_record", torch.tensor(bool(record), device=device), persistent=False)
+    for name in ("eplb_log2phy", "eplb_replica_count", "eplb_phy2log", "eplb_load", "eplb_record"):
+        setattr(getattr(experts, name), _TABLE_MARK, True)  # lets the eplb pass see it is attached
+    experts.__class__ = _attached_class(type(experts))

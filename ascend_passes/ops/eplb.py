@@ -1,0 +1,158 @@
+"""``ascend.eplb_*``: the EPLB expert indirection as ops — logical→physical expert ids, per-slot
+load counting, and the logical view of physically laid-out expert weights.
+
+Importing this module registers the ops (schema, fake impl, reference impl); it is idempotent.
+They are ours (no torch_npu counterpart); on an NPU they lower to the same small gather /
+scatter-add ATen kernels they run here.
+
+Schemas and what they compute (``E`` logical experts, ``P`` physical slots, ``X`` the width of
+the replica table, ``T`` tokens, ``K`` top-k)::
+
+    eplb_map(Tensor expert_idx, Tensor log2phy, Tensor replica_count, *, int rank=0) -> Tensor
+        expert_idx [T, K] logical ids (any integer dtype), log2phy [E, X] int64 physical slots
+        of each expert (-1 padded), replica_count [E] int64 (>= 1).  Returns [T, K] physical
+        slots, expert_idx's dtype:  e = expert_idx[t, k],
+        out[t, k] = log2phy[e, (t + rank + e) % replica_count[e]]
+        — deterministic, and consecutive tokens of one expert go round-robin over its replicas
+        (the ``+ rank`` spreads ranks too, the ``+ e`` spreads the experts of one token).
+
+    eplb_record_load(Tensor(a!) expert_load, Tensor expert_idx, Tensor record) -> ()
+        expert_load [P] int64 += bincount(expert_idx, P) * record   (in place; record a 1-element
+        bool/int tensor, so counting switches on and off at run time without a sync or a branch)
+
+    eplb_logical_weight(Tensor phy_weight, Tensor log2phy, Tensor replica_count,
+                        Tensor expert_load, Tensor record) -> Tensor
+        phy_weight [P, ...] -> [E, ...]: the first replica of every logical expert,
+        phy_weight.index_select(0, log2phy[:, 0]).  This is how an attached model's *eager*
+        forward sees its logical weights (Hugging Face code indexes experts by logical id); it
+        also carries the layer's EPLB tables, so that Dynamo lifts them as graph inputs and the
+        ``eplb`` pass finds them next to the weights.  After the pass the grouped matmuls read
+        ``phy_weight`` directly and this node is dead code.
+
+CPU path: the reference implementations below (one gather / scatter-add each), registered for
+every backend (``CompositeExplicitAutograd``); a C++ kernel would gain nothing on ops this small.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.library import Library
+
+from .checks import check_dim, fail
+
+NAMESPACE = "ascend"
+
+SCHEMAS: dict[str, str] = {
+    "eplb_map": (
+        "eplb_map(Tensor expert_idx, Tensor log2phy, Tensor replica_count, *, int rank=0) -> Tensor"
+    ),
+    "eplb_record_load": (
+        "eplb_record_load(Tensor(a!) expert_load, Tensor expert_idx, Tensor record) -> ()"
+    ),
+    "eplb_logical_weight": (
+        "eplb_logical_weight(Tensor phy_weight, Tensor log2phy, Tensor replica_count, "
+        "Tensor expert_load, Tensor record) -> Tensor"
+    ),
+}
+
+
+# ------------------------------------------------------------------------------------ checks
+def _check_tables(op: str, log2phy: torch.Tensor, replica_count: torch.Tensor) -> None:
+    check_dim(op, "log2phy", log2phy, (2,))
+    check_dim(op, "replica_count", replica_count, (1,))
+    if log2phy.dtype != torch.int64 or replica_count.dtype != torch.int64:
+        fail(op, f"log2phy and replica_count must be int64, got {log2phy.dtype} and "
+                 f"{replica_count.dtype}")
+    if log2phy.shape[0] != replica_count.shape[0]:
+        fail(op, f"log2phy has {log2phy.shape[0]} experts but replica_count "
+                 f"{replica_count.shape[0]}")
+
+
+def _check_ids(op: str, expert_idx: torch.Tensor) -> None:
+    if expert_idx.dtype.is_floating_point or expert_idx.dtype == torch.bool:
+        fail(op, f"expert_idx must hold integer expert ids, got {expert_idx.dtype}")
+
+
+# ------------------------------------------------------------------------------------ reference
+def eplb_map(expert_idx: torch.Tensor, log2phy: torch.Tensor, replica_count: torch.Tensor, *,
+             rank: int = 0) -> torch.Tensor:
+    """Reference implementation (the CPU path): logical → physical expert ids."""
+    _check_tables("eplb_map", log2phy, replica_count)
+    _check_ids("eplb_map", expert_idx)
+    check_dim("eplb_map", "expert_idx", expert_idx, (2,))
+    expert = expert_idx.long()
+    token = torch.arange(expert.shape[0], device=expert.device).unsqueeze(1)
+    replica = (token + rank + expert) % replica_count.index_select(0, expert.flatten()).view_as(expert)
+    return log2phy[expert, replica].to(expert_idx.dtype)
+
+
+def eplb_record_load(expert_load: torch.Tensor, expert_idx: torch.Tensor, record: torch.Tensor) -> None:
+    """Reference implementation: ``expert_load += bincount(expert_idx) * record`` in place."""
+    _check_ids("eplb_record_load", expert_idx)
+    check_dim("eplb_record_load", "expert_load", expert_load, (1,))
+    if expert_load.dtype != torch.int64:
+        fail("eplb_record_load", f"expert_load must be int64, got {expert_load.dtype}")
+    if record.numel() != 1:
+        fail("eplb_record_load", f"record must hold one value, got shape {tuple(record.shape)}")
+    ids = expert_idx.reshape(-1).long()
+    on = record.reshape(1).to(torch.int64).expand(ids.numel())
+    expert_load.scatter_add_(0, ids, on)
+
+
+def eplb_logical_weight(phy_weight: torch.Tensor, log2phy: torch.Tensor, replica_count: torch.Tensor,
+                        expert_load: torch.Tensor, record: torch.Tensor) -> torch.Tensor:
+    """Reference implementation: the first replica of every logical expert, ``[E, ...]``."""
+    _check_tables("eplb_logical_weight", log2phy, replica_count)
+    return phy_weight.index_select(0, log2phy[:, 0])
+
+
+# ------------------------------------------------------------------------------------ fake
+def eplb_map_fake(expert_idx, log2phy, replica_count, *, rank=0):
+    _check_tables("eplb_map", log2phy, replica_count)
+    _check_ids("eplb_map", expert_idx)
+    check_dim("eplb_map", "expert_idx", expert_idx, (2,))
+    return torch.empty_like(expert_idx)
+
+
+def eplb_record_load_fake(expert_load, expert_idx, record):
+    _check_ids("eplb_record_load", expert_idx)
+    return None
+
+
+def eplb_logical_weight_fake(phy_weight, log2phy, replica_count, expert_load, record):
+    _check_tables("eplb_logical_weight", log2phy, replica_count)
+    return phy_weight.new_empty([log2phy.shape[0], *phy_weight.shape[1:]])
+
+
+_IMPLS = {
+    "eplb_map": (eplb_map, eplb_map_fake),
+    "eplb_record_load": (eplb_record_load, eplb_record_load_fake),
+    "eplb_logical_weight": (eplb_logical_weight, eplb_logical_weight_fake),
+}
+
+
+# ------------------------------------------------------------------------------------ registration
+def _defined(name: str) -> bool:
+    try:
+        torch._C._dispatch_find_schema_or_throw(f"{NAMESPACE}::{name}", "")
+    except RuntimeError:
+        return False
+    return True
+
+
+def _register() -> Library | None:
+    if all(_defined(name) for name in SCHEMAS):
+        return None
+    lib = Library(NAMESPACE, "FRAGMENT")
+    for name, schema in SCHEMAS.items():
+        impl, fake = _IMPLS[name]
+        lib.define(schema)
+        lib.impl(name, impl, "CompositeExplicitAutograd")
+        torch.library.register_fake(f"{NAMESPACE}::{name}", fake, lib=lib)
+    return lib
+
+
+# Kept alive for the life of the process (dropping the Library unregisters the ops).
+_LIB: Library | None = globals().get("_LIB") or _register()
+
+__all__ = ["SCHEMAS", "eplb_logical_weight", "eplb_map", "eplb_record_load"]

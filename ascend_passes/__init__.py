@@ -13,6 +13,10 @@ from .errors import AscendPassesError, ConfigError, PassError, VerificationError
 from .pass_manager import Match, NearMiss, Pass, PassContext, PassManager, PassResult
 from .report import CompileReport, capture, count_ops
 
+from .inspect.trace import register_torch_logs as _register_torch_logs
+
+_register_torch_logs()  # TORCH_LOGS="+ascend_passes" shows the passes' INFO/DEBUG lines
+
 __version__ = "0.1.0"
 
 __all__ = [

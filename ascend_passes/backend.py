@@ -20,6 +20,7 @@ from .config import AscendPassConfig
 from .errors import ConfigError
 from .pass_manager import Pass, PassContext, PassHook, PassManager
 from .report import CompileReport, publish
+from .inspect.trace import trace_pass_graphs
 from .weights import record_execution_weights
 
 log = logging.getLogger("ascend_passes.backend")
@@ -130,7 +131,7 @@ def run_pipeline(config: AscendPassConfig, gm: fx.GraphModule, example_inputs: S
     publish a ``CompileReport``."""
     manager = PassManager(config, pipeline)
     ctx = PassContext(config, example_inputs, real_inputs, decompositions, target)
-    all_hooks = list(hooks)
+    all_hooks = [trace_pass_graphs, *hooks]  # TORCH_TRACE artifacts (a no-op when unset)
     if config.dump_dir:
         from .inspect.dump import GraphDumper
 

@@ -2,6 +2,7 @@
 
     ascend-passes demo                      compile the bundled DeepSeek-V3-style model (+ MTP)
     ascend-passes dump MODULE:FACTORY|NAME  graph before/after each pass, diffs, summary
+                                            (--format html: also a report page with pictures)
     ascend-passes passes                    the passes, in pipeline order
     ascend-passes models                    the bundled models
 """
@@ -9,13 +10,14 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import logging
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 
@@ -80,9 +82,23 @@ def _flat_tensors(out: Any) -> list[torch.Tensor]:
     return []
 
 
+def _ours(exc: BaseException) -> AscendPassesError | None:
+    """Our error inside the exception Dynamo wrapped it in (``BackendCompilerFailed``)."""
+    seen: set[int] = set()
+    cur: BaseException | None = exc
+    while cur is not None and id(cur) not in seen:
+        if isinstance(cur, AscendPassesError):
+            return cur
+        seen.add(id(cur))
+        cur = getattr(cur, "inner_exception", None) or cur.__cause__ or cur.__context__
+    return None
+
+
 def compile_and_compare(name: str, model: torch.nn.Module, inputs: Sequence[Any],
-                        config: AscendPassConfig) -> CompileRun:
-    """Compile ``model`` with ``config``, run it once, and compare with the uncompiled model."""
+                        config: AscendPassConfig, *, hooks: Sequence[Any] = (),
+                        pipeline: Sequence[Any] | None = None) -> CompileRun:
+    """Compile ``model`` with ``config`` (``hooks`` see every pass; ``pipeline`` replaces the
+    configured pass objects), run it once, and compare with the uncompiled model."""
     from .backend import make_backend
 
     torch._dynamo.reset()
@@ -90,7 +106,14 @@ def compile_and_compare(name: str, model: torch.nn.Module, inputs: Sequence[Any]
         expected = _flat_tensors(model(*inputs))
         with capture() as reports:
             t0 = time.perf_counter()
-            got = _flat_tensors(torch.compile(model, backend=make_backend(config))(*inputs))
+            compiled = torch.compile(model, backend=make_backend(config, hooks=hooks, pipeline=pipeline))
+            try:
+                got = _flat_tensors(compiled(*inputs))
+            except Exception as exc:
+                ours = _ours(exc)
+                if ours is None:
+                    raise
+                raise ours from exc
             seconds = time.perf_counter() - t0
     diff = max(((a.double() - b.double()).abs().max().item() for a, b in zip(expected, got)),
                default=0.0)
@@ -142,7 +165,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
     worst = 0.0
     for name in names:
         model, inputs = load_target(name)
-        run = compile_and_compare(name, model, inputs, config)
+        hooks: list[Any] = []
+        with _progress(args, list(config.pipeline()), hooks):
+            run = compile_and_compare(name, model, inputs, config, hooks=hooks)
         print_run(run, console)
         worst = max(worst, run.max_abs_diff / max(run.output_scale, 1e-12))
     if worst > 1e-3:
@@ -151,19 +176,74 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def load_pass(spec: str, config: AscendPassConfig) -> Any:
+    """``MODULE:CLASS`` → an instance of that ``Pass`` subclass built with ``config``."""
+    from .pass_manager import Pass
+
+    module_name, _, attr = spec.partition(":")
+    try:
+        cls = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError, ValueError) as exc:
+        raise AscendPassesError(f"cannot load pass {spec!r} (give MODULE:CLASS): {exc}") from exc
+    if not (isinstance(cls, type) and issubclass(cls, Pass)):
+        raise AscendPassesError(f"{spec!r} is not a subclass of ascend_passes.Pass")
+    return cls(config)
+
+
+def _pipeline(args: argparse.Namespace, config: AscendPassConfig) -> list[Any] | None:
+    extra = getattr(args, "pipeline_extra", None) or []
+    if not extra:
+        return None
+    from .passes import build_passes
+
+    return build_passes(config) + [load_pass(spec, config) for spec in extra]
+
+
+@contextlib.contextmanager
+def _progress(args: argparse.Namespace, names: Sequence[str], hooks: list[Any]) -> Iterator[None]:
+    if not getattr(args, "progress", False):
+        yield
+        return
+    from .inspect.progress import PassProgress
+
+    with PassProgress(names) as bar:
+        hooks.append(bar)
+        yield
+
+
 def cmd_dump(args: argparse.Namespace) -> int:
     console = _console()
     out = Path(args.out)
-    config = _config(args, dump_dir=str(out), verify_each=args.verify_each,
-                     strict=args.verify_each and args.strict)
+    config = _config(args, dump_dir=str(out), verify_each=args.verify_each, strict=args.strict)
+    pipeline = _pipeline(args, config)
+    names = [p.name for p in pipeline] if pipeline is not None else list(config.pipeline())
     model, inputs = load_target(args.target)
-    run = compile_and_compare(args.target, model, inputs, config)
+    hooks: list[Any] = []
+    recorder = None
+    if args.format == "html":
+        from .inspect.subgraphs import SubgraphRecorder
+
+        recorder = SubgraphRecorder()
+        hooks.append(recorder)
+    with _progress(args, names, hooks):
+        run = compile_and_compare(args.target, model, inputs, config, hooks=hooks, pipeline=pipeline)
     print_run(run, console)
     if args.print_after_all:
         for path in sorted(out.rglob("*.after.py")):
             console.rule(str(path))
             console.print(path.read_text(), markup=False)
     console.print(f"graphs, diffs and summary written to {out}/")
+    if recorder is not None:
+        from .inspect.html import write_html
+
+        page = write_html(out / "report.html", [(args.target, r) for r in run.reports], recorder,
+                          title=f"ascend_passes: {args.target}")
+        console.print(f"HTML report written to {page}")
+    rolled_back = [f"{r.name} ({r.error})" for report in run.reports for r in report.passes.values()
+                   if r.status != "ok"]
+    if rolled_back:
+        console.print("[red]rolled back: " + "; ".join(rolled_back) + "[/red]")
+        return 1
     return 0
 
 
@@ -208,6 +288,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--compiler", default="eager", choices=["eager", "inductor", "auto"],
                        help="downstream compiler after the passes (default: eager)")
         p.add_argument("--passes", default=None, help="pipeline, e.g. 'cleanup,norm,moe'")
+        p.add_argument("--progress", action="store_true", help="show a progress bar across the passes")
 
     demo = sub.add_parser("demo", help="compile the bundled DeepSeek-V3-style model (+ MTP drafter)")
     common(demo)
@@ -220,7 +301,13 @@ def build_parser() -> argparse.ArgumentParser:
     dump.add_argument("--print-after-all", action="store_true", help="also print each graph after each pass")
     dump.add_argument("--verify-each", action="store_true",
                       help="run the graph after every pass and compare with the original")
-    dump.add_argument("--strict", action="store_true", help="stop at the first failing pass")
+    dump.add_argument("--strict", action="store_true",
+                      help="stop at the first failing pass (error, exit status 2) instead of rolling it back")
+    dump.add_argument("--format", choices=["txt", "html"], default="txt",
+                      help="txt: .py/.diff/summary.txt per graph; html: those and OUT/report.html "
+                           "(passes, per-layer rewrites, near-misses, before/after pictures)")
+    dump.add_argument("--pipeline-extra", action="append", default=[], metavar="MODULE:CLASS",
+                      help="append a Pass subclass of your own to the pipeline (repeatable)")
     common(dump)
     dump.set_defaults(func=cmd_dump)
 
@@ -231,9 +318,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    level = {0: logging.WARNING, 1: logging.INFO}.get(args.verbose, logging.DEBUG)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    logging.getLogger("ascend_passes").setLevel(level)
+    if args.verbose:  # else leave the level alone: TORCH_LOGS="+ascend_passes" may have set it
+        logging.getLogger("ascend_passes").setLevel(logging.INFO if args.verbose == 1 else logging.DEBUG)
     try:
         return int(args.func(args))
     except AscendPassesError as exc:

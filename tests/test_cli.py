@@ -24,6 +24,7 @@ def test_models_lists_bundled_models():
     out = run("models")
     assert out.returncode == 0, out.stderr
     assert "deepseek_v3_grouped_mm" in out.stdout and "deepseek_v3_mtp1" in out.stdout
+    assert "qwen3_moe_grouped_mm" in out.stdout
 
 
 def test_unknown_model_is_a_clear_error():
@@ -54,3 +55,21 @@ def test_demo_prints_rewrites_for_target_and_drafter():
     assert "deepseek_v3_grouped_mm" in out.stdout and "deepseek_v3_mtp1" in out.stdout
     assert "ascend.moe_gating_top_k" in out.stdout
     assert "max |compiled - eager|" in out.stdout
+
+
+def test_dump_source_lines_and_print_after_all(tmp_path):
+    out = run("dump", "qwen3_moe_grouped_mm", "--out", str(tmp_path), "--passes", "cleanup,norm",
+              "--print-after-all", "--verify-each", "--progress")
+    assert out.returncode == 0, out.stderr
+    (graph_dir,) = [p for p in tmp_path.iterdir() if p.is_dir()]
+    after = (graph_dir / "01_norm.after.py").read_text()
+    # each op under the model line it came from, paths relative to sys.path
+    assert "# File: transformers/models/qwen3_moe/modeling_qwen3_moe.py:" in after
+    assert "torch.ops.ascend.rms_norm.default" in after
+    assert "01_norm.after.py" in out.stdout and "torch.ops.ascend.rms_norm.default" in out.stdout
+    assert "2/2" in out.stderr  # the progress bar
+
+
+def test_dump_rejects_unknown_format(tmp_path):
+    out = run("dump", "llama_dense", "--out", str(tmp_path), "--format", "pdf")
+    assert out.returncode == 2 and "invalid choice: 'pdf'" in out.stderr

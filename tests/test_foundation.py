@@ -208,16 +208,16 @@ def test_dump_dir_writes_before_after_and_diff(tmp_path):
 
 
 # ----------------------------------------------------------------------------- entry points
-def _uuid_in_subprocess(options: str) -> str:
-    code = f"import ascend_passes as ap; print(ap.inductor_pass({options}).uuid())"
-    return subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
-                          text=True).stdout.strip()
+def _uuids_in_subprocess(*options: str) -> list[str]:
+    code = "import ascend_passes as ap\n" + "".join(
+        f"print(ap.inductor_pass({o}).uuid())\n" for o in options)
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
+    return out.stdout.split()
 
 
 def test_inductor_pass_uuid_stable_across_processes():
-    a = _uuid_in_subprocess("{'compiler': 'inductor'}")
-    b = _uuid_in_subprocess("{'compiler': 'inductor'}")
-    c = _uuid_in_subprocess("{'compiler': 'inductor', 'disable': 'cleanup'}")
+    a, c = _uuids_in_subprocess("{'compiler': 'inductor'}", "{'compiler': 'inductor', 'disable': 'cleanup'}")
+    (b,) = _uuids_in_subprocess("{'compiler': 'inductor'}")
     assert a == b and len(a) == 64
     assert a != c
     assert ap.inductor_pass(compiler="inductor").uuid() == a

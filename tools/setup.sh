@@ -6,6 +6,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python}"
 export PIP_ROOT_USER_ACTION=ignore
+# graphviz (dot) draws the HTML report's subgraphs; chromium runs its headless-browser test
+if command -v apt-get >/dev/null && ! { command -v dot && command -v chromium; } >/dev/null 2>&1; then
+  apt-get update -qq && apt-get install -y -qq graphviz chromium >/dev/null
+fi
 "$PY" -m pip install -q --disable-pip-version-check "torch==2.13.0"
 "$PY" -m pip install -q --disable-pip-version-check -r requirements-dev.txt
 "$PY" -m pip install -q --disable-pip-version-check --no-build-isolation -e .

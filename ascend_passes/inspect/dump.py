@@ -6,6 +6,7 @@ from __future__ import annotations
 import difflib
 import logging
 import re
+import sys
 from pathlib import Path
 
 import torch.fx as fx
@@ -15,10 +16,26 @@ from ..pass_manager import PassResult
 log = logging.getLogger("ascend_passes.inspect")
 
 
+_FILE_COMMENT = re.compile(r"^(\s*# File: )(\S+?)(:\d+ in )", re.MULTILINE)
+
+
+def _short_path(path: str) -> str:
+    """``/…/site-packages/transformers/models/x.py`` → ``transformers/models/x.py``."""
+    best = path
+    for root in sys.path:
+        if root and path.startswith(root.rstrip("/") + "/"):
+            rel = path[len(root.rstrip("/")) + 1:]
+            if len(rel) < len(best):
+                best = rel
+    return best
+
+
 def graph_code(gm: fx.GraphModule) -> str:
-    """The graph as Python, with the source line of each node (from ``stack_trace``)."""
-    return gm.print_readable(print_output=False, include_stride=False, include_device=False,
+    """The graph as Python, with the model source line of each node (from its ``stack_trace``)
+    as a ``# File: path:line in fn, code: …`` comment; paths relative to ``sys.path``."""
+    code = gm.print_readable(print_output=False, include_stride=False, include_device=False,
                              colored=False)
+    return _FILE_COMMENT.sub(lambda m: m.group(1) + _short_path(m.group(2)) + m.group(3), code)
 
 
 def _safe(name: str) -> str:

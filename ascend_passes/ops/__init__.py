@@ -14,10 +14,9 @@ from torch.library import Library
 
 from .. import kernels
 from . import fake, reference
+from ._define import NAMESPACE, define_ops
 
 log = logging.getLogger("ascend_passes.ops")
-
-NAMESPACE = "ascend"
 
 # One overload each; names, argument order, defaults and outputs follow the torch_npu schema
 # of the op named in the comment (see ascend_passes/npu.py for the mapping used by `lower`).
@@ -72,24 +71,9 @@ KERNEL_OPS: tuple[str, ...] = (
 )
 
 
-def _already_defined(name: str) -> bool:
-    try:
-        torch._C._dispatch_find_schema_or_throw(f"{NAMESPACE}::{name}", "")
-    except RuntimeError:
-        return False
-    return True
-
-
 def _register() -> Library | None:
     """Defines every op once per process; a second import (or reload) finds them defined."""
-    if all(_already_defined(name) for name in SCHEMAS):
-        return None
-    lib = Library(NAMESPACE, "FRAGMENT")
-    for name, schema in SCHEMAS.items():
-        lib.define(schema)
-        lib.impl(name, getattr(reference, name), "CompositeExplicitAutograd")
-        torch.library.register_fake(f"{NAMESPACE}::{name}", getattr(fake, name), lib=lib)
-    return lib
+    return define_ops(SCHEMAS, {name: (getattr(reference, name), getattr(fake, name)) for name in SCHEMAS})
 
 
 # Keep the Library alive for the life of the process: dropping it would unregister the ops.

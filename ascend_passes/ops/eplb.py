@@ -38,9 +38,9 @@ from __future__ import annotations
 import torch
 from torch.library import Library
 
+from ._define import NAMESPACE, define_ops
 from .checks import check_dim, fail
 
-NAMESPACE = "ascend"
 
 SCHEMAS: dict[str, str] = {
     "eplb_map": (
@@ -132,24 +132,8 @@ _IMPLS = {
 
 
 # ------------------------------------------------------------------------------------ registration
-def _defined(name: str) -> bool:
-    try:
-        torch._C._dispatch_find_schema_or_throw(f"{NAMESPACE}::{name}", "")
-    except RuntimeError:
-        return False
-    return True
-
-
 def _register() -> Library | None:
-    if all(_defined(name) for name in SCHEMAS):
-        return None
-    lib = Library(NAMESPACE, "FRAGMENT")
-    for name, schema in SCHEMAS.items():
-        impl, fake = _IMPLS[name]
-        lib.define(schema)
-        lib.impl(name, impl, "CompositeExplicitAutograd")
-        torch.library.register_fake(f"{NAMESPACE}::{name}", fake, lib=lib)
-    return lib
+    return define_ops(SCHEMAS, _IMPLS)
 
 
 # Kept alive for the life of the process (dropping the Library unregisters the ops).

@@ -83,9 +83,9 @@ from __future__ import annotations
 import torch
 from torch.library import Library
 
+from ._define import NAMESPACE, define_ops
 from .checks import check_dim, check_float, check_same_dtype, fail
 
-NAMESPACE = "ascend"
 NAME = "mla_prolog"
 SCHEMA = (
     "mla_prolog(Tensor token_x, Tensor? weight_dq, Tensor weight_uq_qr, Tensor? weight_uk, "
@@ -200,22 +200,8 @@ def mla_prolog_fake(token_x, weight_dq, weight_uq_qr, weight_uk, weight_dkv_kr, 
 
 
 # ------------------------------------------------------------------------------------ registration
-def _defined() -> bool:
-    try:
-        torch._C._dispatch_find_schema_or_throw(f"{NAMESPACE}::{NAME}", "")
-    except RuntimeError:
-        return False
-    return True
-
-
 def _register() -> Library | None:
-    if _defined():
-        return None
-    lib = Library(NAMESPACE, "FRAGMENT")
-    lib.define(SCHEMA)
-    lib.impl(NAME, mla_prolog, "CompositeExplicitAutograd")
-    torch.library.register_fake(f"{NAMESPACE}::{NAME}", mla_prolog_fake, lib=lib)
-    return lib
+    return define_ops({NAME: SCHEMA}, {NAME: (mla_prolog, mla_prolog_fake)})
 
 
 # Kept alive for the life of the process (dropping the Library unregisters the op).

@@ -158,7 +158,8 @@ def _rewrites_section(record: GraphRecord | None, draw: bool, budget: list[int],
     for pass_name, rewrites in by_pass.items():
         out.append(f'<p id="{anchor}-{_e(pass_name)}"><b>{_e(pass_name)}</b>: {len(rewrites)} rewrite(s)</p>')
         for i, rw in enumerate(rewrites):
-            title = (f"{_e(rw.pattern)} at <code>{_e(rw.layer or '-')}</code> — "
+            where = f"at <code>{_e(rw.layer)}</code>" if rw.layer else "outside any layer"
+            title = (f"{_e(rw.pattern)} {where} — "
                      f"{len(rw.before.core)} node(s) → {len(rw.after.core)} node(s)")
             if budget[0] <= 0:
                 out.append(f"<details><summary>{title}</summary><p>Not drawn: this page draws at most "

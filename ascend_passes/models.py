@@ -144,6 +144,19 @@ def _input_ids(vocab_size: int, batch: int, tokens: int) -> torch.Tensor:
 # DeepseekV3
 
 
+def _seeded_lm(lm_cls: Any, config: Any, name: str, dtype: torch.dtype, *, batch: int, tokens: int,
+               seed: int) -> tuple[CausalLMLogits, tuple[torch.Tensor]]:
+    """Build ``lm_cls(config)`` with seeded weights (caller's RNG state untouched) and its
+    ``input_ids``; returns ``(CausalLMLogits(lm), (input_ids,))``."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        lm = lm_cls(config)
+        _init_weights(lm)
+        input_ids = _input_ids(config.vocab_size, batch, tokens)
+    logger.debug("built %s (%d layers, %s)", name, config.num_hidden_layers, dtype)
+    return CausalLMLogits(_finish(lm, dtype)).eval(), (input_ids,)
+
+
 def _deepseek_v3_config(experts_implementation: str, num_layers: int, overrides: dict[str, Any]) -> Any:
     from transformers import DeepseekV3Config
 
@@ -203,13 +216,8 @@ def deepseek_v3(
     from transformers import DeepseekV3ForCausalLM
 
     config = _deepseek_v3_config(experts_implementation, num_layers, overrides)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        lm = DeepseekV3ForCausalLM(config)
-        _init_weights(lm)
-        input_ids = _input_ids(config.vocab_size, batch, tokens)
-    logger.debug("built deepseek_v3 (%s, %d layers, %s)", experts_implementation, num_layers, dtype)
-    return CausalLMLogits(_finish(lm, dtype)).eval(), (input_ids,)
+    return _seeded_lm(DeepseekV3ForCausalLM, config, f"deepseek_v3 ({experts_implementation})", dtype, batch=batch,
+                      tokens=tokens, seed=seed)
 
 
 def deepseek_v3_mtp(
@@ -297,13 +305,8 @@ def qwen3_moe(
     config = Qwen3MoeConfig(**fields)
     config._attn_implementation = "sdpa"
     config._experts_implementation = experts_implementation
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        lm = Qwen3MoeForCausalLM(config)
-        _init_weights(lm)
-        input_ids = _input_ids(config.vocab_size, batch, tokens)
-    logger.debug("built qwen3_moe (%s, %d layers, %s)", experts_implementation, num_layers, dtype)
-    return CausalLMLogits(_finish(lm, dtype)).eval(), (input_ids,)
+    return _seeded_lm(Qwen3MoeForCausalLM, config, f"qwen3_moe ({experts_implementation})", dtype, batch=batch,
+                      tokens=tokens, seed=seed)
 
 
 def llama_dense(
@@ -333,13 +336,7 @@ def llama_dense(
     fields.update(overrides)
     config = LlamaConfig(**fields)
     config._attn_implementation = "sdpa"
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        lm = LlamaForCausalLM(config)
-        _init_weights(lm)
-        input_ids = _input_ids(config.vocab_size, batch, tokens)
-    logger.debug("built llama_dense (%d layers, %s)", num_layers, dtype)
-    return CausalLMLogits(_finish(lm, dtype)).eval(), (input_ids,)
+    return _seeded_lm(LlamaForCausalLM, config, "llama_dense", dtype, batch=batch, tokens=tokens, seed=seed)
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -27,24 +27,11 @@ from collections.abc import Callable
 import torch
 
 import ascend_passes.kernels as kernels
+from bench_kernels import paired_best  # same folder: one paired timer for both benches
 import ascend_passes.ops  # noqa: F401  (registers torch.ops.ascend)
 
 H, I, E, TOP_K = 1024, 256, 64, 6
 A = torch.ops.ascend
-
-
-def paired_min(a: Callable[[], object], b: Callable[[], object], budget_s: float) -> tuple[float, float]:
-    a(), b()
-    best_a = best_b = float("inf")
-    start, reps = time.perf_counter(), 0
-    while reps < 3 or time.perf_counter() - start < budget_s:
-        t0 = time.perf_counter()
-        a()
-        t1 = time.perf_counter()
-        b()
-        t2 = time.perf_counter()
-        best_a, best_b, reps = min(best_a, t1 - t0), min(best_b, t2 - t1), reps + 1
-    return best_a, best_b
 
 
 def tokens_per_expert(tokens: int, generator: torch.Generator) -> torch.Tensor:
@@ -134,7 +121,7 @@ def main() -> None:
 
                 y_l, y_e = run(as_loaded)()[0], run(execution)()[0]
                 torch.testing.assert_close(y_l, y_e, rtol=2e-2, atol=2e-2)
-                t_l, t_e = paired_min(run(as_loaded), run(execution), budget)
+                t_l, t_e = paired_best(run(as_loaded), run(execution), budget)
                 print(f"{shape:12s} {str(dtype)[6:]:9s} {proj:5s} {rows:5d} {t_l * 1e3:12.3f} {t_e * 1e3:13.3f} "
                       f"{t_l / t_e:7.2f}x", flush=True)
 

@@ -24,6 +24,7 @@ from torch._inductor import pattern_matcher as pm
 from ..pass_manager import Pass, PassContext, PassResult
 from ..patterns import moe_experts, moe_router
 from ..patterns.moe_router import RouterConstants
+from ._pattern import _decomp_fn
 from .layers import layer_of, where
 
 log = logging.getLogger("ascend_passes.passes.moe")
@@ -50,9 +51,8 @@ class MoeLayer:
 
 # ----------------------------------------------------------------------------- tracing
 def _trace_fn(decompositions: str) -> Callable[..., fx.GraphModule]:
-    if decompositions == "inductor":
-        return pm.fwd_only
-    return functools.partial(pm.fwd_only, get_decomp_fn=lambda: {})
+    """Trace patterns and replacements the way the searched graph was made."""
+    return functools.partial(pm.fwd_only, get_decomp_fn=_decomp_fn(decompositions))
 
 
 @functools.lru_cache(maxsize=None)
@@ -216,7 +216,9 @@ class MoePass(Pass):
         logits = kwargs["logits"]
         num_experts = int(_val(logits).shape[-1])
         topks = [n for n in nodes if n.target is aten.topk.default]
-        final_topk = max(topks, key=lambda n: _val(n)[0].dim() == 2 and _val(n.args[0]).shape[-1] == num_experts)
+        # the expert choice: top-k over all E scores (the group top-ks see [T, G, E/G] and [T, G])
+        final_topk = next(n for n in topks
+                          if _val(n.args[0]).dim() == 2 and _val(n.args[0]).shape[-1] == num_experts)
         top_k = int(final_topk.args[1])
         if name.startswith("deepseek"):
             view = _find(nodes, aten.view.default, lambda n: len(n.args[1]) == 3)

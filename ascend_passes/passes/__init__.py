@@ -25,6 +25,7 @@ PASS_TABLE: dict[str, str] = {
     "activation": "ascend_passes.passes.activation:ActivationPass",
     "mla": "ascend_passes.passes.mla:MlaPass",
     "eplb": "ascend_passes.passes.eplb:EplbPass",
+    "sequence_parallel": "ascend_passes.passes.sequence_parallel:SequenceParallelPass",
 }
 
 

@@ -1,0 +1,418 @@
+"""Sequence parallelism over the tensor-parallel (TP) group: the residual stream and its RMSNorms run
+on this rank's share of the tokens.
+
+``all_reduce(x) → [add_]rms_norm → y`` becomes
+``reduce_scatter(pad(x)) → [add_]rms_norm on T/W rows → all_gather(y) → unpad`` — for the first
+layer (plain norm of the embedding's all-reduce), the middle layers (residual add + norm) and the last
+norm before the LM head alike, in MoE and MTP layers too.
+
+How it is decided (a fixpoint over the graph, not a list of layer shapes):
+
+- *sharded* values are the reduce-scatter outputs (one per TP all-reduce) and the new residuals
+  (``x_sum``) of the norms that consume sharded values; a norm or a plain ``add`` with a sharded
+  input runs on shards; its other input, when full, is a value every rank holds identically (in a
+  TP graph anything added to the replicated residual stream is replicated), so this rank's rows
+  are sliced out of it;
+- every other consumer of a sharded value (attention, the MoE block, the LM head, a graph output)
+  reads it through one ``all_gather`` + unpad + view back to its original shape.
+
+Token counts that do not divide the TP size W are zero-padded to a multiple of W before the
+reduce-scatter and the padding is dropped after the all-gather; whether a (symbolic) token count
+is a multiple of W is decided with sympy, and for symbolic counts the padding is computed in the
+graph, so one compiled graph serves every token count.
+
+The pass is all-or-nothing per graph: every TP all-reduce must reach a fused RMSNorm (through
+adds), else nothing changes and a near-miss names the all-reduce, its layer and its consumer
+(a half-SP graph would be wrong or slower).
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+from dataclasses import dataclass, field
+from typing import Any
+
+import sympy
+import torch
+import torch.fx as fx
+
+from ..errors import ConfigError
+from ..pass_manager import Pass, PassContext, PassResult
+from .layers import where
+
+log = logging.getLogger("ascend_passes.passes.sequence_parallel")
+aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+
+_VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
+_KEEP_META = ("stack_trace", "nn_module_stack")
+
+
+class _Refuse(Exception):
+    def __init__(self, reason: str, node: fx.Node | None = None) -> None:
+        super().__init__(reason)
+        self.node = node
+
+
+def resolve_tp_group(tp_group: Any) -> tuple[Any, int, int, str]:
+    """``(group, world_size, rank, group_name)`` of the configured TP group (None: the world)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ConfigError(
+            "sequence_parallel needs an initialised torch.distributed process group (the TP group): "
+            "call torch.distributed.init_process_group(...) before torch.compile, or set "
+            "sequence_parallel=False"
+        )
+    group = tp_group
+    if group is None:
+        group = dist.group.WORLD
+    elif isinstance(group, str):
+        from torch.distributed.distributed_c10d import _resolve_process_group
+
+        group = _resolve_process_group(group)
+    size = dist.get_world_size(group)
+    if size < 2:
+        raise ConfigError(
+            f"sequence_parallel over a TP group of size {size} has nothing to split: use a TP group "
+            "of 2 or more ranks, or set sequence_parallel=False"
+        )
+    return group, size, dist.get_rank(group), group.group_name
+
+
+def is_tp_all_reduce(node: fx.Node, group_name: str) -> bool:
+    return (node.op == "call_function" and node.target is c10d.all_reduce.default
+            and node.args[1] == "sum" and str(node.args[2]) == str(group_name))
+
+
+# ------------------------------------------------------------------------------------- sizes
+@dataclass
+class _Tokens:
+    """How one full activation ``[..., H]`` maps onto rows: its shape handles (ints or SymInt-valued
+    nodes), the token count N, the padded count and this rank's chunk."""
+
+    shape: list[Any]
+    n: Any
+    padded: Any
+    chunk: Any
+    start: Any
+    needs_pad: bool
+    pad: Any = 0
+
+
+def _sym_expr(value: Any) -> Any:
+    return value.node.expr if isinstance(value, torch.SymInt) else sympy.Integer(int(value))
+
+
+def divides(count: Any, world_size: int) -> bool:
+    """True when ``count`` (an int or a SymInt) is provably a multiple of ``world_size``."""
+    return sympy.simplify(sympy.Mod(_sym_expr(count), world_size)) == 0
+
+
+class _Builder:
+    """Inserts nodes with metadata copied from an anchor and ``meta["val"]`` computed on fakes."""
+
+    def __init__(self, gm: fx.GraphModule) -> None:
+        self.graph = gm.graph
+
+    def call(self, target: Any, args: tuple, kwargs: dict | None = None, *, like: fx.Node) -> fx.Node:
+        node = self.graph.call_function(target, args, kwargs or {})
+        node.meta.update({k: v for k, v in like.meta.items() if k in _KEEP_META or k.startswith("ascend_")})
+        set_val(node)
+        return node
+
+    def arith(self, op: Any, a: Any, b: Any, *, like: fx.Node) -> Any:
+        if not isinstance(a, fx.Node) and not isinstance(b, fx.Node):
+            return op(a, b)
+        return self.call(op, (a, b), like=like)
+
+    def tokens(self, node: fx.Node, world_size: int, rank: int) -> _Tokens:
+        """Size handles of ``node``'s value, created right after it."""
+        val = node.meta["val"]
+        shape: list[Any] = []
+        for d, size in enumerate(val.shape):
+            if isinstance(size, torch.SymInt) and not isinstance(size.node.maybe_as_int(), int):
+                shape.append(self.call(aten.sym_size.int, (node, d), like=node))
+            else:
+                shape.append(int(size))
+        n: Any = 1
+        n_val: Any = 1
+        for size, size_val in zip(shape[:-1], val.shape[:-1]):
+            n = self.arith(operator.mul, n, size, like=node)
+            n_val = n_val * size_val
+        needs_pad = not divides(n_val, world_size)
+        if needs_pad:
+            plus = self.arith(operator.add, n, world_size - 1, like=node)
+            chunk = self.arith(operator.floordiv, plus, world_size, like=node)
+            padded = self.arith(operator.mul, chunk, world_size, like=node)
+            pad = self.arith(operator.sub, padded, n, like=node)
+        else:
+            chunk = self.arith(operator.floordiv, n, world_size, like=node)
+            padded, pad = n, 0
+        start = self.arith(operator.mul, chunk, rank, like=node) if rank else 0
+        return _Tokens(shape, n, padded, chunk, start, needs_pad, pad)
+
+
+def set_val(node: fx.Node) -> None:
+    """``meta["val"]`` of ``node`` from its inputs' fake values (SymInts included)."""
+    from torch._guards import detect_fake_mode
+
+    args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
+    fakes: list[torch.Tensor] = []
+    fx.node.map_aggregate((args, kwargs), lambda a: fakes.append(a) if isinstance(a, torch.Tensor) else a)
+    mode = detect_fake_mode(fakes) if fakes else None
+    if mode is None:
+        node.meta["val"] = node.target(*args, **kwargs)
+        return
+    with mode:
+        node.meta["val"] = node.target(*args, **kwargs)
+
+
+# ------------------------------------------------------------------------------------- plan
+def _norm_kind(node: fx.Node) -> str | None:
+    if node.op != "call_function":
+        return None
+    ascend = getattr(torch.ops, "ascend", None)
+    if ascend is None:
+        return None
+    if node.target is ascend.rms_norm.default:
+        return "rms_norm"
+    if node.target is ascend.add_rms_norm.default:
+        return "add_rms_norm"
+    return None
+
+
+def _getitems(node: fx.Node) -> dict[int, fx.Node]:
+    return {u.args[1]: u for u in node.users if u.target is operator.getitem}
+
+
+def _shape(node: Any) -> tuple | None:
+    val = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return tuple(val.shape) if isinstance(val, torch.Tensor) else None
+
+
+@dataclass
+class Plan:
+    """What the rewrite will do, decided before anything changes."""
+
+    all_reduces: list[fx.Node] = field(default_factory=list)
+    sharded: set[fx.Node] = field(default_factory=set)  # values (original nodes) computed on shards
+    ops: list[fx.Node] = field(default_factory=list)  # norms and adds that run on shards
+    norms: list[fx.Node] = field(default_factory=list)
+    sliced: list[tuple[fx.Node, int]] = field(default_factory=list)  # (op, arg index) of full operands
+    gathered: set[fx.Node] = field(default_factory=set)  # sharded values read by other consumers
+
+
+def plan(gm: fx.GraphModule, group_name: str) -> Plan:
+    """Decide the rewrite; raises ``_Refuse`` when the graph cannot be made sequence-parallel."""
+    p = Plan()
+    waits: dict[fx.Node, fx.Node] = {}
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is c10d.all_reduce.default \
+                and str(node.args[2]) == str(group_name):
+            if node.args[1] != "sum":
+                raise _Refuse(f"all_reduce {node.name} reduces with {node.args[1]!r}, not 'sum'", node)
+            users = list(node.users)
+            if len(users) != 1 or users[0].target is not c10d.wait_tensor.default:
+                raise _Refuse(f"all_reduce {node.name} is not followed by exactly one wait_tensor", node)
+            if _shape(node) is None or len(_shape(node)) < 2:
+                raise _Refuse(f"all_reduce {node.name} is not over a [tokens, hidden] activation", node)
+            p.all_reduces.append(node)
+            waits[users[0]] = node
+            p.sharded.add(users[0])
+    if not p.all_reduces:
+        raise _Refuse("no all_reduce over the TP group in this graph: nothing to make sequence-parallel")
+    for node in gm.graph.nodes:  # topological order: inputs are decided before their users
+        kind = _norm_kind(node)
+        if kind is None and not (node.op == "call_function" and node.target is aten.add.Tensor):
+            continue
+        slots = (0,) if kind == "rms_norm" else (0, 1)
+        partner = next((node.args[i] for i in slots if _is_in(node.args[i], p.sharded)), None)
+        if partner is None:
+            continue
+        for i in slots:
+            a = node.args[i]
+            if _is_in(a, p.sharded) or _token_free(a):
+                continue
+            if _shape(a) != _shape(partner):
+                raise _Refuse(f"{node.name} combines a token shard with an operand of shape {_shape(a)} "
+                              f"(the shard's full shape is {_shape(partner)})", node)
+            p.sliced.append((node, i))
+        p.ops.append(node)
+        if kind is None:
+            p.sharded.add(node)
+            continue
+        p.norms.append(node)
+        items = _getitems(node)
+        if 1 in items and items[1].users:
+            raise _Refuse(f"the rstd output of {node.name} is used; sharding it is not supported", node)
+        if 0 in items:
+            p.sharded.add(items[0])
+        if kind == "add_rms_norm" and 2 in items:
+            p.sharded.add(items[2])
+    # every all-reduce must reach a fused norm (through adds), else a norm stays un-rewritten
+    for ar in p.all_reduces:
+        frontier, seen, reached = [next(iter(ar.users))], set(), False
+        while frontier and not reached:
+            value = frontier.pop()
+            for user in value.users:
+                if user in p.norms:
+                    reached = True
+                elif user in p.ops and user not in seen:
+                    seen.add(user)
+                    frontier.append(user)
+        if not reached:
+            consumer = next(iter(next(iter(ar.users)).users), None)
+            what = f"{consumer.name} ({consumer.target})" if consumer is not None else "nothing"
+            raise _Refuse(
+                f"all_reduce {ar.name} feeds {what}, not a fused RMSNorm; sequence parallelism needs "
+                "every norm after a TP all-reduce rewritten to ascend.rms_norm/add_rms_norm (is the norm "
+                "pass in the pipeline, and did it match this norm?)", ar)
+    p.gathered = {v for v in p.sharded if any(u not in p.ops for u in v.users)}
+    return p
+
+
+def _is_in(value: Any, nodes: set[fx.Node]) -> bool:
+    return isinstance(value, fx.Node) and value in nodes
+
+
+def _token_free(value: Any) -> bool:
+    """A scalar or a 1-D ``[H]`` tensor (a bias): the same for every token, used as it is."""
+    if not isinstance(value, fx.Node):
+        return True
+    shape = _shape(value)
+    return shape is not None and len(shape) <= 1
+
+
+# ------------------------------------------------------------------------------------- pass
+class SequenceParallelPass(Pass):
+    name = "sequence_parallel"
+    summary = ("all_reduce → [add_]rms_norm  becomes  reduce_scatter → [add_]rms_norm on this rank's "
+               "tokens → all_gather")
+
+    def enabled(self, ctx: PassContext) -> bool:
+        return self.config.sequence_parallel.enabled
+
+    def config_key(self) -> Any:
+        # the rank is baked into the slices of replicated operands: ranks must not share a cache entry
+        try:
+            _, size, rank, name = resolve_tp_group(self.config.sequence_parallel.tp_group)
+        except ConfigError:
+            return None
+        return (size, rank, name)
+
+    def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+        result = PassResult(self.name)
+        _, world_size, rank, group_name = resolve_tp_group(self.config.sequence_parallel.tp_group)
+        try:
+            the_plan = plan(gm, group_name)
+        except _Refuse as why:
+            layer = where(why.node) if why.node is not None else None
+            result.near_miss("sequence_parallel", f"graph left unchanged: {why}", layer=layer, node=why.node)
+            if any(is_tp_all_reduce(n, group_name) for n in gm.graph.nodes):
+                log.warning("sequence_parallel: graph left unchanged: %s", why)
+            return result
+        _rewrite(gm, the_plan, world_size, rank, group_name, result)
+        ctx.facts["sequence_parallel"] = {"world_size": world_size, "rank": rank,
+                                          "norms": [n.name for n in the_plan.norms]}
+        return result
+
+
+def _rewrite(gm: fx.GraphModule, p: Plan, world_size: int, rank: int, group_name: str,
+             result: PassResult) -> None:
+    graph = gm.graph
+    b = _Builder(gm)
+    shard: dict[fx.Node, fx.Node] = {}  # original sharded value -> its shard node
+    tokens: dict[fx.Node, _Tokens] = {}  # original sharded value -> its token handles
+
+    def rows(full: fx.Node, t: _Tokens, like: fx.Node) -> fx.Node:
+        """``full`` [..., H] as [N(+pad), H]."""
+        hidden = t.shape[-1]
+        flat = b.call(aten.view.default, (full, [t.n, hidden]), like=like)
+        if t.needs_pad:
+            flat = b.call(aten.constant_pad_nd.default, (flat, [0, 0, 0, t.pad], 0.0), like=like)
+        return flat
+
+    # 1. every TP all_reduce becomes a reduce_scatter over padded rows
+    for ar in p.all_reduces:
+        wait = next(iter(ar.users))
+        x = ar.args[0]
+        with graph.inserting_before(ar):
+            t = b.tokens(x, world_size, rank)
+            flat = rows(x, t, ar)
+            rs = b.call(c10d.reduce_scatter_tensor.default, (flat, "sum", world_size, group_name), like=ar)
+            rs_wait = b.call(c10d.wait_tensor.default, (rs,), like=wait)
+        shard[wait], tokens[wait] = rs_wait, t
+        result.match("reduce_scatter", layer=where(ar), nodes=[ar], world_size=world_size, padded=t.needs_pad)
+
+    # 2. norms and adds on shards, in graph order; full operands sliced to this rank's rows
+    sliced = {}
+    for op, i in p.sliced:
+        sliced.setdefault(op, []).append(i)
+    for op in p.ops:
+        kind = _norm_kind(op)
+        slots = (0,) if kind == "rms_norm" else (0, 1)
+        partner = next(op.args[i] for i in slots if _is_in(op.args[i], p.sharded))
+        t = tokens[partner]
+        args = list(op.args)
+        for i in slots:
+            a = op.args[i]
+            if _is_in(a, p.sharded):
+                args[i] = shard[a]
+            elif i in sliced.get(op, ()):
+                with graph.inserting_before(op):
+                    flat = rows(a, t, op)
+                    end = b.arith(operator.add, t.start, t.chunk, like=op)
+                    args[i] = b.call(aten.slice.Tensor, (flat, 0, t.start, end), like=op)
+        with graph.inserting_before(op):
+            new = b.call(op.target, tuple(args), dict(op.kwargs), like=op)
+        new.meta.update({k: v for k, v in op.meta.items() if k != "val"})
+        if kind is None:
+            shard[op], tokens[op] = new, t
+            continue
+        items = _getitems(op)
+        with graph.inserting_after(new):
+            for idx, item in items.items():
+                new_item = b.call(operator.getitem, (new, idx), like=item)
+                if item in p.sharded:
+                    shard[item], tokens[item] = new_item, t
+                else:
+                    item.replace_all_uses_with(new_item)
+        label = "add_rms_norm" if kind == "add_rms_norm" else "rms_norm"
+        result.match(f"{label}_on_shard", layer=where(op), nodes=[op], sliced=sorted(sliced.get(op, [])))
+
+    # 3. other consumers read sharded values through one all_gather each
+    for value in p.gathered:
+        t = tokens[value]
+        part = shard[value]
+        with graph.inserting_after(part):
+            gathered = b.call(c10d.all_gather_into_tensor.default, (part, world_size, group_name), like=value)
+        with graph.inserting_after(gathered):
+            gathered = b.call(c10d.wait_tensor.default, (gathered,), like=value)
+        with graph.inserting_after(gathered):
+            if t.needs_pad:
+                gathered = b.call(aten.slice.Tensor, (gathered, 0, 0, t.n), like=value)
+        with graph.inserting_after(gathered):
+            full = b.call(aten.view.default, (gathered, list(t.shape)), like=value)
+        for user in list(value.users):
+            if user not in p.ops:
+                user.replace_input_with(value, full)
+        result.match("all_gather", layer=where(value), nodes=[value], world_size=world_size)
+
+    # 4. the replaced nodes are dead now
+    for op in reversed(p.ops):
+        for item in _getitems(op).values():
+            if not item.users:
+                graph.erase_node(item)
+        if not op.users:
+            graph.erase_node(op)
+    for ar in p.all_reduces:
+        wait = next(iter(ar.users))
+        if not wait.users:
+            graph.erase_node(wait)
+        if not ar.users:
+            graph.erase_node(ar)
+    graph.eliminate_dead_code()
+    log.debug("sequence_parallel: %d all_reduce -> reduce_scatter, %d norms on shards, %d all_gather",
+              len(p.all_reduces), len(p.norms), len(p.gathered))

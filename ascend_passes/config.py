@@ -6,12 +6,14 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
 from .errors import ConfigError
-
 from .passes import PASS_TABLE
+
+log = logging.getLogger("ascend_passes.config")
 
 # The default pipeline: every pass the package has, in order (DESIGN.md, "Passes").
 DEFAULT_PIPELINE: tuple[str, ...] = tuple(PASS_TABLE)
@@ -41,6 +43,13 @@ class EplbConfig:
     placement_file: str | None = None
     record_load: bool = True
     ep_size: int = 1
+    # expert parallelism across processes: a torch.distributed ProcessGroup or group name; None
+    # means the default (world) group.  Left out of the hash except for its name and size.
+    ep_group: Any = None
+    # the MoE input under expert parallelism: "replicated" (every rank has all tokens: all_reduce
+    # of the partial outputs) or "sharded" (each rank its own tokens, e.g. sequence parallel:
+    # all_gather → local experts → reduce_scatter)
+    ep_tokens: str = "replicated"
 
 
 @dataclass(frozen=True)
@@ -83,6 +92,16 @@ class AscendPassConfig:
         _typed("sequence_parallel", self.sequence_parallel, SequenceParallelConfig)
         _typed("eplb", self.eplb, EplbConfig)
         _typed("sequence_parallel.enabled", self.sequence_parallel.enabled, bool)
+        if self.shared_expert_dp and not self.sequence_parallel.enabled:
+            # shared-expert DP computes on the SP token shards: it cannot run without SP
+            log.warning("shared_expert_dp needs sequence parallelism; turning sequence_parallel on "
+                        "(set sequence_parallel=True to silence this warning)")
+            object.__setattr__(self, "sequence_parallel",
+                               dataclasses.replace(self.sequence_parallel, enabled=True))
+        if self.sequence_parallel.enabled:
+            from .passes.sequence_parallel import resolve_tp_group
+
+            resolve_tp_group(self.sequence_parallel.tp_group)  # ConfigError with the fix
         _typed("eplb.enabled", self.eplb.enabled, bool)
         _typed("eplb.record_load", self.eplb.record_load, bool)
         _typed("eplb.num_redundant_experts", self.eplb.num_redundant_experts, int)
@@ -94,6 +113,11 @@ class AscendPassConfig:
             )
         if self.eplb.ep_size < 1:
             raise ConfigError(f"option 'eplb.ep_size'={self.eplb.ep_size} must be 1 or more")
+        if self.eplb.ep_group is not None and not (
+                isinstance(self.eplb.ep_group, str) or hasattr(self.eplb.ep_group, "size")):
+            raise ConfigError(f"option 'eplb.ep_group'={self.eplb.ep_group!r} must be a "
+                              "torch.distributed ProcessGroup, a group name or None (the world group)")
+        _choice("eplb.ep_tokens", self.eplb.ep_tokens, ("replicated", "sharded"))
 
     # ----------------------------------------------------------------------------- building
     @classmethod

@@ -42,6 +42,7 @@ __all__ = [
     "RowParallelLinear",
     "TPDeepseekV3MoE",
     "VocabParallelEmbedding",
+    "deepseek_v3_mtp_tp",
     "deepseek_v3_tp",
     "expected_all_reduce_count",
 ]
@@ -131,12 +132,20 @@ def _tp_moe_class() -> type:
 
     class TPDeepseekV3MoE(DeepseekV3MoE):
         """HF ``DeepseekV3MoE`` (replicated router, experts and shared expert sharded along I) whose output, the
-        partial sum ``routed + shared`` of this rank, is all-reduced once."""
+        partial sum ``routed + shared`` of this rank, is all-reduced once; with ``shared_replicated`` the shared
+        expert holds full weights and is added after the all-reduce of the routed part."""
 
         tp_group: Any = None
+        shared_replicated: bool = False
 
         def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-            return _all_reduce(super().forward(hidden_states), self.tp_group)
+            if not self.shared_replicated:
+                return _all_reduce(super().forward(hidden_states), self.tp_group)
+            # replicated shared expert (full weights on every rank): only the routed part is summed
+            orig_shape = hidden_states.shape
+            _, topk_weights, topk_indices = self.gate(hidden_states)
+            routed = self.experts(hidden_states.view(-1, orig_shape[-1]), topk_indices, topk_weights)
+            return _all_reduce(routed.view(*orig_shape), self.tp_group) + self.shared_experts(hidden_states)
 
     return TPDeepseekV3MoE
 
@@ -154,14 +163,20 @@ def expected_all_reduce_count(num_layers: int) -> int:
     return 1 + 2 * num_layers
 
 
-def _sharded_state_dict(full: dict[str, torch.Tensor], config: Any, rank: int, ws: int) -> dict[str, torch.Tensor]:
-    """This rank's slices of the full (single-process) ``DeepseekV3ForCausalLM`` state dict."""
+_VOCAB_PARALLEL = ("embed_tokens.weight", "lm_head.weight", "shared_head.weight")
+
+
+def _sharded_state_dict(full: dict[str, torch.Tensor], config: Any, rank: int, ws: int,
+                        shared_replicated: bool = False) -> dict[str, torch.Tensor]:
+    """This rank's slices of a full (single-process) ``DeepseekV3ForCausalLM`` or ``MtpModel`` state dict."""
     out: dict[str, torch.Tensor] = {}
     i_moe = config.moe_intermediate_size
     for name, t in full.items():
         leaf = name.split(".")[-1]
         parent = name.split(".")[-2] if "." in name else ""
-        if name == "model.embed_tokens.weight" or name == "lm_head.weight":
+        if shared_replicated and ".shared_experts." in name:
+            out[name] = t.clone()  # full weights on every rank
+        elif name.endswith(_VOCAB_PARALLEL):
             out[name] = _shard(t, 0, rank, ws)  # vocab rows
         elif parent in ("q_b_proj", "kv_b_proj", "gate_proj", "up_proj") and leaf == "weight":
             out[name] = _shard(t, 0, rank, ws)  # output rows are head-major / intermediate
@@ -177,34 +192,13 @@ def _sharded_state_dict(full: dict[str, torch.Tensor], config: Any, rank: int, w
     return out
 
 
-def deepseek_v3_tp(
-    rank: int,
-    world_size: int,
-    group: Any = None,
-    experts_implementation: str = "grouped_mm",
-    **kwargs: Any,
-) -> tuple[models.CausalLMLogits, tuple[torch.Tensor]]:
-    """TP shard ``rank`` of ``world_size`` of :func:`ascend_passes.models.deepseek_v3` (``kwargs`` as there:
-    ``num_layers``, ``tokens``, ``batch``, ``dtype``, ``seed``, config overrides). ``group`` defaults to the
-    world group (``torch.distributed`` must be initialised). Returns ``(model, (input_ids,))`` with the same
-    ``input_ids`` as the single-process factory; ``model(input_ids)`` gives the full logits ``[B, S, V]``
-    on every rank."""
-    from transformers import DeepseekV3ForCausalLM
-
-    if not 0 <= rank < world_size:
-        raise ConfigError(f"rank={rank} is not in [0, {world_size})")
-    group = _resolve_group(group)
-    dtype = kwargs.get("dtype", torch.float32)
-    full_model, inputs = models.deepseek_v3(experts_implementation, **kwargs)
-    full_lm = full_model.lm
-    config = full_lm.config
+def _tp_config(config: Any, world_size: int) -> Any:
     for field in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "moe_intermediate_size",
                   "vocab_size"):
         if getattr(config, field) % world_size:
             raise ConfigError(f"{field}={getattr(config, field)} is not divisible by world_size={world_size}")
     if config.n_shared_experts != 1:
         raise ConfigError("deepseek_v3_tp supports n_shared_experts == 1 only")
-
     tp_config = copy.deepcopy(config)
     tp_config.num_attention_heads = config.num_attention_heads // world_size
     tp_config.num_key_value_heads = config.num_key_value_heads // world_size
@@ -212,24 +206,107 @@ def deepseek_v3_tp(
     tp_config.moe_intermediate_size = config.moe_intermediate_size // world_size
     tp_config._attn_implementation = config._attn_implementation
     tp_config._experts_implementation = config._experts_implementation
+    return tp_config
 
+
+def _parallelize_layer(layer: nn.Module, config: Any, tp_config: Any, group: Any, shared_expert: str) -> None:
+    """Swap the row-parallel linears (and the TP MoE class) into one HF decoder layer built from ``tp_config``."""
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MLP
+
+    hidden = config.hidden_size
+    attn = layer.self_attn
+    attn.o_proj = RowParallelLinear(
+        tp_config.num_attention_heads * config.v_head_dim, hidden, attn.o_proj.bias is not None, group
+    )
+    mlp = layer.mlp
+    if type(mlp).__name__ == "DeepseekV3MoE":
+        mlp.__class__ = _tp_moe_class()
+        mlp.tp_group = group
+        if shared_expert == "replicated":
+            mlp.shared_replicated = True
+            mlp.shared_experts = DeepseekV3MLP(
+                config=config, intermediate_size=config.moe_intermediate_size * config.n_shared_experts)
+    else:
+        mlp.down_proj = RowParallelLinear(tp_config.intermediate_size, hidden, False, group)
+
+
+def _tp_lm(full_lm: nn.Module, rank: int, world_size: int, group: Any, shared_expert: str,
+           dtype: torch.dtype) -> nn.Module:
+    from transformers import DeepseekV3ForCausalLM
+
+    config = full_lm.config
+    tp_config = _tp_config(config, world_size)
     lm = DeepseekV3ForCausalLM(tp_config)
     hidden = config.hidden_size
     lm.model.embed_tokens = VocabParallelEmbedding(config.vocab_size // world_size, hidden, rank, group)
     lm.lm_head = ColumnParallelLinear(hidden, config.vocab_size // world_size, group, gather_output=True)
-    moe_cls = _tp_moe_class()
     for layer in lm.model.layers:
-        attn = layer.self_attn
-        attn.o_proj = RowParallelLinear(
-            tp_config.num_attention_heads * config.v_head_dim, hidden, attn.o_proj.bias is not None, group
-        )
-        mlp = layer.mlp
-        if type(mlp).__name__ == "DeepseekV3MoE":
-            mlp.__class__ = moe_cls
-            mlp.tp_group = group
-        else:
-            mlp.down_proj = RowParallelLinear(tp_config.intermediate_size, hidden, False, group)
+        _parallelize_layer(layer, config, tp_config, group, shared_expert)
     lm = models._finish(lm, dtype)  # buffers (rotary) in dtype, router in fp32, like the reference
-    lm.load_state_dict(_sharded_state_dict(full_lm.state_dict(), config, rank, world_size), strict=True, assign=True)
-    lm.eval()
+    lm.load_state_dict(_sharded_state_dict(full_lm.state_dict(), config, rank, world_size,
+                                           shared_expert == "replicated"), strict=True, assign=True)
+    return lm.eval()
+
+
+def _check_rank(rank: int, world_size: int, shared_expert: str) -> None:
+    if not 0 <= rank < world_size:
+        raise ConfigError(f"rank={rank} is not in [0, {world_size})")
+    if shared_expert not in ("tp", "replicated"):
+        raise ConfigError(f"shared_expert={shared_expert!r}: use 'tp' (sharded along I) or 'replicated'")
+
+
+def deepseek_v3_tp(
+    rank: int,
+    world_size: int,
+    group: Any = None,
+    experts_implementation: str = "grouped_mm",
+    shared_expert: str = "tp",
+    **kwargs: Any,
+) -> tuple[models.CausalLMLogits, tuple[torch.Tensor]]:
+    """TP shard ``rank`` of ``world_size`` of :func:`ascend_passes.models.deepseek_v3` (``kwargs`` as there:
+    ``num_layers``, ``tokens``, ``batch``, ``dtype``, ``seed``, config overrides). ``group`` defaults to the
+    world group (``torch.distributed`` must be initialised). Returns ``(model, (input_ids,))`` with the same
+    ``input_ids`` as the single-process factory; ``model(input_ids)`` gives the full logits ``[B, S, V]``
+    on every rank. ``shared_expert="replicated"`` keeps the shared expert's full weights on every rank (added after
+    the routed all-reduce), the form shared-expert data parallelism needs."""
+    _check_rank(rank, world_size, shared_expert)
+    group = _resolve_group(group)
+    dtype = kwargs.get("dtype", torch.float32)
+    full_model, inputs = models.deepseek_v3(experts_implementation, **kwargs)
+    full_lm = full_model.lm
+    lm = _tp_lm(full_lm, rank, world_size, group, shared_expert, dtype)
     return models.CausalLMLogits(lm).eval(), inputs
+
+
+def deepseek_v3_mtp_tp(
+    rank: int,
+    world_size: int,
+    num_mtp_layers: int = 1,
+    group: Any = None,
+    experts_implementation: str = "grouped_mm",
+    shared_expert: str = "tp",
+    **kwargs: Any,
+) -> tuple[models.MtpDrafter, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """TP shard ``rank`` of :func:`ascend_passes.models.deepseek_v3_mtp` (same seed, same weights, same inputs):
+    the main model as in :func:`deepseek_v3_tp`, and an ``MtpModel`` over it whose MTP decoder blocks are
+    parallelised the same way (``eh_proj``, ``enorm``, ``hnorm`` replicated; the embedding and the shared head
+    are the main model's vocab-parallel ones). ``drafter(*inputs)`` gives the full drafted logits and last
+    hidden states on every rank."""
+    from transformers.modeling_layers import MtpModel
+
+    _check_rank(rank, world_size, shared_expert)
+    group = _resolve_group(group)
+    dtype = kwargs.get("dtype", torch.float32)
+    full_drafter, inputs = models.deepseek_v3_mtp(num_mtp_layers, experts_implementation, **kwargs)
+    full_lm = full_drafter.main_model.lm
+    config = full_lm.config
+    lm = _tp_lm(full_lm, rank, world_size, group, shared_expert, dtype)
+    tp_config = _tp_config(config, world_size)
+    mtp = MtpModel(lm, num_mtp_layers)
+    for layer in mtp.layers:
+        _parallelize_layer(layer.mtp_block, config, tp_config, group, shared_expert)
+    mtp = models._finish(mtp, dtype)
+    mtp.load_state_dict(_sharded_state_dict(full_drafter.mtp.state_dict(), config, rank, world_size,
+                                            shared_expert == "replicated"), strict=True, assign=True)
+    main = models.CausalLMLogits(lm).eval()
+    return models.MtpDrafter(mtp.eval(), main, full_drafter.main_example_inputs).eval(), inputs

@@ -26,6 +26,7 @@ PASS_TABLE: dict[str, str] = {
     "mla": "ascend_passes.passes.mla:MlaPass",
     "eplb": "ascend_passes.passes.eplb:EplbPass",
     "sequence_parallel": "ascend_passes.passes.sequence_parallel:SequenceParallelPass",
+    "shared_expert_dp": "ascend_passes.passes.shared_expert_dp:SharedExpertDpPass",
 }
 
 

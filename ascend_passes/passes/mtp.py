@@ -102,13 +102,19 @@ def _is_ascend_norm(node: Any, *names: str) -> bool:
             and target._opname in (names or ("rms_norm", "add_rms_norm")))
 
 
+_C10D = torch.ops._c10d_functional
+
+
 def _is_embedding(node: Any) -> bool:
-    """An embedding lookup, possibly cast or scaled by a constant."""
-    for _ in range(4):
+    """An embedding lookup, possibly cast or scaled by a constant, or vocab-parallel (tensor parallelism:
+    out-of-shard rows masked to zero, then all-reduced)."""
+    for _ in range(6):
         node = _skip_casts(node)
         if _is_fn(node, aten.embedding.default):
             return True
-        if _is_fn(node, aten.mul.Tensor) and not isinstance(node.args[1], fx.Node):
+        if (_is_fn(node, aten.mul.Tensor) and not isinstance(node.args[1], fx.Node)) \
+                or _is_fn(node, _C10D.wait_tensor.default) or _is_fn(node, _C10D.all_reduce.default) \
+                or _is_fn(node, aten.masked_fill.Scalar):
             node = node.args[0]
             continue
         return False

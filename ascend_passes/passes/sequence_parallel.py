@@ -313,15 +313,18 @@ class SequenceParallelPass(Pass):
             if any(is_tp_all_reduce(n, group_name) for n in gm.graph.nodes):
                 log.warning("sequence_parallel: graph left unchanged: %s", why)
             return result
-        _rewrite(gm, the_plan, world_size, rank, group_name, result)
-        ctx.facts["sequence_parallel"] = {"world_size": world_size, "rank": rank,
-                                          "norms": [n.name for n in the_plan.norms]}
+        facts = _rewrite(gm, the_plan, world_size, rank, group_name, result)
+        facts.update(world_size=world_size, rank=rank, group_name=group_name)
+        ctx.facts["sequence_parallel"] = facts
         return result
 
 
 def _rewrite(gm: fx.GraphModule, p: Plan, world_size: int, rank: int, group_name: str,
-             result: PassResult) -> None:
+             result: PassResult) -> dict[str, Any]:
+    """Apply the plan; returns the facts later passes read: ``sliced`` (slice node → the full value it
+    cuts this rank's rows from) and ``gathered`` (all-gathered full value → the shard it came from)."""
     graph = gm.graph
+    facts: dict[str, Any] = {"sliced": {}, "gathered": {}}
     b = _Builder(gm)
     shard: dict[fx.Node, fx.Node] = {}  # original sharded value -> its shard node
     tokens: dict[fx.Node, _Tokens] = {}  # original sharded value -> its token handles
@@ -365,6 +368,7 @@ def _rewrite(gm: fx.GraphModule, p: Plan, world_size: int, rank: int, group_name
                     flat = rows(a, t, op)
                     end = b.arith(operator.add, t.start, t.chunk, like=op)
                     args[i] = b.call(aten.slice.Tensor, (flat, 0, t.start, end), like=op)
+                    facts["sliced"][args[i].name] = a.name
         with graph.inserting_before(op):
             new = b.call(op.target, tuple(args), dict(op.kwargs), like=op)
         new.meta.update({k: v for k, v in op.meta.items() if k != "val"})
@@ -398,6 +402,7 @@ def _rewrite(gm: fx.GraphModule, p: Plan, world_size: int, rank: int, group_name
         for user in list(value.users):
             if user not in p.ops:
                 user.replace_input_with(value, full)
+        facts["gathered"][full.name] = part.name
         result.match("all_gather", layer=where(value), nodes=[value], world_size=world_size)
 
     # 4. the replaced nodes are dead now
@@ -416,3 +421,4 @@ def _rewrite(gm: fx.GraphModule, p: Plan, world_size: int, rank: int, group_name
     graph.eliminate_dead_code()
     log.debug("sequence_parallel: %d all_reduce -> reduce_scatter, %d norms on shards, %d all_gather",
               len(p.all_reduces), len(p.norms), len(p.gathered))
+    return facts

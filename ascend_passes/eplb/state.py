@@ -21,6 +21,20 @@ to the ``eplb`` pass, which routes the fused MoE chain over the physical slots. 
 table is ``R + 1`` wide (the most replicas one expert can get), so every placement has the same
 shapes and a new one is a few in-place copies.
 
+Expert parallelism across processes (``ep_size > 1`` with ``torch.distributed`` initialised):
+the EP group (``eplb.ep_group``, default the world group) must have ``ep_size`` ranks, and rank
+``r`` keeps only its ``L = P / ep_size`` slots ``[r*L, (r+1)*L)`` of the physical weights
+(``eplb_gate_up_proj [L, 2I, H]``) — memory ``L`` slots per rank — while the maps stay global
+(``log2phy`` / ``phy2log`` / ``replica_count`` identical on every rank, ``eplb_load [P]`` counting
+only this rank's slots, zeros elsewhere, so the ranks' loads sum to the global one).  There is no
+logical view of the weights then, so the attached model runs only compiled (the ``eplb`` pass
+computes the local experts and sums the ranks' partial outputs with an ``all_reduce``).
+``rebalance()`` / ``apply_placement()`` are collective: every rank calls them with the same
+placement; the global load is all-reduced first, and a slot that changes gets its expert's
+weights from the rank holding that expert's old first replica (point-to-point send/recv, only
+for the slots that change).  Without an initialised process group ``ep_size`` only shapes the
+placement and one process holds and computes every slot.
+
 A target model and its MTP drafter are attached separately and keep separate statistics;
 ``attach(drafter, config, main=target_state)`` gives the drafter's layers the same redundancy
 and numbers them after the target's MoE layers in placement files.
@@ -154,7 +168,8 @@ class EplbState:
     """
 
     def __init__(self, layers: list[EplbLayer], num_logical: int, num_redundant: int, ep_size: int,
-                 *, first_layer: int = 0, total_layers: int | None = None, rank: int = 0) -> None:
+                 *, first_layer: int = 0, total_layers: int | None = None, rank: int = 0,
+                 group: Any = None) -> None:
         self.layers = layers
         self.num_logical = num_logical
         self.num_redundant = num_redundant
@@ -162,6 +177,20 @@ class EplbState:
         self.first_layer = first_layer
         self.total_layers = total_layers if total_layers is not None else first_layer + len(layers)
         self.rank = rank
+        # the EP process group when this rank holds only its own slots, else None
+        self.group = group
+
+    @property
+    def expert_parallel(self) -> bool:
+        """True when this process holds only its ``slots_per_rank`` slots (EP across processes)."""
+        return self.group is not None
+
+    @property
+    def local_slots(self) -> range:
+        """The physical slots whose weights this process holds."""
+        if not self.expert_parallel:
+            return range(self.num_physical)
+        return range(self.rank * self.slots_per_rank, (self.rank + 1) * self.slots_per_rank)
 
     # ----------------------------------------------------------------------------- sizes
     @property
@@ -205,6 +234,8 @@ class EplbState:
                 f"{self.num_physical}; use num_redundant_experts={phy2log.shape[1] - self.num_logical}"
                 " when attaching, or a placement for this redundancy")
         phy2log = phy2log.to("cpu", torch.int64)
+        if self.expert_parallel:
+            return self._apply_placement_ep(phy2log)
         moved = 0
         with torch.no_grad():
             for layer, new in zip(self.layers, phy2log):
@@ -225,6 +256,53 @@ class EplbState:
         log.info("eplb: new placement for %d layers, %d expert slots moved", self.num_layers, moved)
         return moved
 
+    def _apply_placement_ep(self, phy2log: torch.Tensor) -> int:
+        """``apply_placement`` under expert parallelism (collective: every rank, same placement).
+        A changed slot gets its new expert's weights from the slot holding that expert's old
+        first replica — a local copy, or a send/recv between the two ranks; only changed slots
+        move.  Returns the number of slots moved on all ranks."""
+        import torch.distributed as dist
+
+        per_rank, me = self.slots_per_rank, self.rank
+        moved = 0
+        with torch.no_grad():
+            for layer, new in zip(self.layers, phy2log):
+                old = layer.phy2log.cpu()
+                changed = (new != old).nonzero().flatten().tolist()
+                moved += len(changed)
+                weights = list(layer.weights())
+                incoming: list[tuple[int, list[torch.Tensor]]] = []  # (local slot, new weights)
+                ops = []
+                first = layer.log2phy[:, 0].cpu()
+                for slot in changed:  # the same order on every rank: sends and recvs pair up
+                    src = int(first[new[slot]])
+                    dst_rank, src_rank = slot // per_rank, src // per_rank
+                    if dst_rank == me and src_rank == me:
+                        incoming.append((slot - me * per_rank,
+                                         [w[src - me * per_rank].clone() for w in weights]))
+                    elif dst_rank == me:
+                        bufs = [torch.empty_like(w[0]) for w in weights]
+                        ops += [dist.P2POp(dist.irecv, b, group=self.group,
+                                           group_peer=src_rank) for b in bufs]
+                        incoming.append((slot - me * per_rank, bufs))
+                    elif src_rank == me:
+                        ops += [dist.P2POp(dist.isend, w[src - me * per_rank].contiguous(),
+                                           group=self.group, group_peer=dst_rank) for w in weights]
+                if ops:
+                    for work in dist.batch_isend_irecv(ops):
+                        work.wait()
+                for local, bufs in incoming:  # written after every read of the old weights
+                    for w, b in zip(weights, bufs):
+                        w[local].copy_(b)
+                log2phy, count = _tables(new, self.num_logical, layer.log2phy.shape[1])
+                layer.log2phy.copy_(log2phy)
+                layer.replica_count.copy_(count)
+                layer.phy2log.copy_(new)
+                layer.expert_load.zero_()
+        log.info("eplb: rank %d: new placement for %d layers, %d expert slots moved", me,
+                 self.num_layers, moved)
+        return moved
+
     def load_placement_file(self, path: str | Path) -> int:
         """Read a placement file (rows ``first_layer ..`` of ``total_layers``) and apply it."""
         phy2log = load_placement(path, num_layers=self.total_layers, num_logical=self.num_logical,
@@ -243,9 +321,20 @@ class EplbState:
         return torch.stack([layer.expert_load.detach().cpu().clone() for layer in self.layers])
 
     def expert_load(self) -> torch.Tensor:
-        """``[L, E]`` tokens routed to every logical expert (its replicas summed)."""
+        """``[L, E]`` tokens routed to every logical expert (its replicas summed); under expert
+        parallelism, this rank's share (the tokens its slots computed)."""
         out = torch.zeros(self.num_layers, self.num_logical, dtype=torch.int64)
         return out.scatter_add_(1, self.phy2log, self.physical_load())
+
+    def global_expert_load(self) -> torch.Tensor:
+        """``[L, E]`` load summed over the EP ranks (collective under expert parallelism: an
+        ``all_reduce`` of the per-rank loads); ``expert_load()`` in a single process."""
+        load = self.expert_load()
+        if self.expert_parallel:
+            import torch.distributed as dist
+
+            dist.all_reduce(load, group=self.group)
+        return load
 
     def reset_load(self) -> None:
         with torch.no_grad():
@@ -264,16 +353,18 @@ class EplbState:
 
     def rank_balance(self, weight: torch.Tensor | None = None) -> torch.Tensor:
         """``[L]`` max/mean per-rank load of the current placement for loads ``weight[L, E]``
-        (default: the recorded load)."""
-        weight = self.expert_load() if weight is None else weight
+        (default: the recorded load, summed over the EP ranks — collective under EP)."""
+        weight = self.global_expert_load() if weight is None else weight
         return balance_ratio(rank_loads(self.phy2log, weight, self.ep_size))
 
     # ----------------------------------------------------------------------------- rebalance
     def rebalance(self, weight: torch.Tensor | None = None, *, num_groups: int = 1,
                   num_nodes: int = 1) -> Placement:
         """Compute a placement from the recorded load (or ``weight[L, E]``), move the expert
-        weights that change and update the maps in place; returns the new placement."""
-        weight = self.expert_load() if weight is None else weight
+        weights that change and update the maps in place; returns the new placement.  Under
+        expert parallelism it is collective: the load is summed over the EP ranks first (every
+        rank then computes the same placement) and weights move between ranks."""
+        weight = self.global_expert_load() if weight is None else weight
         phy2log, _, _ = rebalance_experts(weight, self.num_physical, num_groups, num_nodes,
                                           self.ep_size)
         self.apply_placement(phy2log, source="rebalance")
@@ -301,8 +392,37 @@ def _eplb_config(config: Any) -> Any:
                       f"{type(config).__name__}")
 
 
+def _ep_group(cfg: Any, ep_size: int) -> tuple[Any, int]:
+    """``(EP process group, rank in it)`` when this process takes part in expert parallelism
+    (``ep_size > 1`` and ``torch.distributed`` initialised), else ``(None, 0)``."""
+    import torch.distributed as dist
+
+    if ep_size == 1 or not (dist.is_available() and dist.is_initialized()):
+        return None, 0
+    group = resolve_group(cfg.ep_group)
+    size = dist.get_world_size(group)
+    if size != ep_size:
+        raise ConfigError(f"eplb.ep_size={ep_size} but the EP process group has {size} ranks; set "
+                          f"eplb.ep_size to the group's size (or eplb.ep_group to a group of "
+                          f"{ep_size} ranks)")
+    return group, dist.get_rank(group)
+
+
+def resolve_group(group: Any) -> Any:
+    """A ProcessGroup from ``eplb.ep_group`` (a group, a group name, or None: the world group)."""
+    import torch.distributed as dist
+
+    if group is None:
+        return dist.group.WORLD
+    if isinstance(group, str):
+        from torch.distributed.distributed_c10d import _resolve_process_group
+
+        return _resolve_process_group(group)
+    return group
+
+
 def attach(model: nn.Module, config: Any = None, *, main: EplbState | None = None,
-           num_mtp_layers: int = 0, rank: int = 0) -> EplbState:
+           num_mtp_layers: int = 0) -> EplbState:
     """Put every MoE block of ``model`` into physical layout with runtime EPLB tables (see the
     module docstring); call before ``torch.compile``.  Returns the model's ``EplbState``.
 
@@ -310,6 +430,8 @@ def attach(model: nn.Module, config: Any = None, *, main: EplbState | None = Non
     ``main``: the target model's state when ``model`` is its MTP drafter — the drafter then uses
     the target's redundancy and EP size, and its layers follow the target's in placement files.
     ``num_mtp_layers``: for a target, the drafter layers that follow its own in placement files.
+    With ``ep_size > 1`` and ``torch.distributed`` initialised, this rank keeps only its slots'
+    weights (module docstring); the EP group is ``eplb.ep_group`` (default: the world group).
     Raises ``ConfigError`` (model unchanged) for impossible settings or a bad placement file.
     """
     cfg = _eplb_config(config)
@@ -331,6 +453,10 @@ def attach(model: nn.Module, config: Any = None, *, main: EplbState | None = Non
                 "MTP layers get the target's redundancy, so leave them unset or equal")
         num_redundant, ep_size = main.num_redundant, main.ep_size
         first_layer = main.first_layer + main.num_layers
+    if main is not None and main.expert_parallel:
+        group, rank = main.group, main.rank
+    else:
+        group, rank = _ep_group(cfg, ep_size)
     shapes = {tuple(e.gate_up_proj.shape[:1]) for _, e in blocks}
     if len(shapes) != 1:
         raise ConfigError(f"MoE blocks with different expert counts {sorted(shapes)}; EPLB needs one")
@@ -349,26 +475,30 @@ def attach(model: nn.Module, config: Any = None, *, main: EplbState | None = Non
     if cfg.placement_file is not None:  # validated before anything changes
         phy2log = load_placement(cfg.placement_file, num_layers=total, num_logical=num_logical,
                                  num_ranks=ep_size)[first_layer:first_layer + len(blocks)]
+    per_rank = (num_logical + num_redundant) // ep_size
+    local = slice(rank * per_rank, (rank + 1) * per_rank) if group is not None else slice(None)
     layers = []
     for (path, experts), row in zip(blocks, phy2log):
-        _convert(experts, row, num_logical, num_redundant, cfg.record_load)
+        _convert(experts, row, num_logical, num_redundant, cfg.record_load, local)
         layers.append(EplbLayer(path, experts))
         experts.__dict__[_STATE_ATTR] = layers[-1]
     state = EplbState(layers, num_logical, num_redundant, ep_size, first_layer=first_layer,
-                      total_layers=total, rank=rank)
+                      total_layers=total, rank=rank, group=group)
     model.__dict__[_STATE_ATTR] = state
-    log.info("eplb: attached %d MoE layers (%d experts + %d redundant, ep_size %d)", len(layers),
-             num_logical, num_redundant, ep_size)
+    log.info("eplb: attached %d MoE layers (%d experts + %d redundant, ep_size %d%s)", len(layers),
+             num_logical, num_redundant, ep_size,
+             f", rank {rank} holds slots [{local.start}, {local.stop})" if group is not None else "")
     return state
 
 
 def _convert(experts: nn.Module, phy2log: torch.Tensor, num_logical: int, num_redundant: int,
-             record: bool) -> None:
-    """Replace the logical expert weights by physical ones and add the tables (in place)."""
+             record: bool, local: slice = slice(None)) -> None:
+    """Replace the logical expert weights by physical ones (only the ``local`` slots) and add the
+    tables (in place)."""
     device = experts.gate_up_proj.device
     for logical, phy in _WEIGHTS:
         weight = experts._parameters.pop(logical)
-        physical = weight.detach().index_select(0, phy2log.to(weight.device))
+        physical = weight.detach().index_select(0, phy2log[local].to(weight.device))
         new = nn.Parameter(physical, requires_grad=weight.requires_grad)
         new.__dict__.update({k: v for k, v in weight.__dict__.items() if k not in new.__dict__})
         experts.register_parameter(phy, new)

@@ -14,11 +14,17 @@ the replica table, ``T`` tokens, ``K`` top-k)::
         slots, expert_idx's dtype:  e = expert_idx[t, k],
         out[t, k] = log2phy[e, (t + rank + e) % replica_count[e]]
         — deterministic, and consecutive tokens of one expert go round-robin over its replicas
-        (the ``+ rank`` spreads ranks too, the ``+ e`` spreads the experts of one token).
+        (the ``+ e`` spreads the experts of one token).  ``rank`` is for data-parallel serving,
+        where every rank routes different tokens; the ``eplb`` pass always passes 0: under its
+        expert parallelism every rank maps the *same* (replicated or all-gathered) tokens, and
+        a token must pick the same replica on every rank, or it would be computed twice or never.
 
-    eplb_record_load(Tensor(a!) expert_load, Tensor expert_idx, Tensor record) -> ()
+    eplb_record_load(Tensor(a!) expert_load, Tensor expert_idx, Tensor record, *,
+                     int[] active_expert_range=[]) -> ()
         expert_load [P] int64 += bincount(expert_idx, P) * record   (in place; record a 1-element
-        bool/int tensor, so counting switches on and off at run time without a sync or a branch)
+        bool/int tensor, so counting switches on and off at run time without a sync or a branch).
+        With ``active_expert_range=[start, end]`` only ids in ``[start, end)`` are counted (this
+        rank's slots under expert parallelism: the loads of all ranks then sum to the global load).
 
     eplb_logical_weight(Tensor phy_weight, Tensor log2phy, Tensor replica_count,
                         Tensor expert_load, Tensor record) -> Tensor
@@ -27,7 +33,9 @@ the replica table, ``T`` tokens, ``K`` top-k)::
         forward sees its logical weights (Hugging Face code indexes experts by logical id); it
         also carries the layer's EPLB tables, so that Dynamo lifts them as graph inputs and the
         ``eplb`` pass finds them next to the weights.  After the pass the grouped matmuls read
-        ``phy_weight`` directly and this node is dead code.
+        ``phy_weight`` directly and this node is dead code.  Under expert parallelism a rank
+        holds only its slots (``phy_weight.shape[0] < expert_load.shape[0]``): there is no logical
+        view then (the fake impl still gives its shape, for tracing), and running it is an error.
 
 CPU path: the reference implementations below (one gather / scatter-add each), registered for
 every backend (``CompositeExplicitAutograd``); a C++ kernel would gain nothing on ops this small.
@@ -47,7 +55,8 @@ SCHEMAS: dict[str, str] = {
         "eplb_map(Tensor expert_idx, Tensor log2phy, Tensor replica_count, *, int rank=0) -> Tensor"
     ),
     "eplb_record_load": (
-        "eplb_record_load(Tensor(a!) expert_load, Tensor expert_idx, Tensor record) -> ()"
+        "eplb_record_load(Tensor(a!) expert_load, Tensor expert_idx, Tensor record, *, "
+        "int[] active_expert_range=[]) -> ()"
     ),
     "eplb_logical_weight": (
         "eplb_logical_weight(Tensor phy_weight, Tensor log2phy, Tensor replica_count, "
@@ -86,16 +95,30 @@ def eplb_map(expert_idx: torch.Tensor, log2phy: torch.Tensor, replica_count: tor
     return log2phy[expert, replica].to(expert_idx.dtype)
 
 
-def eplb_record_load(expert_load: torch.Tensor, expert_idx: torch.Tensor, record: torch.Tensor) -> None:
-    """Reference implementation: ``expert_load += bincount(expert_idx) * record`` in place."""
+def _check_range(op: str, active_expert_range, num_slots: int) -> tuple[int, int]:
+    if len(active_expert_range) == 0:
+        return 0, num_slots
+    if len(active_expert_range) != 2 or not 0 <= active_expert_range[0] < active_expert_range[1] <= num_slots:
+        fail(op, f"active_expert_range={list(active_expert_range)} must be [start, end] with "
+                 f"0 <= start < end <= {num_slots}")
+    return int(active_expert_range[0]), int(active_expert_range[1])
+
+
+def eplb_record_load(expert_load: torch.Tensor, expert_idx: torch.Tensor, record: torch.Tensor, *,
+                     active_expert_range=()) -> None:
+    """Reference implementation: ``expert_load += bincount(expert_idx) * record`` in place
+    (ids outside ``active_expert_range``, when given, are not counted)."""
     _check_ids("eplb_record_load", expert_idx)
     check_dim("eplb_record_load", "expert_load", expert_load, (1,))
     if expert_load.dtype != torch.int64:
         fail("eplb_record_load", f"expert_load must be int64, got {expert_load.dtype}")
     if record.numel() != 1:
         fail("eplb_record_load", f"record must hold one value, got shape {tuple(record.shape)}")
+    start, end = _check_range("eplb_record_load", active_expert_range, expert_load.shape[0])
     ids = expert_idx.reshape(-1).long()
     on = record.reshape(1).to(torch.int64).expand(ids.numel())
+    if (start, end) != (0, expert_load.shape[0]):
+        on = on * ((ids >= start) & (ids < end))
     expert_load.scatter_add_(0, ids, on)
 
 
@@ -103,6 +126,12 @@ def eplb_logical_weight(phy_weight: torch.Tensor, log2phy: torch.Tensor, replica
                         expert_load: torch.Tensor, record: torch.Tensor) -> torch.Tensor:
     """Reference implementation: the first replica of every logical expert, ``[E, ...]``."""
     _check_tables("eplb_logical_weight", log2phy, replica_count)
+    if phy_weight.shape[0] != expert_load.shape[0]:
+        fail("eplb_logical_weight",
+             f"this rank holds {phy_weight.shape[0]} of {expert_load.shape[0]} physical expert slots "
+             "(expert parallelism across processes): the logical expert weights are not all here, so "
+             "the attached model runs only compiled, with eplb enabled (torch.compile(model, "
+             "backend='ascend_passes', options={'eplb': {...}}))")
     return phy_weight.index_select(0, log2phy[:, 0])
 
 
@@ -114,8 +143,9 @@ def eplb_map_fake(expert_idx, log2phy, replica_count, *, rank=0):
     return torch.empty_like(expert_idx)
 
 
-def eplb_record_load_fake(expert_load, expert_idx, record):
+def eplb_record_load_fake(expert_load, expert_idx, record, *, active_expert_range=()):
     _check_ids("eplb_record_load", expert_idx)
+    _check_range("eplb_record_load", active_expert_range, expert_load.shape[0])
     return None
 
 

@@ -6,6 +6,20 @@ over physical expert slots through runtime tables, and counts the tokens each sl
 → init_routing_v2(expert_num=P, active_expert_range=this rank's slots) → grouped_matmul(W_physical)
 ×2 → finalize``.
 
+Expert parallelism across processes (the weights a rank holds are ``L = P / ep_size`` slots,
+``ascend_passes.eplb.attach`` under an initialised process group): the model input is
+replicated on every rank, so every rank routes all tokens, maps them to the *same* replicas
+(``eplb_map`` with rank 0 everywhere: a (token, expert) pair must be computed by exactly one
+slot globally), counts only its own slots, keeps only them in ``init_routing(active_expert_range=
+[rank*L, (rank+1)*L))``, and ``finalize`` gives this rank's partial sum (pairs of other ranks are
+dropped rows and contribute zero).  Then ``_c10d_functional.all_reduce(sum) → wait_tensor``
+adds the partials.  Whatever ``finalize`` added as skip terms is taken out of it and added after
+the all-reduce, and the shared expert's add already follows it, so both count once, not W times.
+With ``eplb.ep_tokens="sharded"`` (each rank holds its own tokens, e.g. under sequence
+parallelism) the tokens, their expert ids and top-k weights are all-gathered first (rank order,
+so the token index ``eplb_map`` sees is global and the same on every rank), and the partial sums
+are reduce-scattered back to each rank's tokens instead of all-reduced.
+
 Invariants: the tables and the physical weights are graph inputs (buffers and parameters of the
 model that ``ascend_passes.eplb.attach`` prepared), never constants, so a new placement is a set
 of in-place copies and never recompiles; the outputs equal the un-rewritten graph's (every
@@ -81,7 +95,9 @@ class EplbPass(Pass):
 
     def config_key(self) -> Any:
         e = self.config.eplb
-        return (e.enabled, e.num_redundant_experts, e.record_load, e.ep_size)
+        # the rank is baked into active_expert_range: graphs of different ranks must not share
+        # a cache entry
+        return (e.enabled, e.num_redundant_experts, e.record_load, e.ep_size, self._ep()[1:])
 
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         import ascend_passes.ops  # noqa: F401  (registers torch.ops.ascend)
@@ -89,8 +105,8 @@ class EplbPass(Pass):
         result = PassResult(self.name)
         ops = torch.ops.ascend
         by_name = {n.name: n for n in gm.graph.nodes}
-        rank, ep_size = self._rank()
         facts = []
+        collectives = 0
         for entry in ctx.facts.get("moe_layers", []):
             init = by_name.get(entry.init_routing) if entry.init_routing else None
             if init is None:
@@ -105,19 +121,44 @@ class EplbPass(Pass):
                     f"MoE layer {entry.layer}: its expert weights are not in EPLB physical layout "
                     f"(no ascend.eplb_logical_weight feeds its grouped matmuls); {ATTACH_HINT}")
             phy_weight, log2phy, replica_count, expert_load, record = anchors[0].args
-            num_physical = int(phy_weight.meta["val"].shape[0])
-            if num_physical % ep_size:
-                raise ConfigError(f"{num_physical} physical experts do not split over ep_size {ep_size}")
-            per_rank = num_physical // ep_size
+            num_physical = int(expert_load.meta["val"].shape[0])
+            per_rank = int(phy_weight.meta["val"].shape[0])  # the slots this process holds
+            rank, group_name = 0, None
+            if per_rank != num_physical:
+                group_name, rank = self._ep_for(entry.layer, num_physical, per_rank)
+            active = [rank * per_rank, (rank + 1) * per_rank]
             expert_idx = init.args[1]
             graph = gm.graph
+            fin = by_name.get(entry.finalize) if entry.finalize else None
+            if group_name is not None and fin is None:
+                raise ConfigError(f"MoE layer {entry.layer}: no moe_finalize_routing to sum the "
+                                  "ranks' partial outputs after; expert parallelism needs one")
+            ep_size = num_physical // per_rank
+            sharded = group_name is not None and self.config.eplb.ep_tokens == "sharded"
+            gathered: list[fx.Node] = []
+            map_ids = expert_idx
+            if sharded:  # every rank routes the tokens of all ranks, in rank order
+                with graph.inserting_before(init):
+                    gathered += self._gather(graph, init.args[0], ep_size, group_name)
+                    init.update_arg(0, gathered[-1])
+                    gathered += self._gather(graph, expert_idx, ep_size, group_name)
+                    map_ids = gathered[-1]
+                if isinstance(fin.args[4], fx.Node):  # the top-k weights
+                    with graph.inserting_before(fin):
+                        gathered += self._gather(graph, fin.args[4], ep_size, group_name)
+                    fin.update_arg(4, gathered[-1])
+                for node in gathered:
+                    node.meta.update({k: v for k, v in init.meta.items()
+                                      if k in ("stack_trace", "nn_module_stack") or k.startswith("ascend_")})
+                    _set_val(node)
             with graph.inserting_before(init):
-                phys = graph.call_function(ops.eplb_map.default, (expert_idx, log2phy, replica_count),
-                                           {"rank": rank})
+                phys = graph.call_function(ops.eplb_map.default, (map_ids, log2phy, replica_count),
+                                           {"rank": 0})  # the same replica on every rank
                 recorded = None
                 if self.config.eplb.record_load:
-                    recorded = graph.call_function(ops.eplb_record_load.default,
-                                                   (expert_load, phys, record))
+                    recorded = graph.call_function(
+                        ops.eplb_record_load.default, (expert_load, phys, record),
+                        {"active_expert_range": active} if group_name is not None else {})
             for node in (phys, recorded):
                 if node is not None:
                     node.meta.update({k: v for k, v in init.meta.items()
@@ -126,11 +167,14 @@ class EplbPass(Pass):
             init.update_arg(1, phys)
             kwargs = dict(init.kwargs)
             kwargs["expert_num"] = num_physical
-            kwargs["active_expert_range"] = [rank * per_rank, (rank + 1) * per_rank]
+            kwargs["active_expert_range"] = active
             init.kwargs = kwargs
-            fin = by_name.get(entry.finalize) if entry.finalize else None
             if fin is not None and len(fin.args) > 6 and fin.args[6] is expert_idx:
                 fin.update_arg(6, phys)
+            reduced = None
+            if group_name is not None:
+                reduced = self._all_reduce(graph, fin, group_name, ep_size if sharded else None)
+                collectives += 1 + len(gathered) // 2
             for gmm, anchor in zip(gmms, anchors):
                 with graph.inserting_before(gmm):
                     weight = graph.call_function(aten.transpose.int, (anchor.args[0], 1, 2))
@@ -138,27 +182,90 @@ class EplbPass(Pass):
                                     if k in ("stack_trace", "nn_module_stack") or k.startswith("ascend_")})
                 _set_val(weight)
                 gmm.update_arg(1, [weight])
-            nodes = [phys] + ([recorded] if recorded is not None else [])
+            nodes = gathered + [phys] + ([recorded] if recorded is not None else []) + (
+                list(reduced) if reduced is not None else [])
             result.match("eplb_indirection", layer=entry.layer, nodes=nodes, num_logical=entry.num_experts,
-                         num_physical=num_physical, active_expert_range=kwargs["active_expert_range"],
-                         record_load=recorded is not None)
+                         num_physical=num_physical, active_expert_range=active,
+                         record_load=recorded is not None, ep_rank=rank, ep_size=ep_size,
+                         ep_tokens=self.config.eplb.ep_tokens if group_name is not None else None)
             facts.append({"layer": entry.layer, "map": phys.name,
                           "record": recorded.name if recorded is not None else None,
-                          "num_physical": num_physical, "expert_load": expert_load.name})
+                          "num_physical": num_physical, "expert_load": expert_load.name,
+                          "active_expert_range": active,
+                          "all_reduce": reduced[0].name if reduced is not None else None})
         gm.graph.eliminate_dead_code()
         ctx.facts["eplb_layers"] = facts
+        if collectives:
+            result.match("ep_collectives", count=collectives)
         return result
 
-    def _rank(self) -> tuple[int, int]:
-        """(this rank, EP size) of the compiled graph.  Expert parallelism across processes is
-        not built yet: one process computes every physical slot (the placement may still be made
-        for ``eplb.ep_size`` ranks)."""
+    # ------------------------------------------------------------------ expert parallelism
+    def _ep(self) -> tuple[Any, int, str | None]:
+        """``(group, rank, group name)`` of the EP group, or ``(None, 0, None)`` without
+        an initialised process group (or with ``ep_size`` 1)."""
         import torch.distributed as dist
 
+        if self.config.eplb.ep_size == 1 or not (dist.is_available() and dist.is_initialized()):
+            return None, 0, None
+        from ..eplb.state import resolve_group
+
+        group = resolve_group(self.config.eplb.ep_group)
+        return group, dist.get_rank(group), group.group_name
+
+    def _ep_for(self, layer: str | None, num_physical: int, per_rank: int) -> tuple[str, int]:
+        """The EP group name and this rank, checked against the slots the weights hold."""
+        import torch.distributed as dist
+
+        group, rank, name = self._ep()
         ep_size = self.config.eplb.ep_size
-        if ep_size > 1 and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        if group is None or num_physical != per_rank * ep_size or dist.get_world_size(group) != ep_size:
+            size = dist.get_world_size(group) if group is not None else None
             raise ConfigError(
-                f"eplb.ep_size={ep_size} with {dist.get_world_size()} processes: expert parallelism "
-                "across processes is not built yet; use ep_size for the placement only in a "
-                "single process, or eplb.ep_size=1")
-        return 0, 1
+                f"MoE layer {layer}: this process holds {per_rank} of {num_physical} physical "
+                f"expert slots (attached for expert parallelism over {num_physical // per_rank} "
+                f"ranks), but eplb.ep_size={ep_size} and the EP group has "
+                f"{size if size is not None else 'no initialised process group, so'} ranks; "
+                "compile with the eplb options the model was attached with")
+        return name, rank
+
+    @staticmethod
+    def _gather(graph: fx.Graph, node: fx.Node, ep_size: int, group_name: str) -> list[fx.Node]:
+        """``all_gather_into_tensor(node) → wait_tensor``: the rows of every rank, rank order."""
+        c10d = torch.ops._c10d_functional
+        gather = graph.call_function(c10d.all_gather_into_tensor.default, (node, ep_size, group_name))
+        return [gather, graph.call_function(c10d.wait_tensor.default, (gather,))]
+
+    @staticmethod
+    def _all_reduce(graph: fx.Graph, fin: fx.Node, group_name: str,
+                    scatter: int | None = None) -> tuple[fx.Node, ...]:
+        """``fin`` → ``all_reduce(sum) → wait_tensor`` — or, with ``scatter`` = the EP size
+        (sharded tokens), ``reduce_scatter_tensor(sum)`` back to this rank's tokens — then
+        finalize's skip terms, taken out of it so they are added once, not once per rank (with
+        sharded tokens they are this rank's own rows); every user of ``fin`` reads the result."""
+        c10d = torch.ops._c10d_functional
+        users = list(fin.users)
+        skips = []
+        for i in (1, 2):
+            if len(fin.args) > i and isinstance(fin.args[i], fx.Node):
+                skips.append(fin.args[i])
+                fin.update_arg(i, None)
+        with graph.inserting_after(fin):
+            if scatter is None:
+                ar = graph.call_function(c10d.all_reduce.default, (fin, "sum", group_name))
+            else:
+                ar = graph.call_function(c10d.reduce_scatter_tensor.default,
+                                         (fin, "sum", scatter, group_name))
+        with graph.inserting_after(ar):
+            wait = graph.call_function(c10d.wait_tensor.default, (ar,))
+        nodes, last = [ar, wait], wait
+        for skip in skips:
+            with graph.inserting_after(last):
+                last = graph.call_function(aten.add.Tensor, (last, skip))
+            nodes.append(last)
+        for node in nodes:
+            node.meta.update({k: v for k, v in fin.meta.items()
+                              if k in ("stack_trace", "nn_module_stack") or k.startswith("ascend_")})
+            _set_val(node)
+        for user in users:
+            user.replace_input_with(fin, last)
+        return tuple(nodes)

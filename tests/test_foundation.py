@@ -17,7 +17,7 @@ from ascend_passes.pass_manager import Pass, PassContext, PassResult
 
 
 # every pass of the default pipeline runs, except those that need a switch turned on
-OFF_BY_DEFAULT = {"eplb"}
+OFF_BY_DEFAULT = {"eplb", "sequence_parallel", "shared_expert_dp"}
 RUNS_BY_DEFAULT = [p for p in DEFAULT_PIPELINE if p not in OFF_BY_DEFAULT]
 
 
@@ -63,12 +63,12 @@ def test_bad_values():
 
 def test_textual_pipeline_sections_and_hash():
     cfg = ap.AscendPassConfig.from_options({"passes": " cleanup ", "eplb.num_redundant_experts": 4,
-                                            "sequence_parallel": True})
+                                            "eplb": True})
     assert cfg.passes == ("cleanup",)
     assert cfg.eplb.num_redundant_experts == 4
-    assert cfg.sequence_parallel.enabled is True
-    same = ap.AscendPassConfig.from_options({"passes": ["cleanup"], "eplb": {"num_redundant_experts": 4},
-                                             "sequence_parallel": {"enabled": True}})
+    assert cfg.eplb.enabled is True
+    same = ap.AscendPassConfig.from_options({"passes": ["cleanup"],
+                                             "eplb": {"num_redundant_experts": 4, "enabled": True}})
     assert cfg == same and cfg.hash() == same.hash()
     assert cfg.hash() != ap.AscendPassConfig().hash()
     assert ap.AscendPassConfig(disable=("cleanup",)).pipeline() == tuple(

@@ -23,6 +23,9 @@ MOE_LAYERS = NUM_LAYERS - 1
 JOIN_TIMEOUT_S = 240.0  # watchdog: a stuck rank fails the test instead of hanging the suite
 TOL = 1e-4  # fp32, relative to the output scale
 
+# the spawned worlds are module fixtures: keep this module on one xdist worker (pyproject: --dist loadgroup)
+pytestmark = pytest.mark.xdist_group("sequence_parallel")
+
 AR = "_c10d_functional.all_reduce"
 RS = "_c10d_functional.reduce_scatter_tensor"
 AG = "_c10d_functional.all_gather_into_tensor"

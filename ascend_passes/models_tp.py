@@ -167,14 +167,15 @@ _VOCAB_PARALLEL = ("embed_tokens.weight", "lm_head.weight", "shared_head.weight"
 
 
 def _sharded_state_dict(full: dict[str, torch.Tensor], config: Any, rank: int, ws: int,
-                        shared_replicated: bool = False) -> dict[str, torch.Tensor]:
+                        shared_replicated: bool = False, moe_replicated: bool = False) -> dict[str, torch.Tensor]:
     """This rank's slices of a full (single-process) ``DeepseekV3ForCausalLM`` or ``MtpModel`` state dict."""
     out: dict[str, torch.Tensor] = {}
     i_moe = config.moe_intermediate_size
     for name, t in full.items():
         leaf = name.split(".")[-1]
         parent = name.split(".")[-2] if "." in name else ""
-        if shared_replicated and ".shared_experts." in name:
+        if (shared_replicated or moe_replicated) and ".shared_experts." in name \
+                or moe_replicated and ".mlp.experts." in name:
             out[name] = t.clone()  # full weights on every rank
         elif name.endswith(_VOCAB_PARALLEL):
             out[name] = _shard(t, 0, rank, ws)  # vocab rows
@@ -210,8 +211,11 @@ def _tp_config(config: Any, world_size: int) -> Any:
 
 
 def _parallelize_layer(layer: nn.Module, config: Any, tp_config: Any, group: Any, shared_expert: str) -> None:
-    """Swap the row-parallel linears (and the TP MoE class) into one HF decoder layer built from ``tp_config``."""
-    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MLP
+    """Swap the row-parallel linears (and the TP MoE class) into one HF decoder layer built from ``tp_config``.
+    ``shared_expert="moe_replicated"``: the whole MoE block stays the single-process HF one (every expert on
+    every rank, no all-reduce), the starting point of expert parallelism (``ascend_passes.eplb.attach`` with
+    ``ep_size`` = the world then keeps only this rank's slots)."""
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MLP, DeepseekV3MoE
 
     hidden = config.hidden_size
     attn = layer.self_attn
@@ -219,7 +223,9 @@ def _parallelize_layer(layer: nn.Module, config: Any, tp_config: Any, group: Any
         tp_config.num_attention_heads * config.v_head_dim, hidden, attn.o_proj.bias is not None, group
     )
     mlp = layer.mlp
-    if type(mlp).__name__ == "DeepseekV3MoE":
+    if type(mlp).__name__ == "DeepseekV3MoE" and shared_expert == "moe_replicated":
+        layer.mlp = DeepseekV3MoE(config)
+    elif type(mlp).__name__ == "DeepseekV3MoE":
         mlp.__class__ = _tp_moe_class()
         mlp.tp_group = group
         if shared_expert == "replicated":
@@ -244,15 +250,17 @@ def _tp_lm(full_lm: nn.Module, rank: int, world_size: int, group: Any, shared_ex
         _parallelize_layer(layer, config, tp_config, group, shared_expert)
     lm = models._finish(lm, dtype)  # buffers (rotary) in dtype, router in fp32, like the reference
     lm.load_state_dict(_sharded_state_dict(full_lm.state_dict(), config, rank, world_size,
-                                           shared_expert == "replicated"), strict=True, assign=True)
+                                           shared_expert == "replicated", shared_expert == "moe_replicated"),
+                       strict=True, assign=True)
     return lm.eval()
 
 
 def _check_rank(rank: int, world_size: int, shared_expert: str) -> None:
     if not 0 <= rank < world_size:
         raise ConfigError(f"rank={rank} is not in [0, {world_size})")
-    if shared_expert not in ("tp", "replicated"):
-        raise ConfigError(f"shared_expert={shared_expert!r}: use 'tp' (sharded along I) or 'replicated'")
+    if shared_expert not in ("tp", "replicated", "moe_replicated"):
+        raise ConfigError(f"shared_expert={shared_expert!r}: use 'tp' (sharded along I), 'replicated', or "
+                          "'moe_replicated' (the whole MoE block replicated, for expert parallelism)")
 
 
 def deepseek_v3_tp(
@@ -268,7 +276,8 @@ def deepseek_v3_tp(
     world group (``torch.distributed`` must be initialised). Returns ``(model, (input_ids,))`` with the same
     ``input_ids`` as the single-process factory; ``model(input_ids)`` gives the full logits ``[B, S, V]``
     on every rank. ``shared_expert="replicated"`` keeps the shared expert's full weights on every rank (added after
-    the routed all-reduce), the form shared-expert data parallelism needs."""
+    the routed all-reduce), the form shared-expert data parallelism needs; ``"moe_replicated"`` keeps the whole MoE
+    block replicated (no all-reduce), the form expert parallelism (``eplb.attach`` with ``ep_size``) starts from."""
     _check_rank(rank, world_size, shared_expert)
     group = _resolve_group(group)
     dtype = kwargs.get("dtype", torch.float32)
@@ -307,6 +316,7 @@ def deepseek_v3_mtp_tp(
         _parallelize_layer(layer.mtp_block, config, tp_config, group, shared_expert)
     mtp = models._finish(mtp, dtype)
     mtp.load_state_dict(_sharded_state_dict(full_drafter.mtp.state_dict(), config, rank, world_size,
-                                            shared_expert == "replicated"), strict=True, assign=True)
+                                            shared_expert == "replicated", shared_expert == "moe_replicated"),
+                        strict=True, assign=True)
     main = models.CausalLMLogits(lm).eval()
     return models.MtpDrafter(mtp.eval(), main, full_drafter.main_example_inputs).eval(), inputs

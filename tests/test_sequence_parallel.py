@@ -100,6 +100,35 @@ def _case_mtp(rank: int, ws: int, name: str, shared: str, options: dict) -> dict
     return out
 
 
+def _case_ep(rank: int, ws: int, name: str, options: dict, tokens: list[int]) -> dict[str, Any]:
+    """Expert parallelism (each rank P/W expert slots) composed with SP and shared-expert DP: the EP
+    all-reduce after the routed experts becomes a reduce-scatter like the TP ones."""
+    from ascend_passes import models, models_tp
+    from ascend_passes.eplb.state import attach
+
+    torch._dynamo.reset()
+    model, _ = models_tp.deepseek_v3_tp(rank, ws, num_layers=NUM_LAYERS, shared_expert="moe_replicated")
+    ref_model, _ = models.deepseek_v3("grouped_mm", num_layers=NUM_LAYERS)
+    eplb = {"num_redundant_experts": ws, "ep_size": ws}
+    state = attach(model, eplb)
+    out: dict[str, Any] = {"case": name, "errors": {}}
+    with torch.no_grad(), ascend_passes.capture() as reports:
+        compiled = torch.compile(model, backend="ascend_passes",
+                                 options={"compiler": "eager", "eplb": {"enabled": True, **eplb}, **options})
+        for t in tokens:
+            ids = _ids(t)
+            torch._dynamo.mark_dynamic(ids, 1)
+            got, ref = compiled(ids), ref_model(ids)
+            out["errors"][t] = (_rel(got, ref), _rel(got, ref))
+    out.update(_summary(reports[0]))
+    out["expert_slots"] = state.slots_per_rank
+    out["eplb"] = reports[0].passes["eplb"].counts()
+    return out
+
+
+_CASES = {"lm": _case_lm, "mtp": _case_mtp, "ep": _case_ep}
+
+
 def _worker(rank: int, ws: int, port: int, results: Any, cases: list[tuple]) -> None:  # a spawned rank
     import datetime
 
@@ -110,7 +139,7 @@ def _worker(rank: int, ws: int, port: int, results: Any, cases: list[tuple]) -> 
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=ws,
                                 timeout=datetime.timedelta(seconds=120))
         for kind, *args in cases:
-            res = (_case_lm if kind == "lm" else _case_mtp)(rank, ws, *args)
+            res = _CASES[kind](rank, ws, *args)
             if rank == 0:
                 results.put(res)
         dist.destroy_process_group()
@@ -160,6 +189,7 @@ def world(request: Any) -> tuple[int, dict[str, dict[str, Any]]]:
             ("mtp", "mtp_sp_dp", "replicated", SP_DP),
             ("lm", "no_norm", "tp", NO_NORM, [7]),
             ("mtp", "mtp_sp_tp_shared", "tp", SP_DP),
+            ("ep", "ep_sp_dp", SP_DP, [7, 67]),
         ]
     return ws, _spawn(ws, cases)
 
@@ -237,6 +267,19 @@ def test_shared_expert_dp_explains_a_tp_sharded_shared_expert(world) -> None:
     layers = sorted(layer for layer, _ in r["dp_near_misses"])
     assert layers == ["mtp.layers.0", "mtp.layers.1"] or layers == ["mtp.0", "mtp.1"], layers
     assert all("shared_expert='replicated'" in why for _, why in r["dp_near_misses"])
+
+
+def test_expert_parallelism_composes_with_sp_and_shared_expert_dp(world) -> None:
+    ws, res = world
+    if ws != 2:
+        pytest.skip("checked at world size 2")
+    r = res["ep_sp_dp"]
+    _assert_close(r["errors"])
+    assert r["expert_slots"] == (16 + ws) // ws
+    assert r["eplb"]["ep_collectives"] == MOE_LAYERS
+    # embedding + o_proj per layer + the dense MLP + the EP sum of each MoE layer: all reduce-scatters now
+    assert r["counts"][AR] == 0 and r["counts"][RS] == 1 + NUM_LAYERS + 1 + MOE_LAYERS
+    assert r["dp"] == {"shared_expert_on_shard": MOE_LAYERS}
 
 
 # ------------------------------------------------------------------------------------- config, in-process

@@ -28,6 +28,7 @@ adds), else nothing changes and a near-miss names the all-reduce, its layer and 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import operator
 from dataclasses import dataclass, field
@@ -202,6 +203,7 @@ class Plan:
     norms: list[fx.Node] = field(default_factory=list)
     sliced: list[tuple[fx.Node, int]] = field(default_factory=list)  # (op, arg index) of full operands
     gathered: set[fx.Node] = field(default_factory=set)  # sharded values read by other consumers
+    views: list[fx.Node] = field(default_factory=list)  # token-only reshapes of sharded values
 
 
 def plan(gm: fx.GraphModule, group_name: str) -> Plan:
@@ -224,6 +226,11 @@ def plan(gm: fx.GraphModule, group_name: str) -> Plan:
     if not p.all_reduces:
         raise _Refuse("no all_reduce over the TP group in this graph: nothing to make sequence-parallel")
     for node in gm.graph.nodes:  # topological order: inputs are decided before their users
+        if node.op == "call_function" and node.target in _VIEWS and _is_in(node.args[0], p.sharded):
+            if _token_view(node) is not None:  # [N, H] <-> [B, S, H]: the same rows of a shard
+                p.views.append(node)
+                p.sharded.add(node)
+            continue
         kind = _norm_kind(node)
         if kind is None and not (node.op == "call_function" and node.target is aten.add.Tensor):
             continue
@@ -259,7 +266,7 @@ def plan(gm: fx.GraphModule, group_name: str) -> Plan:
             for user in value.users:
                 if user in p.norms:
                     reached = True
-                elif user in p.ops and user not in seen:
+                elif (user in p.ops or user in p.views) and user not in seen:
                     seen.add(user)
                     frontier.append(user)
         if not reached:
@@ -269,8 +276,29 @@ def plan(gm: fx.GraphModule, group_name: str) -> Plan:
                 f"all_reduce {ar.name} feeds {what}, not a fused RMSNorm; sequence parallelism needs "
                 "every norm after a TP all-reduce rewritten to ascend.rms_norm/add_rms_norm (is the norm "
                 "pass in the pipeline, and did it match this norm?)", ar)
-    p.gathered = {v for v in p.sharded if any(u not in p.ops for u in v.users)}
+    # a token view that feeds no shard op is not worth a gather of its own: it reads its source's gather
+    changed = True
+    while changed:
+        changed = False
+        for view in list(p.views):
+            if not any(u in p.ops or u in p.views for u in view.users):
+                p.views.remove(view)
+                p.sharded.discard(view)
+                changed = True
+    p.gathered = {v for v in p.sharded if any(u not in p.ops and u not in p.views for u in v.users)}
     return p
+
+
+def _token_view(node: fx.Node) -> list[Any] | None:
+    """The target shape of a view that only merges or splits token dims (hidden dim unchanged, no -1
+    except a single leading dim), else None."""
+    src, out = _shape(node.args[0]), _shape(node)
+    if src is None or out is None or len(node.args) < 2 or src[-1] != out[-1]:
+        return None
+    shape = list(node.args[1])
+    if -1 in shape[:-1] and len(shape) != 2 or shape[-1] == -1:
+        return None
+    return shape
 
 
 def _is_in(value: Any, nodes: set[fx.Node]) -> bool:
@@ -349,11 +377,20 @@ def _rewrite(gm: fx.GraphModule, p: Plan, world_size: int, rank: int, group_name
         shard[wait], tokens[wait] = rs_wait, t
         result.match("reduce_scatter", layer=where(ar), nodes=[ar], world_size=world_size, padded=t.needs_pad)
 
-    # 2. norms and adds on shards, in graph order; full operands sliced to this rank's rows
+    # 2. norms and adds on shards, in graph order; full operands sliced to this rank's rows; token
+    # views of a shard are the shard itself (its rows are already flat)
     sliced = {}
     for op, i in p.sliced:
         sliced.setdefault(op, []).append(i)
-    for op in p.ops:
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    for op in sorted([*p.ops, *p.views], key=order.__getitem__):
+        if op in p.views:
+            source = op.args[0]
+            shape = _token_view(op)
+            t = tokens[source]
+            shard[op] = shard[source]
+            tokens[op] = dataclasses.replace(t, shape=[t.n, shape[-1]] if -1 in shape else shape)
+            continue
         kind = _norm_kind(op)
         slots = (0,) if kind == "rms_norm" else (0, 1)
         partner = next(op.args[i] for i in slots if _is_in(op.args[i], p.sharded))
@@ -387,37 +424,30 @@ def _rewrite(gm: fx.GraphModule, p: Plan, world_size: int, rank: int, group_name
         result.match(f"{label}_on_shard", layer=where(op), nodes=[op], sliced=sorted(sliced.get(op, [])))
 
     # 3. other consumers read sharded values through one all_gather each
-    for value in p.gathered:
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    for value in sorted(p.gathered, key=order.__getitem__):
         t = tokens[value]
         part = shard[value]
-        with graph.inserting_after(part):
+        foreign = [u for u in value.users if u not in p.ops and u not in p.views]
+        # right before the first consumer: everything the original value's shape refers to exists there
+        with graph.inserting_before(min(foreign, key=order.__getitem__)):
             gathered = b.call(c10d.all_gather_into_tensor.default, (part, world_size, group_name), like=value)
-        with graph.inserting_after(gathered):
             gathered = b.call(c10d.wait_tensor.default, (gathered,), like=value)
-        with graph.inserting_after(gathered):
             if t.needs_pad:
                 gathered = b.call(aten.slice.Tensor, (gathered, 0, 0, t.n), like=value)
-        with graph.inserting_after(gathered):
             full = b.call(aten.view.default, (gathered, list(t.shape)), like=value)
-        for user in list(value.users):
-            if user not in p.ops:
-                user.replace_input_with(value, full)
+        for user in foreign:
+            user.replace_input_with(value, full)
         facts["gathered"][full.name] = part.name
         result.match("all_gather", layer=where(value), nodes=[value], world_size=world_size)
 
-    # 4. the replaced nodes are dead now
-    for op in reversed(p.ops):
-        for item in _getitems(op).values():
-            if not item.users:
-                graph.erase_node(item)
-        if not op.users:
-            graph.erase_node(op)
-    for ar in p.all_reduces:
-        wait = next(iter(ar.users))
-        if not wait.users:
-            graph.erase_node(wait)
-        if not ar.users:
-            graph.erase_node(ar)
+    # 4. the replaced nodes are dead now (collectives are never dead code to fx: erase them by hand)
+    old = [*p.views, *p.ops, *p.all_reduces, *(next(iter(ar.users)) for ar in p.all_reduces)]
+    old += [item for op in p.ops for item in _getitems(op).values()]
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    for node in sorted(set(old), key=order.__getitem__, reverse=True):
+        if not node.users:
+            graph.erase_node(node)
     graph.eliminate_dead_code()
     log.debug("sequence_parallel: %d all_reduce -> reduce_scatter, %d norms on shards, %d all_gather",
               len(p.all_reduces), len(p.norms), len(p.gathered))

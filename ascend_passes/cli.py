@@ -212,21 +212,87 @@ def _progress(args: argparse.Namespace, names: Sequence[str], hooks: list[Any]) 
 
 
 def cmd_dump(args: argparse.Namespace) -> int:
+    from . import models_tp
+
+    if args.target in models_tp.BUNDLED_TP:
+        return _dump_tp(args)
+    model, inputs = load_target(args.target)
+    return _dump(args, model, inputs)
+
+
+def _dump_tp(args: argparse.Namespace) -> int:
+    """A tensor-parallel bundled model: one gloo rank per process on this machine; rank 0 dumps."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    from . import models_tp
+
+    world_size = models_tp.BUNDLED_TP[args.target][0]
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    status = ctx.Queue()
+    procs = [ctx.Process(target=_dump_tp_rank, args=(rank, port, args, status)) for rank in range(world_size)]
+    for p in procs:
+        p.start()
+    codes = []
+    for p in procs:
+        p.join()
+        codes.append(p.exitcode)
+    results = [status.get() for _ in range(status.qsize())] if not status.empty() else []
+    errors = [r for r in results if isinstance(r, str)]
+    if errors:
+        raise AscendPassesError(errors[0])
+    if any(code != 0 for code in codes):
+        raise AscendPassesError(f"a rank of {args.target} failed (exit codes {codes})")
+    return max((r for r in results if isinstance(r, int)), default=0)
+
+
+def _dump_tp_rank(rank: int, port: int, args: argparse.Namespace, status: Any) -> None:  # a spawned process
+    import datetime
+
+    import torch.distributed as dist
+
+    from . import models_tp
+
+    world_size, factory, options, _ = models_tp.BUNDLED_TP[args.target]
+    logging.basicConfig(level=logging.WARNING if rank == 0 else logging.ERROR,
+                        format=f"%(levelname)s rank{rank} %(name)s: %(message)s")
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world_size, timeout=datetime.timedelta(seconds=300))
+        model, inputs = factory(rank, world_size)
+        code = _dump(args, model, inputs, rank=rank, **options)
+        status.put(code)
+        dist.destroy_process_group()
+    except AscendPassesError as exc:
+        status.put(str(exc))
+
+
+def _dump(args: argparse.Namespace, model: torch.nn.Module, inputs: Sequence[Any], *, rank: int = 0,
+          **options: Any) -> int:
+    """Compile ``model`` with the dump hooks and print / write what every pass did (only rank 0 of a TP
+    run prints and writes; the other ranks compile the same graphs so that the collectives match)."""
     console = _console()
     out = Path(args.out)
-    config = _config(args, dump_dir=str(out), verify_each=args.verify_each, strict=args.strict)
+    config = _config(args, dump_dir=str(out) if rank == 0 else None, verify_each=args.verify_each,
+                     strict=args.strict, **options)
     pipeline = _pipeline(args, config)
     names = [p.name for p in pipeline] if pipeline is not None else list(config.pipeline())
-    model, inputs = load_target(args.target)
     hooks: list[Any] = []
     recorder = None
-    if args.format == "html":
+    if args.format == "html" and rank == 0:
         from .inspect.subgraphs import SubgraphRecorder
 
         recorder = SubgraphRecorder()
         hooks.append(recorder)
-    with _progress(args, names, hooks):
+    with _progress(args if rank == 0 else argparse.Namespace(), names, hooks):
         run = compile_and_compare(args.target, model, inputs, config, hooks=hooks, pipeline=pipeline)
+    if rank != 0:
+        return 0
     print_run(run, console)
     if args.print_after_all:
         for path in sorted(out.rglob("*.after.py")):
@@ -266,13 +332,15 @@ def cmd_passes(args: argparse.Namespace) -> int:
 def cmd_models(args: argparse.Namespace) -> int:
     from rich.table import Table
 
-    from . import models
+    from . import models, models_tp
 
     table = Table(title="bundled models")
     table.add_column("name")
     table.add_column("what")
     for name in models.BUNDLED:
         table.add_row(name, models.DESCRIPTIONS.get(name, ""))
+    for name, (_, _, _, what) in models_tp.BUNDLED_TP.items():
+        table.add_row(name, what)
     _console().print(table)
     return 0
 

@@ -320,3 +320,20 @@ def deepseek_v3_mtp_tp(
                         strict=True, assign=True)
     main = models.CausalLMLogits(lm).eval()
     return models.MtpDrafter(mtp.eval(), main, full_drafter.main_example_inputs).eval(), inputs
+
+
+# --------------------------------------------------------------------------------------------------------------
+# bundled TP targets of the CLI: (world size, factory(rank, world_size), compile options, description)
+BUNDLED_TP: dict[str, tuple[int, Any, dict[str, Any], str]] = {
+    "deepseek_v3_tp2": (
+        2, functools.partial(deepseek_v3_tp, shared_expert="replicated"),
+        {"sequence_parallel": True, "shared_expert_dp": True},
+        "the bundled DeepseekV3 tensor-parallel over 2 gloo ranks on this machine (replicated shared expert), "
+        "with sequence parallelism and shared-expert DP; rank 0's graphs are shown",
+    ),
+    "deepseek_v3_mtp1_tp2": (
+        2, functools.partial(deepseek_v3_mtp_tp, num_mtp_layers=1, shared_expert="replicated"),
+        {"sequence_parallel": True, "shared_expert_dp": True},
+        "its MTP drafter (1 MTP layer), tensor-parallel over 2 gloo ranks, SP + shared-expert DP",
+    ),
+}

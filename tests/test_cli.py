@@ -25,6 +25,7 @@ def test_models_lists_bundled_models():
     assert out.returncode == 0, out.stderr
     assert "deepseek_v3_grouped_mm" in out.stdout and "deepseek_v3_mtp1" in out.stdout
     assert "qwen3_moe_grouped_mm" in out.stdout
+    assert "deepseek_v3_tp2" in out.stdout and "deepseek_v3_mtp1_tp2" in out.stdout
 
 
 def test_unknown_model_is_a_clear_error():
@@ -73,3 +74,15 @@ def test_dump_source_lines_and_print_after_all(tmp_path):
 def test_dump_rejects_unknown_format(tmp_path):
     out = run("dump", "llama_dense", "--out", str(tmp_path), "--format", "pdf")
     assert out.returncode == 2 and "invalid choice: 'pdf'" in out.stderr
+
+
+def test_dump_of_a_tensor_parallel_model_shows_sequence_parallelism(tmp_path):
+    """A TP bundled model runs on gloo ranks spawned on this machine; rank 0's graphs are dumped."""
+    passes = "cleanup,norm,moe,activation,sequence_parallel,shared_expert_dp"
+    out = run("dump", "deepseek_v3_tp2", "--out", str(tmp_path), "--passes", passes, timeout=600)
+    assert out.returncode == 0, out.stderr
+    (graph_dir,) = [p for p in tmp_path.iterdir() if p.is_dir()]
+    diff = (graph_dir / "04_sequence_parallel.diff").read_text()
+    assert "_c10d_functional.all_reduce.default" in diff and "reduce_scatter_tensor" in diff and "all_gather_into_tensor" in diff
+    assert "shared_expert_on_shard" in out.stdout and "reduce_scatter" in out.stdout
+    assert "max |compiled - eager|" in out.stdout

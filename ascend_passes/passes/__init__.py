@@ -24,6 +24,7 @@ PASS_TABLE: dict[str, str] = {
     "moe": "ascend_passes.passes.moe:MoePass",
     "activation": "ascend_passes.passes.activation:ActivationPass",
     "mla": "ascend_passes.passes.mla:MlaPass",
+    "attention": "ascend_passes.passes.attention:AttentionPass",
     "eplb": "ascend_passes.passes.eplb:EplbPass",
     "sequence_parallel": "ascend_passes.passes.sequence_parallel:SequenceParallelPass",
     "shared_expert_dp": "ascend_passes.passes.shared_expert_dp:SharedExpertDpPass",

@@ -222,54 +222,21 @@ def cmd_dump(args: argparse.Namespace) -> int:
 
 def _dump_tp(args: argparse.Namespace) -> int:
     """A tensor-parallel bundled model: one gloo rank per process on this machine; rank 0 dumps."""
-    import socket
-
-    import torch.multiprocessing as mp
-
     from . import models_tp
+    from .spawn import run_on_ranks
 
     world_size = models_tp.BUNDLED_TP[args.target][0]
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    status = ctx.Queue()
-    procs = [ctx.Process(target=_dump_tp_rank, args=(rank, port, args, status)) for rank in range(world_size)]
-    for p in procs:
-        p.start()
-    codes = []
-    for p in procs:
-        p.join()
-        codes.append(p.exitcode)
-    results = [status.get() for _ in range(status.qsize())] if not status.empty() else []
-    errors = [r for r in results if isinstance(r, str)]
-    if errors:
-        raise AscendPassesError(errors[0])
-    if any(code != 0 for code in codes):
-        raise AscendPassesError(f"a rank of {args.target} failed (exit codes {codes})")
-    return max((r for r in results if isinstance(r, int)), default=0)
+    return max(run_on_ranks(_dump_tp_rank, world_size, args, timeout_s=600.0))
 
 
-def _dump_tp_rank(rank: int, port: int, args: argparse.Namespace, status: Any) -> None:  # a spawned process
-    import datetime
-
-    import torch.distributed as dist
-
+def _dump_tp_rank(rank: int, world_size: int, args: argparse.Namespace) -> int:  # a spawned rank
     from . import models_tp
 
-    world_size, factory, options, _ = models_tp.BUNDLED_TP[args.target]
+    _, factory, options, _ = models_tp.BUNDLED_TP[args.target]
     logging.basicConfig(level=logging.WARNING if rank == 0 else logging.ERROR,
                         format=f"%(levelname)s rank{rank} %(name)s: %(message)s")
-    torch.set_num_threads(1)
-    try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=world_size, timeout=datetime.timedelta(seconds=300))
-        model, inputs = factory(rank, world_size)
-        code = _dump(args, model, inputs, rank=rank, **options)
-        status.put(code)
-        dist.destroy_process_group()
-    except AscendPassesError as exc:
-        status.put(str(exc))
+    model, inputs = factory(rank, world_size)
+    return _dump(args, model, inputs, rank=rank, **options)
 
 
 def _dump(args: argparse.Namespace, model: torch.nn.Module, inputs: Sequence[Any], *, rank: int = 0,

@@ -8,24 +8,15 @@ keeps outputs unchanged without recompiling; at world 2 also the sharded-token f
 
 from __future__ import annotations
 
-import queue
-import socket
-import traceback
-
 import pytest
 import torch
-import torch.multiprocessing as mp
+
+from ascend_passes.spawn import run_on_ranks
 
 # layer 0 dense, then MoE layers of 16 experts, top-4: 2 of them at world 2, 1 at world 4 (compiling on 4
 # ranks at once on a 2-core CI box is the slow part)
 NUM_EXPERTS = 16
 JOIN_TIMEOUT_S = 120.0  # watchdog: a stuck rank (e.g. a collective mismatch) fails the test instead of hanging
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -86,131 +77,96 @@ def _sharded_block(rank: int, world_size: int, redundant: int, base: torch.nn.Mo
             "sharded_counts_ok": bool(torch.equal(state.global_expert_load(), counts))}
 
 
-def _worker(rank: int, world_size: int, redundant: int, num_layers: int, port: int, results) -> None:  # spawned process
+def _rank(rank: int, world_size: int, redundant: int, num_layers: int) -> dict:  # a spawned rank
     import copy
-    import datetime
 
-    import torch.distributed as dist
+    import ascend_passes as ap
+    from ascend_passes import models
+    from ascend_passes.eplb.state import attach
 
-    try:
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=world_size, timeout=datetime.timedelta(seconds=60))
-        import ascend_passes as ap
-        from ascend_passes import models
-        from ascend_passes.eplb.state import attach
+    c10d = torch.ops._c10d_functional
+    base, inputs = models.deepseek_v3("grouped_mm", num_layers=num_layers)
+    with torch.no_grad():
+        ref = base(*inputs)  # the single-process, uncompiled model (same seed on every rank)
+    counts = _router_counts(base, inputs)
+    logical = [(m.gate_up_proj.detach().clone(), m.down_proj.detach().clone())
+               for _, m in base.named_modules() if hasattr(m, "gate_up_proj") and m.gate_up_proj.dim() == 3]
 
-        c10d = torch.ops._c10d_functional
-        base, inputs = models.deepseek_v3("grouped_mm", num_layers=num_layers)
+    model = copy.deepcopy(base)
+    eplb = {"num_redundant_experts": redundant, "ep_size": world_size}
+    state = attach(model, eplb)
+    try:  # no logical view of the weights on an EP rank: the eager model refuses to run
         with torch.no_grad():
-            ref = base(*inputs)  # the single-process, uncompiled model (same seed on every rank)
-        counts = _router_counts(base, inputs)
-        logical = [(m.gate_up_proj.detach().clone(), m.down_proj.detach().clone())
-                   for _, m in base.named_modules() if hasattr(m, "gate_up_proj") and m.gate_up_proj.dim() == 3]
+            model(*inputs)
+        eager_error = None
+    except ValueError as exc:
+        eager_error = str(exc)
 
-        model = copy.deepcopy(base)
-        eplb = {"num_redundant_experts": redundant, "ep_size": world_size}
-        state = attach(model, eplb)
-        try:  # no logical view of the weights on an EP rank: the eager model refuses to run
-            with torch.no_grad():
-                model(*inputs)
-            eager_error = None
-        except ValueError as exc:
-            eager_error = str(exc)
+    options = {"compiler": "eager", "strict": True, "eplb": {"enabled": True, **eplb}}
+    torch._dynamo.reset()
+    with torch.no_grad(), ap.capture() as reports:
+        compiled = torch.compile(model, backend="ascend_passes", options=options)
+        out = compiled(*inputs)
+    (report,) = reports
+    nodes = list(report.graph.graph.nodes)
+    inits = [n for n in nodes if n.target is torch.ops.ascend.moe_init_routing_v2.default]
+    records = [n for n in nodes if n.target is torch.ops.ascend.eplb_record_load.default]
+    maps = [n for n in nodes if n.target is torch.ops.ascend.eplb_map.default]
+    physical_load = state.physical_load()
+    rank_counts = state.expert_load()
+    global_counts = state.global_expert_load()  # collective
 
-        options = {"compiler": "eager", "strict": True, "eplb": {"enabled": True, **eplb}}
-        torch._dynamo.reset()
-        with torch.no_grad(), ap.capture() as reports:
-            compiled = torch.compile(model, backend="ascend_passes", options=options)
-            out = compiled(*inputs)
-        (report,) = reports
-        nodes = list(report.graph.graph.nodes)
-        inits = [n for n in nodes if n.target is torch.ops.ascend.moe_init_routing_v2.default]
-        records = [n for n in nodes if n.target is torch.ops.ascend.eplb_record_load.default]
-        maps = [n for n in nodes if n.target is torch.ops.ascend.eplb_map.default]
-        physical_load = state.physical_load()
-        rank_counts = state.expert_load()
-        global_counts = state.global_expert_load()  # collective
-
-        # collective rebalance on a Zipf load: weights move between ranks, outputs unchanged
-        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-        zipf = _zipf(state.num_layers)
-        before = state.rank_balance(zipf).max().item()
-        old = state.phy2log
-        state.rebalance(zipf)
-        after = state.rank_balance(zipf).max().item()
-        slots_ok = all(
-            torch.equal(layer.experts.eplb_gate_up_proj.detach(), gu[layer.phy2log[state.local_slots]])
-            and torch.equal(layer.experts.eplb_down_proj.detach(), dn[layer.phy2log[state.local_slots]])
-            for layer, (gu, dn) in zip(state.layers, logical))
-        with torch.no_grad(), ap.capture() as reports_after:
-            out_after = compiled(*inputs)
-        result = {
-            "rank": rank,
-            "eager_error": eager_error,
-            "out_vs_ref": _rel_err(out, ref),
-            "out_after_vs_ref": _rel_err(out_after, ref),
-            "recompiled": len(reports_after) + torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs,
-            "weight_shapes": [(tuple(layer.experts.eplb_gate_up_proj.shape), tuple(layer.experts.eplb_down_proj.shape))
-                              for layer in state.layers],
-            "logical_shapes": [(tuple(gu.shape), tuple(dn.shape)) for gu, dn in logical],
-            "table_shapes": [(tuple(layer.log2phy.shape), tuple(layer.phy2log.shape), tuple(layer.expert_load.shape))
-                             for layer in state.layers],
-            "local_slots": (state.local_slots.start, state.local_slots.stop),
-            "all_reduce": report.count(c10d.all_reduce.default),
-            "wait_tensor": report.count(c10d.wait_tensor.default),
-            "eplb_map": len(maps),
-            "map_ranks": [n.kwargs.get("rank", 0) for n in maps],
-            "active_ranges": [list(n.kwargs["active_expert_range"]) for n in inits],
-            "record_ranges": [list(n.kwargs.get("active_expert_range", [])) for n in records],
-            "expert_num": [n.kwargs["expert_num"] for n in inits],
-            "physical_load": physical_load,
-            "rank_counts": rank_counts,
-            "global_counts": global_counts,
-            "counts": counts,
-            "moved": int((state.phy2log != old).sum()),
-            "old_phy2log": old,
-            "new_phy2log": state.phy2log,
-            "balance": (before, after),
-            "slots_ok": slots_ok,
-            "load_after": state.global_expert_load(),
-        }
-        if world_size == 2:
-            result.update(_sharded_block(rank, world_size, redundant, base))
-        # plain lists: tensors through a Queue are shared-memory handles that die with the process
-        results.put({k: v.tolist() if isinstance(v, torch.Tensor) else v for k, v in result.items()})
-        dist.barrier()
-        dist.destroy_process_group()
-    except BaseException:  # report instead of dying silently
-        results.put({"rank": rank, "error": traceback.format_exc()})
+    # collective rebalance on a Zipf load: weights move between ranks, outputs unchanged
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    zipf = _zipf(state.num_layers)
+    before = state.rank_balance(zipf).max().item()
+    old = state.phy2log
+    state.rebalance(zipf)
+    after = state.rank_balance(zipf).max().item()
+    slots_ok = all(
+        torch.equal(layer.experts.eplb_gate_up_proj.detach(), gu[layer.phy2log[state.local_slots]])
+        and torch.equal(layer.experts.eplb_down_proj.detach(), dn[layer.phy2log[state.local_slots]])
+        for layer, (gu, dn) in zip(state.layers, logical))
+    with torch.no_grad(), ap.capture() as reports_after:
+        out_after = compiled(*inputs)
+    result = {
+        "rank": rank,
+        "eager_error": eager_error,
+        "out_vs_ref": _rel_err(out, ref),
+        "out_after_vs_ref": _rel_err(out_after, ref),
+        "recompiled": len(reports_after) + torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs,
+        "weight_shapes": [(tuple(layer.experts.eplb_gate_up_proj.shape), tuple(layer.experts.eplb_down_proj.shape))
+                          for layer in state.layers],
+        "logical_shapes": [(tuple(gu.shape), tuple(dn.shape)) for gu, dn in logical],
+        "table_shapes": [(tuple(layer.log2phy.shape), tuple(layer.phy2log.shape), tuple(layer.expert_load.shape))
+                         for layer in state.layers],
+        "local_slots": (state.local_slots.start, state.local_slots.stop),
+        "all_reduce": report.count(c10d.all_reduce.default),
+        "wait_tensor": report.count(c10d.wait_tensor.default),
+        "eplb_map": len(maps),
+        "map_ranks": [n.kwargs.get("rank", 0) for n in maps],
+        "active_ranges": [list(n.kwargs["active_expert_range"]) for n in inits],
+        "record_ranges": [list(n.kwargs.get("active_expert_range", [])) for n in records],
+        "expert_num": [n.kwargs["expert_num"] for n in inits],
+        "physical_load": physical_load,
+        "rank_counts": rank_counts,
+        "global_counts": global_counts,
+        "counts": counts,
+        "moved": int((state.phy2log != old).sum()),
+        "old_phy2log": old,
+        "new_phy2log": state.phy2log,
+        "balance": (before, after),
+        "slots_ok": slots_ok,
+        "load_after": state.global_expert_load(),
+    }
+    if world_size == 2:
+        result.update(_sharded_block(rank, world_size, redundant, base))
+    # plain lists: tensors through a Queue are shared-memory handles that die with the process
+    return {k: v.tolist() if isinstance(v, torch.Tensor) else v for k, v in result.items()}
 
 
 def _run(world_size: int, redundant: int, num_layers: int) -> list[dict]:
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, redundant, num_layers, port, results), daemon=True)
-             for r in range(world_size)]
-    for p in procs:
-        p.start()
-    collected: list[dict] = []
-    try:
-        for _ in range(world_size):
-            try:
-                collected.append(results.get(timeout=JOIN_TIMEOUT_S))
-            except queue.Empty:
-                pytest.fail(f"EP world_size={world_size}: only {len(collected)} of {world_size} ranks "
-                            f"reported within {JOIN_TIMEOUT_S}s: {[r['rank'] for r in collected]}")
-            if "error" in collected[-1]:
-                pytest.fail(f"rank {collected[-1]['rank']} failed:\n{collected[-1]['error']}")
-        for p in procs:
-            p.join(timeout=30)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
-    return sorted(collected, key=lambda r: r["rank"])
+    return run_on_ranks(_rank, world_size, redundant, num_layers, timeout_s=JOIN_TIMEOUT_S)
 
 
 @pytest.mark.parametrize(("world_size", "redundant", "num_layers"), [(2, 2, 3), (4, 4, 2)])

@@ -3,116 +3,67 @@
 
 from __future__ import annotations
 
-import queue
-import socket
-import traceback
-
 import pytest
 import torch
-import torch.multiprocessing as mp
+
+from ascend_passes.spawn import run_on_ranks
 
 NUM_LAYERS = 3
 JOIN_TIMEOUT_S = 90.0  # watchdog: a stuck rank (e.g. a collective mismatch) fails the test instead of hanging
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).abs().max() / b.abs().max()).item()
 
 
-def _worker(rank: int, world_size: int, port: int, results, compile_too: bool) -> None:  # runs in a spawned process
-    import datetime
+def _rank(rank: int, world_size: int, compile_too: bool) -> dict:  # runs in a spawned rank
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.aot_autograd import make_boxed_func
 
-    import torch.distributed as dist
+    from ascend_passes import models, models_tp
 
-    try:
-        torch.set_num_threads(1)
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=world_size,
-            timeout=datetime.timedelta(seconds=60),
-        )
-        from torch._dynamo.backends.common import aot_autograd
-        from torch._functorch.aot_autograd import make_boxed_func
+    model, (input_ids,) = models_tp.deepseek_v3_tp(rank, world_size, num_layers=NUM_LAYERS)
+    with torch.no_grad():
+        eager = model(input_ids)
 
-        from ascend_passes import models, models_tp
+    graphs = []
 
-        model, (input_ids,) = models_tp.deepseek_v3_tp(rank, world_size, num_layers=NUM_LAYERS)
+    def fw_compiler(gm, example_inputs):  # aot_eager, recording the aten-level graph
+        graphs.append(gm)
+        return make_boxed_func(gm.forward)
+
+    out_compiled = eager
+    if compile_too:
+        torch._dynamo.reset()
+        compiled = torch.compile(model, fullgraph=True, backend=aot_autograd(fw_compiler=fw_compiler))
         with torch.no_grad():
-            eager = model(input_ids)
+            out_compiled = compiled(input_ids)
 
-        graphs = []
+    def count(target):
+        return sum(1 for gm in graphs for n in gm.graph.nodes if n.op == "call_function" and n.target == target)
 
-        def fw_compiler(gm, example_inputs):  # aot_eager, recording the aten-level graph
-            graphs.append(gm)
-            return make_boxed_func(gm.forward)
-
-        out_compiled = eager
-        if compile_too:
-            torch._dynamo.reset()
-            compiled = torch.compile(model, fullgraph=True, backend=aot_autograd(fw_compiler=fw_compiler))
-            with torch.no_grad():
-                out_compiled = compiled(input_ids)
-
-        def count(target):
-            return sum(1 for gm in graphs for n in gm.graph.nodes if n.op == "call_function" and n.target == target)
-
-        ops = torch.ops._c10d_functional
-        result = {
-            "rank": rank,
-            "shape": tuple(eager.shape),
-            "graphs": len(graphs),
-            "all_reduce": count(ops.all_reduce.default),
-            "all_gather": count(ops.all_gather_into_tensor.default),
-            "wait_tensor": count(ops.wait_tensor.default),
-            "compiled_vs_eager": _rel_err(out_compiled, eager),
-        }
-        if rank == 0:
-            ref_model, (ref_ids,) = models.deepseek_v3("grouped_mm", num_layers=NUM_LAYERS)
-            with torch.no_grad():
-                ref = ref_model(ref_ids)
-            result["same_inputs"] = bool(torch.equal(ref_ids, input_ids))
-            result["eager_vs_ref"] = _rel_err(eager, ref)
-            result["compiled_vs_ref"] = _rel_err(out_compiled, ref)
-        results.put(result)
-        dist.barrier()
-        dist.destroy_process_group()
-    except BaseException:  # report instead of dying silently
-        results.put({"rank": rank, "error": traceback.format_exc()})
+    ops = torch.ops._c10d_functional
+    result = {
+        "rank": rank,
+        "shape": tuple(eager.shape),
+        "graphs": len(graphs),
+        "all_reduce": count(ops.all_reduce.default),
+        "all_gather": count(ops.all_gather_into_tensor.default),
+        "wait_tensor": count(ops.wait_tensor.default),
+        "compiled_vs_eager": _rel_err(out_compiled, eager),
+    }
+    if rank == 0:
+        ref_model, (ref_ids,) = models.deepseek_v3("grouped_mm", num_layers=NUM_LAYERS)
+        with torch.no_grad():
+            ref = ref_model(ref_ids)
+        result["same_inputs"] = bool(torch.equal(ref_ids, input_ids))
+        result["eager_vs_ref"] = _rel_err(eager, ref)
+        result["compiled_vs_ref"] = _rel_err(out_compiled, ref)
+    return result
 
 
 def _run(world_size: int, compile_too: bool) -> list[dict]:
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, results, compile_too), daemon=True) for r in range(world_size)]
-    for p in procs:
-        p.start()
-    collected: list[dict] = []
-    try:
-        for _ in range(world_size):
-            try:
-                collected.append(results.get(timeout=JOIN_TIMEOUT_S))
-            except queue.Empty:
-                pytest.fail(f"TP world_size={world_size}: only {len(collected)} of {world_size} ranks reported "
-                            f"within {JOIN_TIMEOUT_S}s: {collected}")
-            if "error" in collected[-1]:
-                pytest.fail(f"rank {collected[-1]['rank']} failed:\n{collected[-1]['error']}")
-        for p in procs:
-            p.join(timeout=30)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
-    return sorted(collected, key=lambda r: r["rank"])
+    return run_on_ranks(_rank, world_size, compile_too, timeout_s=JOIN_TIMEOUT_S)
 
 
 # torch.compile only at world size 2: compiling on 4 ranks at once on a 2-core CI box costs ~40 s more

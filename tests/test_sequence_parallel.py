@@ -6,17 +6,14 @@ the all-or-nothing refusal, and the config's warning and errors by their text.""
 from __future__ import annotations
 
 import logging
-import queue
-import socket
-import traceback
 from typing import Any
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 import ascend_passes
 from ascend_passes import ConfigError
+from ascend_passes.spawn import free_port, run_on_ranks
 
 NUM_LAYERS = 2  # layer 0 dense, layer 1 MoE
 MOE_LAYERS = NUM_LAYERS - 1
@@ -29,12 +26,6 @@ pytestmark = pytest.mark.xdist_group("sequence_parallel")
 AR = "_c10d_functional.all_reduce"
 RS = "_c10d_functional.reduce_scatter_tensor"
 AG = "_c10d_functional.all_gather_into_tensor"
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -129,46 +120,13 @@ def _case_ep(rank: int, ws: int, name: str, options: dict, tokens: list[int]) ->
 _CASES = {"lm": _case_lm, "mtp": _case_mtp, "ep": _case_ep}
 
 
-def _worker(rank: int, ws: int, port: int, results: Any, cases: list[tuple]) -> None:  # a spawned rank
-    import datetime
-
-    import torch.distributed as dist
-
-    try:
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=ws,
-                                timeout=datetime.timedelta(seconds=120))
-        for kind, *args in cases:
-            res = _CASES[kind](rank, ws, *args)
-            if rank == 0:
-                results.put(res)
-        dist.destroy_process_group()
-    except Exception:
-        results.put({"error": f"rank {rank}: {traceback.format_exc()}"})
+def _cases(rank: int, ws: int, cases: list[tuple]) -> list[dict[str, Any]]:  # one spawned rank
+    return [_CASES[kind](rank, ws, *args) for kind, *args in cases]
 
 
 def _spawn(ws: int, cases: list[tuple]) -> dict[str, dict[str, Any]]:
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, ws, port, results, cases)) for r in range(ws)]
-    for p in procs:
-        p.start()
-    out: dict[str, dict[str, Any]] = {}
-    try:
-        while len(out) < len(cases):
-            res = results.get(timeout=JOIN_TIMEOUT_S)
-            if "error" in res:
-                pytest.fail(res["error"])
-            out[res["case"]] = res
-    except queue.Empty:
-        pytest.fail(f"world {ws}: timed out after {JOIN_TIMEOUT_S}s waiting for the ranks")
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    return out
+    rank0 = run_on_ranks(_cases, ws, cases, timeout_s=JOIN_TIMEOUT_S)[0]
+    return {res["case"]: res for res in rank0}
 
 
 SP = {"sequence_parallel": True, "strict": True}
@@ -301,7 +259,7 @@ def test_shared_expert_dp_turns_sp_on_with_a_warning(caplog: Any) -> None:
 def test_sp_over_one_rank_is_a_config_error() -> None:
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
         with pytest.raises(ConfigError, match="TP group of size 1 has nothing to split"):
             ascend_passes.AscendPassConfig.from_options({"sequence_parallel": True})

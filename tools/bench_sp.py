@@ -38,12 +38,8 @@ so at these sizes the wall time says more about collective count than about byte
 from __future__ import annotations
 
 import argparse
-import datetime
-import queue
-import socket
 import statistics
 import time
-import traceback
 from collections import defaultdict
 from typing import Any
 
@@ -129,111 +125,71 @@ def _layer_key(layer: str) -> tuple[int, int, str]:
 
 
 # ------------------------------------------------------------------------------------------ ranks
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank: int, world_size: int, port: int, args: argparse.Namespace, results: Any) -> None:
+def _rank(rank: int, world_size: int, args: argparse.Namespace) -> list[dict[str, Any]]:  # a spawned rank
     import torch.distributed as dist
 
-    try:
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=300))
-        import ascend_passes as ap
-        from ascend_passes import models_tp
+    rows: list[dict[str, Any]] = []
+    import ascend_passes as ap
+    from ascend_passes import models_tp
 
-        tokens_list = [int(t) for t in args.tokens.split(",")]
-        built: dict[str, tuple[torch.nn.Module, torch.Tensor]] = {}
-        for shared in sorted({VARIANTS[v][0] for v in args.variants}):
-            model, (ids,) = models_tp.deepseek_v3_tp(rank, world_size, shared_expert=shared,
-                                                     num_layers=args.layers, tokens=max(tokens_list),
-                                                     hidden_size=args.hidden)
-            built[shared] = (model, ids)
-        for tokens in tokens_list:
-            # compile every variant first (Dynamo keeps one cache entry per backend), then time them
-            # round-robin so that load from other processes hits all variants alike
-            torch._dynamo.reset()
-            reference = None
-            cells: list[dict[str, Any]] = []
-            for variant in args.variants:
-                shared, extra = VARIANTS[variant]
-                model, ids = built[shared]
-                ids = ids[:, :tokens].contiguous()
-                compiled = torch.compile(model, backend="ascend_passes", fullgraph=True, dynamic=False,
-                                         options={"compiler": args.compiler, **extra})
-                with torch.no_grad(), ap.capture() as reports:
+    tokens_list = [int(t) for t in args.tokens.split(",")]
+    built: dict[str, tuple[torch.nn.Module, torch.Tensor]] = {}
+    for shared in sorted({VARIANTS[v][0] for v in args.variants}):
+        model, (ids,) = models_tp.deepseek_v3_tp(rank, world_size, shared_expert=shared,
+                                                 num_layers=args.layers, tokens=max(tokens_list),
+                                                 hidden_size=args.hidden)
+        built[shared] = (model, ids)
+    for tokens in tokens_list:
+        # compile every variant first (Dynamo keeps one cache entry per backend), then time them
+        # round-robin so that load from other processes hits all variants alike
+        torch._dynamo.reset()
+        reference = None
+        cells: list[dict[str, Any]] = []
+        for variant in args.variants:
+            shared, extra = VARIANTS[variant]
+            model, ids = built[shared]
+            ids = ids[:, :tokens].contiguous()
+            compiled = torch.compile(model, backend="ascend_passes", fullgraph=True, dynamic=False,
+                                     options={"compiler": args.compiler, **extra})
+            with torch.no_grad(), ap.capture() as reports:
+                dist.barrier()
+                t0 = time.perf_counter()
+                out = compiled(ids)
+                compile_s = time.perf_counter() - t0
+                compiled(ids)  # warm-up; must not recompile
+            if len(reports) != 1:
+                raise RuntimeError(f"{variant}: expected one compiled graph, got {len(reports)}")
+            if reference is None:
+                reference = out
+            err = ((out - reference).abs().max() / reference.abs().max()).item()
+            cells.append({"variant": variant, "fn": compiled, "ids": ids, "compile_s": compile_s, "err": err,
+                          "report": reports[0], "times": []})
+        with torch.no_grad(), ap.capture() as late:
+            for _ in range(args.iters):
+                for c in cells:
                     dist.barrier()
                     t0 = time.perf_counter()
-                    out = compiled(ids)
-                    compile_s = time.perf_counter() - t0
-                    compiled(ids)  # warm-up; must not recompile
-                if len(reports) != 1:
-                    raise RuntimeError(f"{variant}: expected one compiled graph, got {len(reports)}")
-                if reference is None:
-                    reference = out
-                err = ((out - reference).abs().max() / reference.abs().max()).item()
-                cells.append({"variant": variant, "fn": compiled, "ids": ids, "compile_s": compile_s, "err": err,
-                              "report": reports[0], "times": []})
-            with torch.no_grad(), ap.capture() as late:
-                for _ in range(args.iters):
-                    for c in cells:
-                        dist.barrier()
-                        t0 = time.perf_counter()
-                        c["fn"](c["ids"])
-                        c["times"].append(time.perf_counter() - t0)
-            if late:
-                raise RuntimeError(f"{len(late)} recompilation(s) while timing")
-            for c in cells:
-                t = torch.tensor(c["times"], dtype=torch.float64)
-                dist.all_reduce(t, op=dist.ReduceOp.MAX)  # an iteration lasts as long as its slowest rank
-                ms = statistics.median(t.tolist()) * 1e3
-                if rank == 0:
-                    results.put({"world": world_size, "tokens": tokens, "variant": c["variant"], "ms": ms,
-                                 "compile_s": c["compile_s"], "err": c["err"],
-                                 "layers": graph_stats(c["report"].graph, world_size)})
-                    print(f"  W={world_size} T={tokens:4d} {c['variant']:15s} {ms:8.2f} ms  "
-                          f"compile {c['compile_s']:5.1f} s  rel err vs first variant {c['err']:.1e}", flush=True)
-        dist.barrier()
-        dist.destroy_process_group()
-        if rank == 0:
-            results.put({"done": True})
-    except BaseException:  # report instead of dying silently
-        results.put({"rank": rank, "error": traceback.format_exc()})
+                    c["fn"](c["ids"])
+                    c["times"].append(time.perf_counter() - t0)
+        if late:
+            raise RuntimeError(f"{len(late)} recompilation(s) while timing")
+        for c in cells:
+            t = torch.tensor(c["times"], dtype=torch.float64)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)  # an iteration lasts as long as its slowest rank
+            ms = statistics.median(t.tolist()) * 1e3
+            if rank == 0:
+                rows.append({"world": world_size, "tokens": tokens, "variant": c["variant"], "ms": ms,
+                             "compile_s": c["compile_s"], "err": c["err"],
+                             "layers": graph_stats(c["report"].graph, world_size)})
+                print(f"  W={world_size} T={tokens:4d} {c['variant']:15s} {ms:8.2f} ms  "
+                      f"compile {c['compile_s']:5.1f} s  rel err vs first variant {c['err']:.1e}", flush=True)
+    return rows
 
 
 def run_world(world_size: int, args: argparse.Namespace) -> list[dict[str, Any]]:
-    import torch.multiprocessing as mp
+    from ascend_passes.spawn import run_on_ranks
 
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, args, results), daemon=True)
-             for r in range(world_size)]
-    for p in procs:
-        p.start()
-    rows: list[dict[str, Any]] = []
-    try:
-        while True:
-            try:
-                item = results.get(timeout=JOIN_TIMEOUT_S)
-            except queue.Empty:
-                raise SystemExit(f"world_size={world_size}: no result within {JOIN_TIMEOUT_S:.0f}s") from None
-            if "error" in item:
-                raise SystemExit(f"rank {item['rank']} failed:\n{item['error']}")
-            if item.get("done"):
-                break
-            rows.append(item)
-        for p in procs:
-            p.join(timeout=60)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
-    return rows
+    return run_on_ranks(_rank, world_size, args, timeout_s=JOIN_TIMEOUT_S)[0]
 
 
 # ------------------------------------------------------------------------------------------ tables

@@ -16,7 +16,6 @@ weights: a near-miss says so and how to build the model instead.
 from __future__ import annotations
 
 import logging
-import operator
 from typing import Any
 
 import torch

@@ -152,6 +152,14 @@ def world(request: Any) -> tuple[int, dict[str, dict[str, Any]]]:
     return ws, _spawn(ws, cases)
 
 
+def _at_world2(world: tuple[int, dict], case: str) -> dict[str, Any]:
+    """The result of a case that only the world-size-2 fixture runs."""
+    ws, res = world
+    if ws != 2:
+        pytest.skip("checked at world size 2")
+    return res[case]
+
+
 def _assert_close(errors: dict) -> None:
     for key, (vs_tp, vs_single) in errors.items():
         assert vs_tp <= TOL, f"{key}: TP+SP vs TP relative error {vs_tp:.2e}"
@@ -188,10 +196,7 @@ def test_shared_expert_dp_runs_the_shared_expert_on_the_token_shard(world) -> No
 
 
 def test_mtp_layers_under_sp_and_shared_expert_dp(world) -> None:
-    ws, res = world
-    if ws != 2:
-        pytest.skip("checked at world size 2")
-    r = res["mtp_sp_dp"]
+    r = _at_world2(world, "mtp_sp_dp")
     _assert_close(r["errors"])
     assert r["mtp_layers"] == 2
     # per MTP layer: the embedding's all-reduce, o_proj and the MoE become reduce-scatters
@@ -205,10 +210,7 @@ def test_mtp_layers_under_sp_and_shared_expert_dp(world) -> None:
 
 
 def test_sp_is_all_or_nothing(world) -> None:
-    ws, res = world
-    if ws != 2:
-        pytest.skip("checked at world size 2")
-    r = res["no_norm"]
+    r = _at_world2(world, "no_norm")
     _assert_close(r["errors"])
     assert r["counts"][RS] == 0 and r["counts"][AR] > 0  # the graph was left as it was
     assert r["sp"] == {}
@@ -216,10 +218,7 @@ def test_sp_is_all_or_nothing(world) -> None:
 
 
 def test_shared_expert_dp_explains_a_tp_sharded_shared_expert(world) -> None:
-    ws, res = world
-    if ws != 2:
-        pytest.skip("checked at world size 2")
-    r = res["mtp_sp_tp_shared"]
+    r = _at_world2(world, "mtp_sp_tp_shared")
     _assert_close(r["errors"])
     assert r["dp"] == {}
     layers = sorted(layer for layer, _ in r["dp_near_misses"])
@@ -228,12 +227,9 @@ def test_shared_expert_dp_explains_a_tp_sharded_shared_expert(world) -> None:
 
 
 def test_expert_parallelism_composes_with_sp_and_shared_expert_dp(world) -> None:
-    ws, res = world
-    if ws != 2:
-        pytest.skip("checked at world size 2")
-    r = res["ep_sp_dp"]
+    r = _at_world2(world, "ep_sp_dp")
     _assert_close(r["errors"])
-    assert r["expert_slots"] == (16 + ws) // ws
+    assert r["expert_slots"] == (16 + 2) // 2
     assert r["eplb"]["ep_collectives"] == MOE_LAYERS
     # embedding + o_proj per layer + the dense MLP + the EP sum of each MoE layer: all reduce-scatters now
     assert r["counts"][AR] == 0 and r["counts"][RS] == 1 + NUM_LAYERS + 1 + MOE_LAYERS

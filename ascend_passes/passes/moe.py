@@ -390,13 +390,14 @@ def _shared_expert_add(finalize: fx.Node) -> str | None:
                     nxt.append(user)
                 elif user.target is aten.add.Tensor and all(isinstance(a, fx.Node) for a in user.args):
                     other = user.args[1] if user.args[0] is n else user.args[0]
-                    if _has_matmul_producer(other):
+                    if has_matmul_producer(other):
                         return user.name
         frontier = nxt
     return None
 
 
-def _has_matmul_producer(node: fx.Node) -> bool:
+def has_matmul_producer(node: fx.Node) -> bool:
+    """``node`` is a matmul's output, possibly through views (a linear layer's result)."""
     for _ in range(3):
         if node.target in (aten.mm.default, aten.addmm.default, aten.bmm.default):
             return True

@@ -23,6 +23,7 @@ import torch.fx as fx
 
 from ..pass_manager import Pass, PassContext, PassResult
 from .layers import where
+from .moe import has_matmul_producer
 from .sequence_parallel import set_val
 
 log = logging.getLogger("ascend_passes.passes.shared_expert_dp")
@@ -125,7 +126,7 @@ class SharedExpertDpPass(Pass):
         moved: set[str] = set()
         for slice_name, full_name in sp["sliced"].items():
             cut, full = by_name.get(slice_name), by_name.get(full_name)
-            if cut is None or full is None or not _is_matmul_branch(full):
+            if cut is None or full is None or not has_matmul_producer(full):
                 continue
             source = _source(full, gathered)
             if source not in moe_inputs:
@@ -152,17 +153,6 @@ class SharedExpertDpPass(Pass):
                     "shared expert (e.g. ascend_passes.models_tp.deepseek_v3_tp(..., shared_expert='replicated'))",
                     layer=entry.layer, node=by_name[entry.shared_expert_add])
         return result
-
-
-def _is_matmul_branch(node: fx.Node) -> bool:
-    for _ in range(4):
-        if node.target in _MATMULS:
-            return True
-        if node.target in _VIEWS and isinstance(node.args[0], fx.Node):
-            node = node.args[0]
-            continue
-        return False
-    return False
 
 
 def _source(node: fx.Node, gathered: dict[fx.Node, fx.Node], limit: int = 64) -> fx.Node | None:

@@ -123,6 +123,10 @@ def fused(c: Constants, hidden, w_q_a, gamma_cq, w_q_b, w_kv_a, gamma_ckv, cos, 
     """The three outputs of the search function from one ``ascend.mla_prolog`` (weights are
     ``[out, in]`` parameters, passed transposed: the op multiplies ``x @ W``).  ``w_q_a`` and
     ``gamma_cq`` are None for ``q_lora_rank=None`` (``w_q_b`` is then ``q_proj``)."""
+    # the op takes one table row per token (npu_mla_prolog_v3: (B, S, Dr)); HF's tables broadcast
+    # over the batch ([1, S, Dr] for a batch of B sequences at the same positions)
+    rows = (*hidden.shape[:-1], cos.shape[-1])
+    cos, sin = torch.broadcast_to(cos, rows), torch.broadcast_to(sin, rows)
     if c.interleave:  # HF rotates pair i by the first half of the tables: duplicate it
         half = cos.shape[-1] // 2
         cos = torch.cat([cos[..., :half], cos[..., :half]], dim=-1)

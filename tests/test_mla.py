@@ -62,6 +62,25 @@ def test_every_attention_prolog_fused(compiled):
     assert _rel_diff(out, ref) <= 1e-4
 
 
+@pytest.mark.parametrize("interleave", [True, False])
+def test_batch_of_sequences(interleave):
+    """HF's RoPE tables are [1, S, Dr] for a batch of B sequences: the op gets one row per token."""
+    model, inputs = models.deepseek_v3("grouped_mm", batch=2, tokens=8, rope_interleave=interleave)
+    with torch.no_grad():
+        ref = model(*inputs)
+    out, (report,) = _compile(model, inputs, compiler="eager", strict=True)
+    assert report.count("ascend.mla_prolog") == NUM_LAYERS
+    assert _rel_diff(out, ref) <= 1e-4
+
+
+def test_tables_with_too_few_rows_are_a_clear_error():
+    x = torch.randn(2, 4, 16)
+    args = (x, torch.randn(16, 8), torch.randn(8, 2 * 12), None, torch.randn(16, 8 + 4), torch.ones(8),
+            torch.ones(8), torch.randn(1, 4, 4), torch.randn(1, 4, 4))
+    with pytest.raises(ValueError, match="ascend.mla_prolog: rope_sin .* must have one row per token of token_x"):
+        OP(*args, head_num=2)
+
+
 def test_bf16_model():
     model, inputs = models.deepseek_v3("grouped_mm", dtype=torch.bfloat16, num_layers=2)
     with torch.no_grad():

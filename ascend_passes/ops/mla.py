@@ -126,6 +126,10 @@ def _sizes(token_x, weight_dq, weight_uq_qr, weight_uk, weight_dkv_kr, rmsnorm_g
     for name, t in (("rope_sin", rope_sin), ("rope_cos", rope_cos)):
         if t.dim() != token_x.dim():
             fail(op, f"{name} must have token_x's rank {token_x.dim()} ((*, Dr)), got {t.dim()}-D")
+        static = [(a, b) for a, b in zip(t.shape[:-1], token_x.shape[:-1]) if isinstance(a, int) and isinstance(b, int)]
+        if any(a != b for a, b in static):
+            fail(op, f"{name} {tuple(t.shape)} must have one row per token of token_x {tuple(token_x.shape)} "
+                     "(broadcast the tables over the batch first)")
     dr = rope_sin.shape[-1]
     if rope_cos.shape[-1] != dr or dr % 2:
         fail(op, f"rope_sin/rope_cos widths {rope_sin.shape[-1]}/{rope_cos.shape[-1]} must be one even Dr")

@@ -128,3 +128,22 @@ def test_graph_break_in_moe_block_is_reported(caplog):
     assert misses[0].layer == "gate (DeepseekV3TopkRouter)"
     assert sum(r.count("ascend.moe_init_routing_v2") for r in reports) == 0
     assert _rel_diff(out, ref) <= 1e-4
+
+
+def test_model_without_transformers_loaded_compiles_with_every_pass_ok():
+    """transformers registers torch.ops.transformers.grouped_mm_fallback on import; a process that never
+    imported it must not see the moe pass fail (and roll back) on that pattern."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, torch, ascend_passes\n"
+        "m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.SiLU())\n"
+        "with torch.no_grad(), ascend_passes.capture() as r:\n"
+        "    torch.compile(m, backend='ascend_passes', options={'compiler': 'eager', 'strict': True})(torch.randn(2, 8))\n"
+        "assert 'transformers' not in sys.modules\n"
+        "print(sorted(k for k, v in r[0].passes.items() if v.status == 'ok'))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "'moe'" in out.stdout

@@ -134,6 +134,16 @@ _SEARCH: dict[str, _Search] = {
                                   _EXPERT_DTYPES),
 }
 
+def _has_transformers_grouped_mm() -> bool:
+    """Whether ``torch.ops.transformers.grouped_mm_fallback`` exists (``transformers.integrations.moe``
+    registers it on import); without it that search function cannot even be traced."""
+    try:
+        torch.ops.transformers.grouped_mm_fallback
+    except (AttributeError, RuntimeError):
+        return False
+    return True
+
+
 _ROUTERS = ("deepseek_router", "deepseek_router_no_renorm", "softmax_router", "softmax_router_no_renorm")
 # Not covered: the int-histc form transformers emits on devices other than cpu/mps (histc on int
 # has no CPU kernel, so that pattern cannot be traced here).
@@ -196,6 +206,8 @@ class MoePass(Pass):
                                       ("experts", _EXPERTS, self._experts)):
             matcher = pm.PatternMatcherPass(pass_name=f"ascend_moe_{stage}")
             for name in names:
+                if name == "grouped_mm_experts" and not _has_transformers_grouped_mm():
+                    continue  # transformers' op is not registered: no graph of this process holds it
                 on_match = functools.partial(handler, name, gm, result, layer_entry, trace)
                 for pattern in _patterns(name, ctx.decompositions):
                     pm.GraphPatternEntry(pattern=pattern, extra_check=_always,

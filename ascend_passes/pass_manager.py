@@ -176,6 +176,13 @@ class PassManager:
         check_numerics = (cfg.verify or cfg.verify_each) and ctx.real_inputs is not None
         if (cfg.verify or cfg.verify_each) and ctx.real_inputs is None:
             log.info("verify requested but no real example inputs map onto this graph; skipped")
+        if check_numerics and _has_collectives(gm):
+            # running a graph with collectives in the middle of a compile hung on gloo (an
+            # all_gather_into_tensor never completed) — never risk a hang for a check
+            log.warning("verify requested, but this graph holds collectives (%s): it is not run during "
+                        "the compile; compare each rank's output with the single-process model instead",
+                        ", ".join(sorted(_collectives(gm))))
+            check_numerics = False
         if check_numerics:
             reference = _run_graph(gm, ctx.real_inputs)
         results: dict[str, PassResult] = {}
@@ -311,6 +318,16 @@ def _check_graph(gm: fx.GraphModule, snapshot: _Snapshot) -> None:
     for i, (b, a) in enumerate(zip(before, after)):
         if b is not None and a is not None and b != a:
             raise RuntimeError(f"output {i} changed from shape/dtype {b} to {a}")
+
+
+def _collectives(gm: fx.GraphModule) -> set[str]:
+    return {str(n.target) for n in gm.graph.nodes if n.op == "call_function"
+            and isinstance(n.target, torch._ops.OpOverload) and n.target.namespace == "_c10d_functional"
+            and n.target._opname != "wait_tensor"}
+
+
+def _has_collectives(gm: fx.GraphModule) -> bool:
+    return bool(_collectives(gm))
 
 
 def _run_graph(gm: fx.GraphModule, inputs: Sequence[Any]) -> list[Any]:

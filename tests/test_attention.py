@@ -8,24 +8,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import ascend_passes as ap
+from _helpers import compile_and_run, rel_diff
 from ascend_passes import models
 from ascend_passes.report import count_ops
 
 aten = torch.ops.aten
 FLASH = aten._scaled_dot_product_flash_attention_for_cpu.default
 NUM_LAYERS = 3  # models.deepseek_v3's default
-
-
-def _rel_diff(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out.double() - ref.double()).abs().max() / ref.double().abs().max()).item()
-
-
-def _compile(model, inputs, **options):
-    torch._dynamo.reset()
-    with torch.no_grad(), ap.capture() as reports:
-        out = torch.compile(model, backend="ascend_passes", options=options)(*inputs)
-    return out, reports
 
 
 def _flash_nodes(report):
@@ -43,7 +32,7 @@ def test_deepseek_attention_becomes_causal_flash(compiler, batch, tokens):
     model, inputs = models.deepseek_v3("grouped_mm", batch=batch, tokens=tokens)
     with torch.no_grad():
         ref = model(*inputs)
-    out, reports = _compile(model, inputs, compiler=compiler)
+    out, reports = compile_and_run(model, inputs, compiler=compiler)
     (report,) = reports
     result = report.passes["attention"]
     assert result.status == "ok"
@@ -55,20 +44,20 @@ def test_deepseek_attention_becomes_causal_flash(compiler, batch, tokens):
     assert report.count("aten._safe_softmax") == 0 and report.count("aten.bmm") == 0
     # v (16) padded to the q/k head dim (24 + 8)
     assert report.count("aten.constant_pad_nd") == NUM_LAYERS
-    assert _rel_diff(out, ref) <= 1e-4
+    assert rel_diff(out, ref) <= 1e-4
 
 
 def test_without_the_pass_attention_stays_on_the_math_path():
     model, inputs = models.deepseek_v3("grouped_mm")
-    _, reports = _compile(model, inputs, compiler="eager", disable=("attention",))
+    _, reports = compile_and_run(model, inputs, compiler="eager", disable=("attention",))
     assert reports[0].count("aten._safe_softmax") == NUM_LAYERS
     assert not _flash_nodes(reports[0])
 
 
 def test_deepseek_bf16_keeps_the_float32_upcast():
     model, inputs = models.deepseek_v3("grouped_mm", dtype=torch.bfloat16)
-    _, ref_reports = _compile(model, inputs, compiler="eager", disable=("attention",))
-    out, reports = _compile(model, inputs, compiler="eager")
+    _, ref_reports = compile_and_run(model, inputs, compiler="eager", disable=("attention",))
+    out, reports = compile_and_run(model, inputs, compiler="eager")
     (report,) = reports
     nodes = _flash_nodes(report)
     assert len(nodes) == NUM_LAYERS and all(_is_causal(n) for n in nodes)
@@ -78,21 +67,21 @@ def test_deepseek_bf16_keeps_the_float32_upcast():
     with torch.no_grad():
         ref = torch.compile(model, backend="ascend_passes",
                             options={"compiler": "eager", "disable": ("attention",)})(*inputs)
-    assert _rel_diff(out, ref) <= 2e-2
+    assert rel_diff(out, ref) <= 2e-2
 
 
 def test_equal_head_dims_flash_already_only_the_mask_goes():
     model, inputs = models.deepseek_v3("grouped_mm", v_head_dim=32)  # = 24 + 8
     with torch.no_grad():
         ref = model(*inputs)
-    _, plain = _compile(model, inputs, compiler="eager", disable=("attention",))
+    _, plain = compile_and_run(model, inputs, compiler="eager", disable=("attention",))
     assert all("attn_mask" in n.kwargs for n in _flash_nodes(plain[0]))  # SDPA's own flash path
-    out, reports = _compile(model, inputs, compiler="eager")
+    out, reports = compile_and_run(model, inputs, compiler="eager")
     patterns = [m.pattern for m in reports[0].passes["attention"].matches]
     assert patterns == ["causal_mask"] * NUM_LAYERS  # no math path to rewrite
     assert reports[0].count("aten.constant_pad_nd") == 0
     assert all(_is_causal(n) for n in _flash_nodes(reports[0]))
-    assert _rel_diff(out, ref) <= 1e-4
+    assert rel_diff(out, ref) <= 1e-4
 
 
 # ------------------------------------------------------------------------------ masks
@@ -145,13 +134,13 @@ def test_masks(mode, causal):
     inputs = _attention_inputs()
     with torch.no_grad():
         ref = model(*inputs)
-    out, reports = _compile(model, inputs, compiler="eager")
+    out, reports = compile_and_run(model, inputs, compiler="eager")
     (node,) = _flash_nodes(reports[0])
     assert _is_causal(node) is causal
     assert ("attn_mask" in node.kwargs) is (mode not in ("causal", "none"))
     assert reports[0].count("aten._safe_softmax") == 0
     assert torch.isfinite(out).all()
-    assert _rel_diff(out, ref) <= 1e-4
+    assert rel_diff(out, ref) <= 1e-4
 
 
 def test_a_3d_mask_is_not_rewritten():
@@ -160,16 +149,16 @@ def test_a_3d_mask_is_not_rewritten():
     inputs = _attention_inputs()
     with torch.no_grad():
         ref = model(*inputs)
-    out, reports = _compile(model, inputs, compiler="eager")
+    out, reports = compile_and_run(model, inputs, compiler="eager")
     (report,) = reports
     assert not _flash_nodes(report)
     assert report.count("aten._safe_softmax") == 1 and report.count("aten.bmm") == 2
     (miss,) = report.passes["attention"].near_misses
     assert "2-D or 4-D" in miss.reason
-    assert torch.equal(out, ref) or _rel_diff(out, ref) <= 1e-6
+    assert torch.equal(out, ref) or rel_diff(out, ref) <= 1e-6
 
 
 def test_count_ops_sees_flash():
     model, inputs = models.deepseek_v3("grouped_mm", num_layers=1, first_k_dense_replace=1)
-    _, reports = _compile(model, inputs, compiler="eager")
+    _, reports = compile_and_run(model, inputs, compiler="eager")
     assert count_ops(reports[0].graph, FLASH) == 1

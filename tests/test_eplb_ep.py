@@ -11,32 +11,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from _helpers import rel_diff, router_counts
 from ascend_passes.spawn import run_on_ranks
 
 # layer 0 dense, then MoE layers of 16 experts, top-4: 2 of them at world 2, 1 at world 4 (compiling on 4
 # ranks at once on a 2-core CI box is the slow part)
 NUM_EXPERTS = 16
 JOIN_TIMEOUT_S = 120.0  # watchdog: a stuck rank (e.g. a collective mismatch) fails the test instead of hanging
-
-
-def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).abs().max() / b.abs().max()).item()
-
-
-def _router_counts(model: torch.nn.Module, inputs) -> torch.Tensor:
-    """``[L, E]`` tokens per logical expert from the eager routers' top-k ids (module order)."""
-    gates = [m.gate for _, m in model.named_modules() if hasattr(m, "gate") and hasattr(m, "experts")]
-    seen: dict[int, torch.Tensor] = {}
-    hooks = [g.register_forward_hook(lambda mod, args, out, i=i: seen.__setitem__(
-        i, seen.get(i, 0) + torch.bincount(out[2].flatten(), minlength=NUM_EXPERTS)))
-        for i, g in enumerate(gates)]
-    try:
-        with torch.no_grad():
-            model(*inputs)
-    finally:
-        for h in hooks:
-            h.remove()
-    return torch.stack([seen[i] for i in range(len(gates))])
 
 
 def _zipf(num_layers: int, seed: int = 0) -> torch.Tensor:
@@ -58,7 +39,7 @@ def _sharded_block(rank: int, world_size: int, redundant: int, base: torch.nn.Mo
     block = copy.deepcopy(next(m for _, m in base.named_modules() if hasattr(m, "gate") and hasattr(m, "experts")))
     hidden = torch.randn(1, 8 * world_size, block.experts.gate_up_proj.shape[-1],
                          generator=torch.Generator().manual_seed(1))
-    counts = _router_counts(block, (hidden,))
+    counts = router_counts(block, (hidden,), NUM_EXPERTS)
     with torch.no_grad():
         ref = block(hidden)
     shard = hidden[:, 8 * rank:8 * (rank + 1)]
@@ -69,7 +50,7 @@ def _sharded_block(rank: int, world_size: int, redundant: int, base: torch.nn.Mo
                             options={"compiler": "eager", "strict": True, "eplb": {"enabled": True, **eplb}})(shard)
     c10d = torch.ops._c10d_functional
     (report,) = reports
-    return {"sharded_vs_ref": _rel_err(out, ref[:, 8 * rank:8 * (rank + 1)]),
+    return {"sharded_vs_ref": rel_diff(out, ref[:, 8 * rank:8 * (rank + 1)]),
             "sharded_shape": tuple(out.shape),
             "sharded_ops": [report.count(op) for op in (c10d.all_gather_into_tensor.default,
                                                          c10d.reduce_scatter_tensor.default,
@@ -88,7 +69,7 @@ def _rank(rank: int, world_size: int, redundant: int, num_layers: int) -> dict: 
     base, inputs = models.deepseek_v3("grouped_mm", num_layers=num_layers)
     with torch.no_grad():
         ref = base(*inputs)  # the single-process, uncompiled model (same seed on every rank)
-    counts = _router_counts(base, inputs)
+    counts = router_counts(base, inputs, NUM_EXPERTS)
     logical = [(m.gate_up_proj.detach().clone(), m.down_proj.detach().clone())
                for _, m in base.named_modules() if hasattr(m, "gate_up_proj") and m.gate_up_proj.dim() == 3]
 
@@ -132,8 +113,8 @@ def _rank(rank: int, world_size: int, redundant: int, num_layers: int) -> dict: 
     result = {
         "rank": rank,
         "eager_error": eager_error,
-        "out_vs_ref": _rel_err(out, ref),
-        "out_after_vs_ref": _rel_err(out_after, ref),
+        "out_vs_ref": rel_diff(out, ref),
+        "out_after_vs_ref": rel_diff(out_after, ref),
         "recompiled": len(reports_after) + torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs,
         "weight_shapes": [(tuple(layer.experts.eplb_gate_up_proj.shape), tuple(layer.experts.eplb_down_proj.shape))
                           for layer in state.layers],

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import ascend_passes as ap
+from _helpers import router_counts
 import ascend_passes.ops  # noqa: F401  (registers torch.ops.ascend)
 from ascend_passes import models
 from ascend_passes.config import AscendPassConfig
@@ -24,21 +25,6 @@ from ascend_passes.passes.eplb import EplbPass
 ops = torch.ops.ascend
 EAGER = {"compiler": "eager", "strict": True}
 EPLB = {**EAGER, "eplb": {"enabled": True}}
-
-
-def _router_counts(model: torch.nn.Module, inputs) -> torch.Tensor:
-    """``[L, E]`` tokens per logical expert from the eager routers' top-k ids (module order)."""
-    gates = [m.gate for _, m in model.named_modules() if hasattr(m, "gate") and hasattr(m, "experts")]
-    seen: dict[int, torch.Tensor] = {}
-    hooks = [g.register_forward_hook(lambda mod, args, out, i=i: seen.__setitem__(
-        i, seen.get(i, 0) + torch.bincount(out[2].flatten(), minlength=16))) for i, g in enumerate(gates)]
-    try:
-        with torch.no_grad():
-            model(*inputs)
-    finally:
-        for h in hooks:
-            h.remove()
-    return torch.stack([seen[i] for i in range(len(gates))])
 
 
 def _compile(model, inputs, options):
@@ -78,7 +64,7 @@ def deepseek():
     runs = {"base": (base, None) + _compile(base, inputs, EAGER)}
     for r in (0, 4):
         model = copy.deepcopy(base)
-        counts = _router_counts(model, inputs)
+        counts = router_counts(model, inputs, 16)
         state = attach(model, {"num_redundant_experts": r, "ep_size": 4})
         runs[r] = (model, state) + _compile(model, inputs, EPLB) + (counts,)
     return inputs, runs
@@ -209,7 +195,7 @@ def test_mtp_layers_mapped_and_counted_apart_from_target(num_mtp):
     main, main_inputs = drafter.main_model, drafter.main_example_inputs
     with torch.no_grad():
         ref = drafter(*inputs)
-    main_counts, draft_counts = _router_counts(main, main_inputs), _router_counts(drafter, inputs)
+    main_counts, draft_counts = router_counts(main, main_inputs, 16), router_counts(drafter, inputs, 16)
     target = attach(main, {"num_redundant_experts": 4}, num_mtp_layers=num_mtp)
     draft = attach(drafter, {}, main=target)  # the drafter's layers get the target's redundancy
     assert draft.num_redundant == 4 and draft.first_layer == 1 and draft.total_layers == 1 + num_mtp

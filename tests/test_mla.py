@@ -9,24 +9,13 @@ import math
 import pytest
 import torch
 
-import ascend_passes as ap
+from _helpers import compile_and_run, rel_diff
 import ascend_passes.ops.mla  # noqa: F401  (registers ascend.mla_prolog)
 from ascend_passes import models
 from ascend_passes.inspect.layers import ops_by_layer
 
 OP = torch.ops.ascend.mla_prolog.default
 NUM_LAYERS = 3  # models.deepseek_v3's default
-
-
-def _rel_diff(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out.double() - ref.double()).abs().max() / ref.double().abs().max()).item()
-
-
-def _compile(model, inputs, **options):
-    torch._dynamo.reset()
-    with torch.no_grad(), ap.capture() as reports:
-        out = torch.compile(model, backend="ascend_passes", options=options)(*inputs)
-    return out, reports
 
 
 # ------------------------------------------------------------------------------ the pass
@@ -39,7 +28,7 @@ def compiled(request):
     model, inputs = models.deepseek_v3("grouped_mm", q_lora_rank=q_lora_rank, rope_interleave=rope_interleave)
     with torch.no_grad():
         ref = model(*inputs)
-    out, reports = _compile(model, inputs, compiler="eager")
+    out, reports = compile_and_run(model, inputs, compiler="eager")
     return request.param, ref, out, reports
 
 
@@ -59,7 +48,7 @@ def test_every_attention_prolog_fused(compiled):
     assert report.count("ascend.rms_norm") + report.count("ascend.add_rms_norm") == 2 * NUM_LAYERS + 1
     per_layer = ops_by_layer(report)
     assert all(per_layer[f"model.layers.{i}"]["ascend.mla_prolog"] == 1 for i in range(NUM_LAYERS))
-    assert _rel_diff(out, ref) <= 1e-4
+    assert rel_diff(out, ref) <= 1e-4
 
 
 @pytest.mark.parametrize("interleave", [True, False])
@@ -68,9 +57,9 @@ def test_batch_of_sequences(interleave):
     model, inputs = models.deepseek_v3("grouped_mm", batch=2, tokens=8, rope_interleave=interleave)
     with torch.no_grad():
         ref = model(*inputs)
-    out, (report,) = _compile(model, inputs, compiler="eager", strict=True)
+    out, (report,) = compile_and_run(model, inputs, compiler="eager", strict=True)
     assert report.count("ascend.mla_prolog") == NUM_LAYERS
-    assert _rel_diff(out, ref) <= 1e-4
+    assert rel_diff(out, ref) <= 1e-4
 
 
 def test_tables_with_too_few_rows_are_a_clear_error():
@@ -85,9 +74,9 @@ def test_bf16_model():
     model, inputs = models.deepseek_v3("grouped_mm", dtype=torch.bfloat16, num_layers=2)
     with torch.no_grad():
         ref = model(*inputs)
-    out, reports = _compile(model, inputs, compiler="eager")
+    out, reports = compile_and_run(model, inputs, compiler="eager")
     assert reports[0].count("ascend.mla_prolog") == 2
-    assert _rel_diff(out, ref) <= 3e-2
+    assert rel_diff(out, ref) <= 3e-2
 
 
 def test_mla_pass_alone_matches_inline_norms():
@@ -95,9 +84,9 @@ def test_mla_pass_alone_matches_inline_norms():
     model, inputs = models.deepseek_v3("grouped_mm", num_layers=1, first_k_dense_replace=1)
     with torch.no_grad():
         ref = model(*inputs)
-    out, reports = _compile(model, inputs, compiler="eager", passes="cleanup,mla")
+    out, reports = compile_and_run(model, inputs, compiler="eager", passes="cleanup,mla")
     assert reports[0].count("ascend.mla_prolog") == 1
-    assert _rel_diff(out, ref) <= 1e-4
+    assert rel_diff(out, ref) <= 1e-4
 
 
 def test_unmatched_form_is_a_near_miss():
@@ -105,11 +94,11 @@ def test_unmatched_form_is_a_near_miss():
     model, inputs = models.deepseek_v3("grouped_mm", num_layers=1, attention_bias=True)
     with torch.no_grad():
         ref = model(*inputs)
-    out, reports = _compile(model, inputs, compiler="eager")
+    out, reports = compile_and_run(model, inputs, compiler="eager")
     mla = reports[0].passes["mla"]
     assert reports[0].count("ascend.mla_prolog") == 0
     assert [nm.layer for nm in mla.near_misses] == ["model.layers.0"]
-    assert _rel_diff(out, ref) <= 1e-4
+    assert rel_diff(out, ref) <= 1e-4
 
 
 # ------------------------------------------------------------------------------ the op

@@ -6,14 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from _helpers import rel_diff
 from ascend_passes.spawn import run_on_ranks
 
 NUM_LAYERS = 3
 JOIN_TIMEOUT_S = 90.0  # watchdog: a stuck rank (e.g. a collective mismatch) fails the test instead of hanging
-
-
-def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).abs().max() / b.abs().max()).item()
 
 
 def _rank(rank: int, world_size: int, compile_too: bool) -> dict:  # runs in a spawned rank
@@ -50,15 +47,15 @@ def _rank(rank: int, world_size: int, compile_too: bool) -> dict:  # runs in a s
         "all_reduce": count(ops.all_reduce.default),
         "all_gather": count(ops.all_gather_into_tensor.default),
         "wait_tensor": count(ops.wait_tensor.default),
-        "compiled_vs_eager": _rel_err(out_compiled, eager),
+        "compiled_vs_eager": rel_diff(out_compiled, eager),
     }
     if rank == 0:
         ref_model, (ref_ids,) = models.deepseek_v3("grouped_mm", num_layers=NUM_LAYERS)
         with torch.no_grad():
             ref = ref_model(ref_ids)
         result["same_inputs"] = bool(torch.equal(ref_ids, input_ids))
-        result["eager_vs_ref"] = _rel_err(eager, ref)
-        result["compiled_vs_ref"] = _rel_err(out_compiled, ref)
+        result["eager_vs_ref"] = rel_diff(eager, ref)
+        result["compiled_vs_ref"] = rel_diff(out_compiled, ref)
     return result
 
 

@@ -13,6 +13,7 @@ import torch
 
 import ascend_passes
 from ascend_passes import ConfigError
+from _helpers import rel_diff
 from ascend_passes.spawn import free_port, run_on_ranks
 
 NUM_LAYERS = 2  # layer 0 dense, layer 1 MoE
@@ -26,10 +27,6 @@ pytestmark = pytest.mark.xdist_group("sequence_parallel")
 AR = "_c10d_functional.all_reduce"
 RS = "_c10d_functional.reduce_scatter_tensor"
 AG = "_c10d_functional.all_gather_into_tensor"
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).abs().max() / b.abs().max()).item()
 
 
 def _ids(tokens: int) -> torch.Tensor:
@@ -68,7 +65,7 @@ def _case_lm(rank: int, ws: int, name: str, shared: str, options: dict, tokens: 
             ids = _ids(t)
             torch._dynamo.mark_dynamic(ids, 1)
             got = compiled(ids)
-            out["errors"][t] = (_rel(got, model(ids)), _rel(got, ref_model(ids)))
+            out["errors"][t] = {"TP": rel_diff(got, model(ids)), "single process": rel_diff(got, ref_model(ids))}
             out.setdefault("graphs_after", {})[t] = len(reports)
     out.update(_summary(reports[0]))
     out["chunk_rows"] = {t: -(-t // ws) for t in tokens}
@@ -85,8 +82,9 @@ def _case_mtp(rank: int, ws: int, name: str, shared: str, options: dict) -> dict
         got = torch.compile(drafter, backend="ascend_passes", options={"compiler": "eager", **options})(*inputs)
         tp = drafter(*inputs)
         single = ref(*ref_inputs)
-    out = {"case": name, "errors": {"logits": (_rel(got[0], tp[0]), _rel(got[0], single[0])),
-                                    "hidden": (_rel(got[1], tp[1]), _rel(got[1], single[1]))}}
+    out = {"case": name, "errors": {
+        "logits": {"TP": rel_diff(got[0], tp[0]), "single process": rel_diff(got[0], single[0])},
+        "hidden": {"TP": rel_diff(got[1], tp[1]), "single process": rel_diff(got[1], single[1])}}}
     out.update(_summary(reports[0]))
     return out
 
@@ -110,7 +108,8 @@ def _case_ep(rank: int, ws: int, name: str, options: dict, tokens: list[int]) ->
             ids = _ids(t)
             torch._dynamo.mark_dynamic(ids, 1)
             got, ref = compiled(ids), ref_model(ids)
-            out["errors"][t] = (_rel(got, ref), _rel(got, ref))
+            # an EP rank cannot run the model uncompiled (it holds P/W slots): single process only
+            out["errors"][t] = {"single process": rel_diff(got, ref)}
     out.update(_summary(reports[0]))
     out["expert_slots"] = state.slots_per_rank
     out["eplb"] = reports[0].passes["eplb"].counts()
@@ -161,9 +160,10 @@ def _at_world2(world: tuple[int, dict], case: str) -> dict[str, Any]:
 
 
 def _assert_close(errors: dict) -> None:
-    for key, (vs_tp, vs_single) in errors.items():
-        assert vs_tp <= TOL, f"{key}: TP+SP vs TP relative error {vs_tp:.2e}"
-        assert vs_single <= TOL, f"{key}: TP+SP vs single process relative error {vs_single:.2e}"
+    for key, against in errors.items():
+        assert against, key
+        for what, err in against.items():
+            assert err <= TOL, f"{key}: relative error vs {what} {err:.2e}"
 
 
 def test_sp_collectives_match_the_layers(world) -> None:
@@ -222,7 +222,7 @@ def test_shared_expert_dp_explains_a_tp_sharded_shared_expert(world) -> None:
     _assert_close(r["errors"])
     assert r["dp"] == {}
     layers = sorted(layer for layer, _ in r["dp_near_misses"])
-    assert layers == ["mtp.layers.0", "mtp.layers.1"] or layers == ["mtp.0", "mtp.1"], layers
+    assert layers == ["mtp.0", "mtp.1"], layers
     assert all("shared_expert='replicated'" in why for _, why in r["dp_near_misses"])
 
 

@@ -39,6 +39,7 @@ import torch.fx as fx
 
 from ..errors import ConfigError
 from ..pass_manager import Pass, PassContext, PassResult
+from ._nodes import set_val
 
 log = logging.getLogger("ascend_passes.passes.eplb")
 aten = torch.ops.aten
@@ -62,20 +63,6 @@ def _anchor(node: Any) -> fx.Node | None:
             return None
         node = node.args[0]
     return None
-
-
-def _set_val(node: fx.Node) -> None:
-    """``meta["val"]`` of a new node, from its inputs' fake values."""
-    from torch._guards import detect_fake_mode
-
-    args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
-    vals: list[torch.Tensor] = []
-    fx.node.map_aggregate((args, kwargs), lambda a: vals.append(a) if isinstance(a, torch.Tensor) else a)
-    fake_mode = detect_fake_mode(vals)
-    if fake_mode is None:
-        return
-    with fake_mode:
-        node.meta["val"] = node.target(*args, **kwargs)
 
 
 class EplbPass(Pass):
@@ -150,7 +137,7 @@ class EplbPass(Pass):
                 for node in gathered:
                     node.meta.update({k: v for k, v in init.meta.items()
                                       if k in ("stack_trace", "nn_module_stack") or k.startswith("ascend_")})
-                    _set_val(node)
+                    set_val(node)
             with graph.inserting_before(init):
                 phys = graph.call_function(ops.eplb_map.default, (map_ids, log2phy, replica_count),
                                            {"rank": 0})  # the same replica on every rank
@@ -163,7 +150,7 @@ class EplbPass(Pass):
                 if node is not None:
                     node.meta.update({k: v for k, v in init.meta.items()
                                       if k in ("stack_trace", "nn_module_stack") or k.startswith("ascend_")})
-            _set_val(phys)
+            set_val(phys)
             init.update_arg(1, phys)
             kwargs = dict(init.kwargs)
             kwargs["expert_num"] = num_physical
@@ -180,7 +167,7 @@ class EplbPass(Pass):
                     weight = graph.call_function(aten.transpose.int, (anchor.args[0], 1, 2))
                 weight.meta.update({k: v for k, v in gmm.meta.items()
                                     if k in ("stack_trace", "nn_module_stack") or k.startswith("ascend_")})
-                _set_val(weight)
+                set_val(weight)
                 gmm.update_arg(1, [weight])
             nodes = gathered + [phys] + ([recorded] if recorded is not None else []) + (
                 list(reduced) if reduced is not None else [])
@@ -265,7 +252,7 @@ class EplbPass(Pass):
         for node in nodes:
             node.meta.update({k: v for k, v in fin.meta.items()
                               if k in ("stack_trace", "nn_module_stack") or k.startswith("ascend_")})
-            _set_val(node)
+            set_val(node)
         for user in users:
             user.replace_input_with(fin, last)
         return tuple(nodes)

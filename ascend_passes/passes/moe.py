@@ -25,6 +25,7 @@ from ..pass_manager import Pass, PassContext, PassResult
 from ..patterns import moe_experts, moe_router
 from ..patterns.moe_router import RouterConstants
 from ._pattern import _decomp_fn
+from ._nodes import VIEWS
 from .layers import layer_of, where
 
 log = logging.getLogger("ascend_passes.passes.moe")
@@ -388,7 +389,6 @@ def _reaches(node: fx.Node, targets: set[fx.Node], limit: int = 64) -> bool:
     return False
 
 
-_VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
 
 
 def _shared_expert_add(finalize: fx.Node) -> str | None:
@@ -398,7 +398,7 @@ def _shared_expert_add(finalize: fx.Node) -> str | None:
         nxt = []
         for n in frontier:
             for user in n.users:
-                if user.target in _VIEWS:
+                if user.target in VIEWS:
                     nxt.append(user)
                 elif user.target is aten.add.Tensor and all(isinstance(a, fx.Node) for a in user.args):
                     other = user.args[1] if user.args[0] is n else user.args[0]
@@ -413,7 +413,7 @@ def has_matmul_producer(node: fx.Node) -> bool:
     for _ in range(3):
         if node.target in (aten.mm.default, aten.addmm.default, aten.bmm.default):
             return True
-        if node.target in _VIEWS and isinstance(node.args[0], fx.Node):
+        if node.target in VIEWS and isinstance(node.args[0], fx.Node):
             node = node.args[0]
             continue
         return False

@@ -26,6 +26,7 @@ import torch
 import torch.fx as fx
 
 from ..pass_manager import Pass, PassContext, PassResult
+from ._nodes import VIEWS
 from .layers import module_path
 
 log = logging.getLogger("ascend_passes.passes.mtp")
@@ -34,11 +35,10 @@ aten = torch.ops.aten
 MTP_TAG = "ascend_mtp_layer"
 
 _CASTS = {aten._to_copy.default, torch.ops.prims.convert_element_type.default}
-_VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
 _MATMULS = {aten.mm.default, aten.addmm.default}
 _TRANSPOSES = {aten.t.default, aten.permute.default, aten.transpose.int}
 # what a layer derives from the graph-wide inputs it shares (weights, rotary tables, causal mask)
-_PER_LAYER_VIEWS = _VIEWS | _TRANSPOSES | {
+_PER_LAYER_VIEWS = VIEWS | _TRANSPOSES | {
     aten.slice.Tensor, aten.unsqueeze.default, aten.squeeze.dim, aten.expand.default,
     aten.select.int, aten.alias.default, aten.where.self, aten.where.ScalarSelf,
     aten.where.ScalarOther, aten.where.Scalar,
@@ -125,7 +125,7 @@ def _linear_of(node: fx.Node) -> tuple[fx.Node, fx.Node] | None:
     """``(matmul, output)`` when ``node`` feeds a linear layer (``view → mm(·, t(W)) → view``)."""
     for user in node.users:
         x = user
-        if x.target in _VIEWS:
+        if x.target in VIEWS:
             users = list(x.users)
             if len(users) != 1:
                 continue
@@ -137,7 +137,7 @@ def _linear_of(node: fx.Node) -> tuple[fx.Node, fx.Node] | None:
             continue
         out = x
         users = list(out.users)
-        if len(users) == 1 and users[0].target in _VIEWS:
+        if len(users) == 1 and users[0].target in VIEWS:
             out = users[0]
         return x, out
     return None

@@ -40,13 +40,13 @@ import torch.fx as fx
 
 from ..errors import ConfigError
 from ..pass_manager import Pass, PassContext, PassResult
+from ._nodes import VIEWS, set_val
 from .layers import where
 
 log = logging.getLogger("ascend_passes.passes.sequence_parallel")
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 
-_VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
 _KEEP_META = ("stack_trace", "nn_module_stack")
 
 
@@ -83,19 +83,19 @@ def resolve_tp_group(tp_group: Any) -> tuple[Any, int, int, str]:
 
 
 def is_tp_all_reduce(node: fx.Node, group_name: str) -> bool:
+    """An ``all_reduce`` over the TP group (any reduce op: the plan refuses all but ``sum``)."""
     return (node.op == "call_function" and node.target is c10d.all_reduce.default
-            and node.args[1] == "sum" and str(node.args[2]) == str(group_name))
+            and str(node.args[2]) == str(group_name))
 
 
 # ------------------------------------------------------------------------------------- sizes
 @dataclass
 class _Tokens:
     """How one full activation ``[..., H]`` maps onto rows: its shape handles (ints or SymInt-valued
-    nodes), the token count N, the padded count and this rank's chunk."""
+    nodes), the token count N, this rank's chunk of the padded count and where it starts."""
 
     shape: list[Any]
     n: Any
-    padded: Any
     chunk: Any
     start: Any
     needs_pad: bool
@@ -150,24 +150,9 @@ class _Builder:
             pad = self.arith(operator.sub, padded, n, like=node)
         else:
             chunk = self.arith(operator.floordiv, n, world_size, like=node)
-            padded, pad = n, 0
+            pad = 0
         start = self.arith(operator.mul, chunk, rank, like=node) if rank else 0
-        return _Tokens(shape, n, padded, chunk, start, needs_pad, pad)
-
-
-def set_val(node: fx.Node) -> None:
-    """``meta["val"]`` of ``node`` from its inputs' fake values (SymInts included)."""
-    from torch._guards import detect_fake_mode
-
-    args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
-    fakes: list[torch.Tensor] = []
-    fx.node.map_aggregate((args, kwargs), lambda a: fakes.append(a) if isinstance(a, torch.Tensor) else a)
-    mode = detect_fake_mode(fakes) if fakes else None
-    if mode is None:
-        node.meta["val"] = node.target(*args, **kwargs)
-        return
-    with mode:
-        node.meta["val"] = node.target(*args, **kwargs)
+        return _Tokens(shape, n, chunk, start, needs_pad, pad)
 
 
 # ------------------------------------------------------------------------------------- plan
@@ -209,10 +194,8 @@ class Plan:
 def plan(gm: fx.GraphModule, group_name: str) -> Plan:
     """Decide the rewrite; raises ``_Refuse`` when the graph cannot be made sequence-parallel."""
     p = Plan()
-    waits: dict[fx.Node, fx.Node] = {}
     for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target is c10d.all_reduce.default \
-                and str(node.args[2]) == str(group_name):
+        if is_tp_all_reduce(node, group_name):
             if node.args[1] != "sum":
                 raise _Refuse(f"all_reduce {node.name} reduces with {node.args[1]!r}, not 'sum'", node)
             users = list(node.users)
@@ -221,12 +204,11 @@ def plan(gm: fx.GraphModule, group_name: str) -> Plan:
             if _shape(node) is None or len(_shape(node)) < 2:
                 raise _Refuse(f"all_reduce {node.name} is not over a [tokens, hidden] activation", node)
             p.all_reduces.append(node)
-            waits[users[0]] = node
             p.sharded.add(users[0])
     if not p.all_reduces:
         raise _Refuse("no all_reduce over the TP group in this graph: nothing to make sequence-parallel")
     for node in gm.graph.nodes:  # topological order: inputs are decided before their users
-        if node.op == "call_function" and node.target in _VIEWS and _is_in(node.args[0], p.sharded):
+        if node.op == "call_function" and node.target in VIEWS and _is_in(node.args[0], p.sharded):
             if _token_view(node) is not None:  # [N, H] <-> [B, S, H]: the same rows of a shard
                 p.views.append(node)
                 p.sharded.add(node)

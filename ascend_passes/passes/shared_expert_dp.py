@@ -22,14 +22,13 @@ import torch
 import torch.fx as fx
 
 from ..pass_manager import Pass, PassContext, PassResult
+from ._nodes import VIEWS, set_val
 from .layers import where
 from .moe import has_matmul_producer
-from .sequence_parallel import set_val
 
 log = logging.getLogger("ascend_passes.passes.shared_expert_dp")
 aten = torch.ops.aten
 
-_VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
 _MATMULS = {aten.mm.default, aten.addmm.default}
 _POINTWISE = {aten.silu.default, aten.sigmoid.default, aten.mul.Tensor, aten.add.Tensor, aten.sub.Tensor,
               aten._to_copy.default, aten.neg.default}
@@ -84,7 +83,7 @@ def _branch(full: fx.Node, source: fx.Node) -> list[fx.Node]:
         target = node.target
         if node.op != "call_function":
             raise _NotTokenWise(f"{node.name} is a {node.op}")
-        allowed = target in _VIEWS or target in _MATMULS or target in _POINTWISE or target is aten.cat.default \
+        allowed = target in VIEWS or target in _MATMULS or target in _POINTWISE or target is aten.cat.default \
             or target is swiglu
         if not allowed:
             raise _NotTokenWise(f"{node.name} ({target}) is not a token-wise op")
@@ -189,7 +188,7 @@ def _clone_on_shard(gm: fx.GraphModule, branch: list[fx.Node], source: fx.Node, 
         for node in branch:
             args = list(fx.node.map_arg(node.args, lambda a: env.get(a, a)))
             kwargs = dict(fx.node.map_arg(node.kwargs, lambda a: env.get(a, a)))
-            if node.target in _VIEWS:
+            if node.target in VIEWS:
                 src_val, out_val = node.args[0].meta["val"], node.meta["val"]
                 if src_val.shape[-1] != out_val.shape[-1]:
                     raise _NotTokenWise(f"{node.name} reshapes the hidden dim, not only the tokens")

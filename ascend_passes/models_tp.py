@@ -36,6 +36,7 @@ from torch import nn
 
 from . import models
 from .errors import ConfigError
+from .process_group import resolve_group
 
 __all__ = [
     "ColumnParallelLinear",
@@ -49,13 +50,11 @@ __all__ = [
 
 
 def _resolve_group(group: Any) -> Any:
-    if group is None:
-        import torch.distributed as dist
+    import torch.distributed as dist
 
-        if not dist.is_initialized():
-            raise ConfigError("deepseek_v3_tp: torch.distributed is not initialised and no group was given")
-        return dist.group.WORLD
-    return group
+    if group is None and not dist.is_initialized():
+        raise ConfigError("deepseek_v3_tp: torch.distributed is not initialised and no group was given")
+    return resolve_group(group)
 
 
 def _all_reduce(x: torch.Tensor, group: Any) -> torch.Tensor:

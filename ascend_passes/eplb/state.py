@@ -52,6 +52,7 @@ import torch
 from torch import nn
 
 from ascend_passes.errors import ConfigError
+from ascend_passes.process_group import resolve_group
 from ascend_passes.eplb.placement import (
     Placement,
     balance_ratio,
@@ -406,19 +407,6 @@ def _ep_group(cfg: Any, ep_size: int) -> tuple[Any, int]:
                           f"eplb.ep_size to the group's size (or eplb.ep_group to a group of "
                           f"{ep_size} ranks)")
     return group, dist.get_rank(group)
-
-
-def resolve_group(group: Any) -> Any:
-    """A ProcessGroup from ``eplb.ep_group`` (a group, a group name, or None: the world group)."""
-    import torch.distributed as dist
-
-    if group is None:
-        return dist.group.WORLD
-    if isinstance(group, str):
-        from torch.distributed.distributed_c10d import _resolve_process_group
-
-        return _resolve_process_group(group)
-    return group
 
 
 def attach(model: nn.Module, config: Any = None, *, main: EplbState | None = None,

@@ -39,6 +39,7 @@ import torch.fx as fx
 
 from ..errors import ConfigError
 from ..pass_manager import Pass, PassContext, PassResult
+from ..process_group import resolve_group
 from ._nodes import set_val
 
 log = logging.getLogger("ascend_passes.passes.eplb")
@@ -194,8 +195,6 @@ class EplbPass(Pass):
 
         if self.config.eplb.ep_size == 1 or not (dist.is_available() and dist.is_initialized()):
             return None, 0, None
-        from ..eplb.state import resolve_group
-
         group = resolve_group(self.config.eplb.ep_group)
         return group, dist.get_rank(group), group.group_name
 

@@ -40,6 +40,7 @@ import torch.fx as fx
 
 from ..errors import ConfigError
 from ..pass_manager import Pass, PassContext, PassResult
+from ..process_group import resolve_group
 from ._nodes import VIEWS, set_val
 from .layers import where
 
@@ -66,13 +67,7 @@ def resolve_tp_group(tp_group: Any) -> tuple[Any, int, int, str]:
             "call torch.distributed.init_process_group(...) before torch.compile, or set "
             "sequence_parallel=False"
         )
-    group = tp_group
-    if group is None:
-        group = dist.group.WORLD
-    elif isinstance(group, str):
-        from torch.distributed.distributed_c10d import _resolve_process_group
-
-        group = _resolve_process_group(group)
+    group = resolve_group(tp_group)
     size = dist.get_world_size(group)
     if size < 2:
         raise ConfigError(

@@ -13,10 +13,12 @@ VIEWS = frozenset({aten.view.default, aten.reshape.default, aten._unsafe_view.de
 
 def set_val(node: fx.Node) -> None:
     """``meta["val"]`` of ``node`` from its inputs' ``meta["val"]``: under their fake mode when a tensor
-    is among them (nothing is set when their fake mode cannot be found), else directly (SymInt / int
-    arithmetic such as a padded token count)."""
+    is among them, else directly (SymInt / int arithmetic such as a padded token count); nothing is set
+    when an input has no value or the fake mode cannot be found."""
     from torch._guards import detect_fake_mode
 
+    if any(n.meta.get("val") is None for n in node.all_input_nodes):
+        return  # an input without a value (a bare placeholder): nothing to compute from
     args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
     tensors: list[torch.Tensor] = []
     fx.node.map_aggregate((args, kwargs), lambda a: tensors.append(a) if isinstance(a, torch.Tensor) else a)

@@ -79,14 +79,23 @@ def _boxed(fn: Callable[..., Any]) -> Compiled:
     return call
 
 
-def compile_downstream(compiler: str, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Compiled:
-    """Hand the rewritten ATen graph to the downstream compiler; returns a boxed callable."""
+def compile_downstream(compiler: str, gm: fx.GraphModule, example_inputs: Sequence[Any], *,
+                       decompose: Sequence[str] = ()) -> Compiled:
+    """Hand the rewritten ATen graph to the downstream compiler; returns a boxed callable.
+
+    ``decompose`` names ascend ops that Inductor receives as their ATen decomposition (added to
+    its own table) instead of opaque calls; other compilers ignore it.
+    """
     if compiler == "eager":
         return _boxed(gm)
     if compiler == "inductor":
         from torch._inductor.compile_fx import compile_fx
+        from torch._inductor.decomposition import select_decomp_table
 
-        return _boxed(compile_fx(gm, list(example_inputs)))
+        from .ops import decompositions
+
+        table = {**select_decomp_table(), **decompositions(decompose)} if decompose else None
+        return _boxed(compile_fx(gm, list(example_inputs), decompositions=table))
     if compiler == "torchair":
         import torch_npu  # noqa: F401  (registers the NPU device and torchair)
         import torchair
@@ -171,7 +180,7 @@ def make_backend(config: AscendPassConfig | dict[str, Any] | None = None, *,
             real = _real_inputs_for(aten_inputs, dynamo_inputs)
             run_pipeline(cfg, aten_gm, aten_inputs, real_inputs=real, target=target,
                          compiler=compiler, hooks=hooks, pipeline=pipeline)
-            return compile_downstream(compiler, aten_gm, aten_inputs)
+            return compile_downstream(compiler, aten_gm, aten_inputs, decompose=cfg.inductor_decompose)
 
         def training_compiler(aten_gm: fx.GraphModule, aten_inputs: list[Any]) -> Compiled:
             log.warning(

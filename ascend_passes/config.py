@@ -19,6 +19,9 @@ log = logging.getLogger("ascend_passes.config")
 DEFAULT_PIPELINE: tuple[str, ...] = tuple(PASS_TABLE)
 
 TARGETS = ("auto", "cpu", "cuda", "npu")
+# ascend ops whose decomposition Inductor compiles faster on CPU than the opaque op (measured with
+# tools/bench_model.py; the MoE routing / grouped matmul and gating ops stay C++ kernels)
+INDUCTOR_DECOMPOSE: tuple[str, ...] = ("rms_norm", "add_rms_norm", "swiglu", "mla_prolog")
 COMPILERS = ("auto", "eager", "inductor", "torchair", "npugraph_ex")
 
 
@@ -71,6 +74,10 @@ class AscendPassConfig:
     verify_rtol: float = 1e-4
     verify_atol: float = 1e-4
     dump_dir: str | None = None
+    # ascend ops handed to Inductor as their ATen decomposition (compiler="inductor" only): on CPU
+    # Inductor fuses these pointwise / norm / small-matmul chains with their neighbours, which an
+    # opaque call prevents; the rewritten graph (what capture() and the CLI show) keeps them fused
+    inductor_decompose: tuple[str, ...] = INDUCTOR_DECOMPOSE
     sequence_parallel: SequenceParallelConfig = field(default_factory=SequenceParallelConfig)
     shared_expert_dp: bool = False
     eplb: EplbConfig = field(default_factory=EplbConfig)
@@ -89,6 +96,7 @@ class AscendPassConfig:
                 raise ConfigError(f"option '{name}'={value!r} is negative; use a tolerance >= 0")
         if self.dump_dir is not None:
             _typed("dump_dir", self.dump_dir, str)
+        object.__setattr__(self, "inductor_decompose", _op_list("inductor_decompose", self.inductor_decompose))
         _typed("sequence_parallel", self.sequence_parallel, SequenceParallelConfig)
         _typed("eplb", self.eplb, EplbConfig)
         _typed("sequence_parallel.enabled", self.sequence_parallel.enabled, bool)
@@ -235,6 +243,24 @@ def _pass_list(name: str, value: Any) -> tuple[str, ...]:
     if len(set(items)) != len(items):
         raise ConfigError(f"option '{name}' lists a pass twice: {', '.join(items)}")
     return tuple(items)
+
+
+def _op_list(name: str, value: Any) -> tuple[str, ...]:
+    """Parse ``"rms_norm,swiglu"`` or a sequence of ascend op names that have a decomposition."""
+    from .ops import decomposable_ops
+
+    if isinstance(value, str):
+        items = [p.strip() for p in value.split(",") if p.strip()]
+    elif isinstance(value, (list, tuple)):
+        items = list(value)
+    else:
+        raise ConfigError(f"option '{name}' must be a comma-separated string or a list of ascend op names")
+    valid = decomposable_ops()
+    for item in items:
+        if item not in valid:
+            raise ConfigError(f"option '{name}' names {item!r}, which is not an ascend op with a "
+                              f"decomposition; valid ops are: {', '.join(valid)}")
+    return tuple(dict.fromkeys(items))
 
 
 def _jsonable(value: Any) -> Any:

@@ -430,3 +430,32 @@ def test_two_runs_share_nothing():
     for model, width in ((a, 16), (b, 24), (a, 16)):
         _, report = _compile(model, (torch.randn(2, width),))
         assert report.passes["norm"].counts() == {"rms_norm": 3, "add_rms_norm": 2}
+
+
+@pytest.mark.parametrize("decompose", [None, ()])
+def test_inductor_gets_decompositions_of_the_fused_norms(decompose):
+    """compiler="inductor": by default Inductor receives rms_norm / add_rms_norm / swiglu as ATen
+    (its generated code calls no ascend norm op) while the rewritten graph still holds the fused
+    ops; ``inductor_decompose=()`` hands them over as opaque calls instead. Same numbers both ways."""
+    from torch._inductor.utils import run_and_get_code
+
+    model, inputs = models.deepseek_v3("grouped_mm", num_layers=2)
+    with torch.no_grad():
+        ref = model(*inputs)
+    torch._dynamo.reset()
+    options = {"passes": PASSES, "compiler": "inductor"}
+    if decompose is not None:
+        options["inductor_decompose"] = decompose
+    with torch.no_grad(), ap.capture() as reports:
+        out, code = run_and_get_code(torch.compile(model, backend="ascend_passes", options=options), *inputs)
+    _assert_close(out, ref, torch.float32)
+    rewritten = reports[0].rewritten_ops()
+    assert rewritten["ascend.rms_norm"] + rewritten["ascend.add_rms_norm"] > 0 and rewritten["ascend.swiglu"] > 0
+    source = "\n".join(code)
+    called = {op for op in ("rms_norm", "add_rms_norm", "swiglu") if f"torch.ops.ascend.{op}" in source}
+    assert called == (set() if decompose is None else {"rms_norm", "add_rms_norm", "swiglu"}), called
+
+
+def test_inductor_decompose_rejects_ops_without_a_decomposition():
+    with pytest.raises(ap.ConfigError, match="'grouped_matmul', which is not an ascend op with a decomposition"):
+        ap.AscendPassConfig.from_options({"inductor_decompose": "rms_norm,grouped_matmul"})

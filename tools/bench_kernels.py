@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
+import _allocator  # tools/_allocator.py: this script's folder is on sys.path
 import torch
 import torch.nn.functional as F
 
@@ -281,7 +282,10 @@ def render(rows: list[Row], header: list[str]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="shorter timing budgets")
+    parser.add_argument("--allocator", choices=_allocator.CHOICES, default="tcmalloc",
+                        help="memory allocator of the run (default: TCMalloc when installed; see tools/_allocator.py)")
     args = parser.parse_args()
+    allocator = _allocator.ensure(args.allocator)
     torch.manual_seed(0)
     start = time.perf_counter()
     copy_bw, mm_fp32 = [], []
@@ -299,7 +303,7 @@ def main() -> None:
     for r in rows:
         r.score(best_mm, best_bw)
     header = [
-        f"kernels: {ops.kernel_backend()}, threads: {torch.get_num_threads()}",
+        f"kernels: {ops.kernel_backend()}, threads: {torch.get_num_threads()}, {allocator}",
         "fractions of the MoE layer (decode) and grouped_matmul (prefill) use a limit timed alternately "
         "with that kernel, [in brackets: against the best limit of the whole run]; other rows use the best limit:",
         f"memory limit: copy {best_bw / 1e9:.1f} GB/s (read + write; best of "

@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import _allocator  # tools/_allocator.py: this script's folder is on sys.path
 import torch
 
 import ascend_passes as ap
@@ -121,12 +122,15 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--budget", type=float, default=3.0, help="seconds of timing per cell")
     parser.add_argument("--quick", action="store_true", help="float32 only, 5 repetitions")
+    parser.add_argument("--allocator", choices=_allocator.CHOICES, default="tcmalloc",
+                        help="memory allocator of the run (default: TCMalloc when installed; see tools/_allocator.py)")
     args = parser.parse_args()
+    allocator = _allocator.ensure(args.allocator)
     dtypes = ["float32"] if args.quick else args.dtypes.split(",")
     reps = 5 if args.quick else args.reps
     torch.manual_seed(0)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, ascend kernels: "
-          f"{__import__('ascend_passes.kernels', fromlist=['available']).available()}")
+          f"{__import__('ascend_passes.kernels', fromlist=['available']).available()}; {allocator}")
     rows = bench(args.shapes.split(","), dtypes, args.variants.split(","), reps, args.budget)
     print_table(rows)
 

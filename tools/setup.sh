@@ -6,10 +6,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python}"
 export PIP_ROOT_USER_ACTION=ignore
-# graphviz (dot) draws the HTML report's subgraphs; chromium runs its headless-browser test
-if command -v apt-get >/dev/null && ! { command -v dot && command -v chromium; } >/dev/null 2>&1; then
-  { apt-get update -qq && apt-get install -y -qq graphviz chromium >/dev/null; } ||
-    echo "setup: could not install graphviz/chromium; the HTML report's pictures and its browser test will be skipped" >&2
+# graphviz (dot) draws the HTML report's subgraphs; chromium runs its headless-browser test;
+# TCMalloc is the allocator the benchmarks run under (tools/_allocator.py; optional)
+have_tcmalloc() { ls /usr/lib/*/libtcmalloc_minimal.so.4 >/dev/null 2>&1; }
+if command -v apt-get >/dev/null && ! { command -v dot && command -v chromium && have_tcmalloc; } >/dev/null 2>&1; then
+  { apt-get update -qq && apt-get install -y -qq graphviz chromium libtcmalloc-minimal4 >/dev/null; } ||
+    echo "setup: could not install graphviz/chromium/tcmalloc; the HTML report's pictures and its browser test will be skipped, benchmarks use glibc malloc" >&2
 fi
 "$PY" -m pip install -q --disable-pip-version-check "torch==2.13.0"
 "$PY" -m pip install -q --disable-pip-version-check -r requirements-dev.txt

@@ -96,4 +96,22 @@ def reference_impl(name: str):
     return getattr(reference, name)
 
 
-__all__ = ["KERNEL_OPS", "NAMESPACE", "SCHEMAS", "kernel_backend", "reference_impl"]
+# Ops whose reference implementation is functional ATen (no in-place writes, no data-dependent
+# Python), so a tracer can inline it: the decompositions handed to Inductor.
+_DECOMPOSABLE: dict[str, str] = {
+    "rms_norm": "reference", "add_rms_norm": "reference", "swiglu": "reference", "mla_prolog": "mla",
+}
+
+
+def decomposable_ops() -> tuple[str, ...]:
+    return tuple(_DECOMPOSABLE)
+
+
+def decompositions(names) -> dict:
+    """``{torch.ops.ascend.<name>.default: its ATen decomposition}`` for ``names``."""
+    modules = {"reference": reference, "mla": mla}
+    return {getattr(torch.ops.ascend, n).default: getattr(modules[_DECOMPOSABLE[n]], n) for n in names}
+
+
+__all__ = ["KERNEL_OPS", "NAMESPACE", "SCHEMAS", "decomposable_ops", "decompositions", "kernel_backend",
+           "reference_impl"]

@@ -17,6 +17,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x1
 
 at::Tensor swiglu(const at::Tensor& self, int64_t dim);
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_gating_top_k_softmax(const at::Tensor& x,
+                                                                        const std::optional<at::Tensor>& finished,
+                                                                        int64_t k);
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_gating_top_k(const at::Tensor& x, int64_t k,
+                                                                const std::optional<at::Tensor>& bias,
+                                                                int64_t k_group, int64_t group_count,
+                                                                int64_t group_select_mode, int64_t renorm,
+                                                                int64_t norm_type, bool out_flag,
+                                                                double routed_scaling_factor, double eps);
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_init_routing_v2(
     const at::Tensor& x, const at::Tensor& expert_idx, const std::optional<at::Tensor>& scale,
     const std::optional<at::Tensor>& offset, int64_t active_num, int64_t expert_capacity, int64_t expert_num,

@@ -8,7 +8,7 @@
 #include "kernels.h"
 
 namespace {
-int64_t version() { return 2; }
+int64_t version() { return 3; }
 }  // namespace
 
 TORCH_LIBRARY(ascend_kernels, m) {
@@ -16,6 +16,11 @@ TORCH_LIBRARY(ascend_kernels, m) {
   m.def("rms_norm(Tensor self, Tensor gamma, float epsilon=1e-06) -> (Tensor, Tensor)");
   m.def("add_rms_norm(Tensor x1, Tensor x2, Tensor gamma, float epsilon=1e-06) -> (Tensor, Tensor, Tensor)");
   m.def("swiglu(Tensor self, int dim=-1) -> Tensor");
+  m.def("moe_gating_top_k_softmax(Tensor x, Tensor? finished=None, int k=1) -> (Tensor, Tensor, Tensor)");
+  m.def(
+      "moe_gating_top_k(Tensor x, int k, *, Tensor? bias=None, int k_group=1, int group_count=1, "
+      "int group_select_mode=0, int renorm=0, int norm_type=0, bool out_flag=False, "
+      "float routed_scaling_factor=1.0, float eps=1e-20) -> (Tensor, Tensor, Tensor)");
   m.def(
       "moe_init_routing_v2(Tensor x, Tensor expert_idx, *, Tensor? scale=None, Tensor? offset=None, "
       "int active_num=-1, int expert_capacity=-1, int expert_num=-1, int drop_pad_mode=0, "
@@ -31,12 +36,14 @@ TORCH_LIBRARY(ascend_kernels, m) {
       "int? drop_pad_mode=0, int? k=1) -> Tensor");
 }
 
-#define ASCEND_IMPLS(m)                                                         \
-  m.impl("rms_norm", TORCH_FN(ascend_kernels::rms_norm));                       \
-  m.impl("add_rms_norm", TORCH_FN(ascend_kernels::add_rms_norm));               \
-  m.impl("swiglu", TORCH_FN(ascend_kernels::swiglu));                           \
-  m.impl("moe_init_routing_v2", TORCH_FN(ascend_kernels::moe_init_routing_v2)); \
-  m.impl("grouped_matmul", TORCH_FN(ascend_kernels::grouped_matmul));           \
+#define ASCEND_IMPLS(m)                                                                   \
+  m.impl("rms_norm", TORCH_FN(ascend_kernels::rms_norm));                                 \
+  m.impl("add_rms_norm", TORCH_FN(ascend_kernels::add_rms_norm));                         \
+  m.impl("swiglu", TORCH_FN(ascend_kernels::swiglu));                                     \
+  m.impl("moe_gating_top_k_softmax", TORCH_FN(ascend_kernels::moe_gating_top_k_softmax)); \
+  m.impl("moe_gating_top_k", TORCH_FN(ascend_kernels::moe_gating_top_k));                 \
+  m.impl("moe_init_routing_v2", TORCH_FN(ascend_kernels::moe_init_routing_v2));           \
+  m.impl("grouped_matmul", TORCH_FN(ascend_kernels::grouped_matmul));                     \
   m.impl("moe_finalize_routing", TORCH_FN(ascend_kernels::moe_finalize_routing))
 
 TORCH_LIBRARY_IMPL(ascend_kernels, CPU, m) { ASCEND_IMPLS(m); }

@@ -105,6 +105,158 @@ def test_finalize_routing_against_reference(dtype, mode):
     assert_same(K.moe_finalize_routing(*args), reference.moe_finalize_routing(*args), dtype)
 
 
+def gating_logits(rows: int, experts: int, dtype=torch.float32, seed: int = 0) -> torch.Tensor:
+    """Router logits on a 1/64 grid: equal logits tie exactly (same score bits in both
+    implementations), distinct ones differ by far more than rounding, so the selected experts
+    must agree exactly."""
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(rows, experts, generator=g) * 2 * 64).round().div(64).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 300])
+@pytest.mark.parametrize("k", [1, 2, 6, 12, 64])
+@pytest.mark.parametrize("with_finished", [False, True])
+def test_gating_top_k_softmax_against_reference(dtype, rows, k, with_finished):
+    x = gating_logits(rows, 64, dtype, seed=rows + k)
+    finished = torch.rand(rows, generator=torch.Generator().manual_seed(k)) < 0.3 if with_finished else None
+    if with_finished:
+        finished[0] = True
+    got, expected = K.moe_gating_top_k_softmax(x, finished, k), reference.moe_gating_top_k_softmax(x, finished, k)
+    assert_same(got, expected, dtype)
+    if with_finished:
+        assert (got[1][0] == 64).all()  # finished rows route to expert E
+
+
+def test_gating_top_k_softmax_3d_with_finished():
+    x = gating_logits(10, 16).view(2, 5, 16)
+    finished = torch.tensor([[False, True, False, False, True], [True, False, False, False, False]])
+    got, expected = K.moe_gating_top_k_softmax(x, finished, 3), reference.moe_gating_top_k_softmax(x, finished, 3)
+    assert got[0].shape == (2, 5, 3)
+    assert_same(got, expected, torch.float32)
+
+
+@pytest.mark.parametrize("norm_type", [0, 1])
+@pytest.mark.parametrize("mode", [0, 1])
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("k_group", [4, 8])  # 8 = group_count: no group selection
+def test_gating_top_k_against_reference(norm_type, mode, with_bias, k_group):
+    x = gating_logits(300, 64, seed=norm_type + 2 * mode)
+    bias = torch.randn(64, generator=torch.Generator().manual_seed(1)) * 0.1 if with_bias else None
+    for k in (6, 64 // 8 * k_group):  # DeepSeek-like, and every allowed expert
+        kw = dict(bias=bias, k_group=k_group, group_count=8, group_select_mode=mode, norm_type=norm_type,
+                  routed_scaling_factor=2.5)
+        got, expected = K.moe_gating_top_k(x, k, **kw), reference.moe_gating_top_k(x, k, **kw)
+        assert_same(got, expected, torch.float32)
+        assert got[1].dtype == torch.int32 and got[2].dtype == torch.float32 and got[2].shape == (300, 64)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 300])
+def test_gating_top_k_dtypes_against_reference(dtype, rows):
+    x = gating_logits(rows, 64, dtype, seed=rows)
+    bias = (torch.randn(64, generator=torch.Generator().manual_seed(2)) * 0.1).to(dtype)
+    kw = dict(bias=bias, k_group=4, group_count=8, group_select_mode=1, norm_type=1, routed_scaling_factor=2.5,
+              eps=1e-3)
+    got, expected = K.moe_gating_top_k(x, 6, **kw), reference.moe_gating_top_k(x, 6, **kw)
+    assert got[0].dtype == dtype
+    assert_same(got, expected, dtype)
+
+
+def test_gating_ties_pick_the_lower_index_like_the_reference():
+    # all-equal logits, and rows whose experts repeat a few values (ties within and across groups)
+    base = gating_logits(40, 8, seed=3)
+    dup = base[:, torch.randint(0, 8, (64,), generator=torch.Generator().manual_seed(4))]
+    for x in (torch.zeros(3, 64), dup):
+        for k in (1, 6, 64):
+            got, expected = K.moe_gating_top_k_softmax(x, None, k), reference.moe_gating_top_k_softmax(x, None, k)
+            assert torch.equal(got[1], expected[1])
+        for mode, k_group, norm_type in ((0, 4, 1), (1, 4, 1), (1, 2, 0), (0, 8, 0)):
+            kw = dict(k_group=k_group, group_count=8, group_select_mode=mode, norm_type=norm_type)
+            got, expected = K.moe_gating_top_k(x, 6, **kw), reference.moe_gating_top_k(x, 6, **kw)
+            assert torch.equal(got[1], expected[1])
+            assert_same(got, expected, torch.float32)
+    assert K.moe_gating_top_k_softmax(torch.zeros(1, 64), None, 3)[1].tolist() == [[0, 1, 2]]
+    _, idx, _ = K.moe_gating_top_k(torch.zeros(1, 64), 3, k_group=2, group_count=8, group_select_mode=1, norm_type=1)
+    assert idx.tolist() == [[0, 1, 2]]
+
+
+def test_gating_top_k_masked_groups_and_non_finite_scores_like_the_reference():
+    # kept groups 2 and 3 hold one finite expert each (bias -inf on the others): the third pick
+    # is a -inf tie, which the reference's masked_fill(-inf) gives to expert 0 of a dropped group
+    inf = float("inf")
+    bias = torch.zeros(16)
+    bias[[9, 10, 11, 13, 14, 15]] = -inf
+    x = torch.full((2, 16), -3.0)
+    x[:, 8], x[:, 12] = 4.0, 3.0
+    kw = dict(bias=bias, k_group=2, group_count=4, group_select_mode=0, norm_type=1)
+    got, expected = K.moe_gating_top_k(x, 3, **kw), reference.moe_gating_top_k(x, 3, **kw)
+    assert expected[1][0].tolist() == [8, 12, 0]
+    assert_same(got, expected, torch.float32)
+    # NaN ranks first (torch.sort), +-inf logits, fully NaN / -inf rows
+    x = gating_logits(5, 16)
+    x[0, 3], x[1], x[2, 5], x[3, 7], x[4] = float("nan"), float("nan"), inf, -inf, -inf
+    for k in (1, 3, 16):
+        got, expected = K.moe_gating_top_k_softmax(x, None, k), reference.moe_gating_top_k_softmax(x, None, k)
+        assert torch.equal(got[1], expected[1])
+        torch.testing.assert_close(got[0], expected[0], equal_nan=True)
+    for mode in (0, 1):
+        kw = dict(k_group=2, group_count=4, group_select_mode=mode, norm_type=1)
+        got, expected = K.moe_gating_top_k(x, 2, **kw), reference.moe_gating_top_k(x, 2, **kw)
+        assert torch.equal(got[1], expected[1])
+        torch.testing.assert_close(got[2], expected[2], equal_nan=True)
+
+
+def test_gating_tiny_scores_keep_their_order():
+    # logits down to -200: softmax / sigmoid scores underflow to denormals and 0; the order of
+    # the tail (k = all) must still follow the values
+    x = torch.linspace(-200, 0, 64)[torch.randperm(64, generator=torch.Generator().manual_seed(5))].repeat(2, 1)
+    assert_same(K.moe_gating_top_k_softmax(x, None, 64), reference.moe_gating_top_k_softmax(x, None, 64),
+                torch.float32)
+    for norm_type in (0, 1):
+        got, expected = K.moe_gating_top_k(x, 64, norm_type=norm_type), reference.moe_gating_top_k(x, 64,
+                                                                                                  norm_type=norm_type)
+        assert torch.equal(got[1], expected[1])
+
+
+GATING_BAD_INPUTS = [
+    ("moe_gating_top_k_softmax", (torch.randn(2, 4).long(), None, 1), {}),
+    ("moe_gating_top_k_softmax", (torch.randn(4), None, 1), {}),
+    ("moe_gating_top_k_softmax", (torch.randn(2, 2, 2, 4), None, 1), {}),
+    ("moe_gating_top_k_softmax", (torch.randn(2, 4), None, 0), {}),
+    ("moe_gating_top_k_softmax", (torch.randn(2, 4), None, 5), {}),
+    ("moe_gating_top_k_softmax", (torch.randn(2, 4), torch.zeros(2, dtype=torch.int32), 1), {}),
+    ("moe_gating_top_k_softmax", (torch.randn(2, 3, 4), torch.zeros(3, dtype=torch.bool), 1), {}),
+    ("moe_gating_top_k_softmax", (torch.randn(2, 4), torch.zeros((), dtype=torch.bool), 1), {}),
+    ("moe_gating_top_k", (torch.randn(2, 8).double(), 2), {}),
+    ("moe_gating_top_k", (torch.randn(2, 2, 8), 2), {}),
+    ("moe_gating_top_k", (torch.randn(2, 8), 9), {}),
+    ("moe_gating_top_k", (torch.randn(2, 8), 0), {}),
+    ("moe_gating_top_k", (torch.randn(2, 16), 9), dict(k_group=2, group_count=4)),
+    ("moe_gating_top_k", (torch.randn(2, 10), 2), dict(group_count=4, k_group=2)),
+    ("moe_gating_top_k", (torch.randn(2, 8), 2), dict(group_count=0)),
+    ("moe_gating_top_k", (torch.randn(2, 8), 2), dict(group_count=4, k_group=5)),
+    ("moe_gating_top_k", (torch.randn(2, 8), 2), dict(group_count=4, k_group=0)),
+    ("moe_gating_top_k", (torch.randn(2, 8), 2), dict(bias=torch.randn(8, dtype=torch.float64))),
+    ("moe_gating_top_k", (torch.randn(2, 8), 2), dict(bias=torch.randn(2, 8))),
+    ("moe_gating_top_k", (torch.randn(2, 8), 2), dict(bias=torch.randn(6))),
+    ("moe_gating_top_k", (torch.randn(2, 8), 2), dict(norm_type=2)),
+    ("moe_gating_top_k", (torch.randn(2, 8), 2), dict(group_select_mode=-1)),
+    ("moe_gating_top_k", (torch.randn(2, 8), 2), dict(renorm=1)),
+]
+
+
+@pytest.mark.parametrize("name,args,kwargs", GATING_BAD_INPUTS,
+                         ids=[f"{c[0]}-{i}" for i, c in enumerate(GATING_BAD_INPUTS)])
+def test_gating_bad_input_raises_the_reference_message(name, args, kwargs):
+    with pytest.raises(ValueError) as expected:
+        getattr(reference, name)(*args, **kwargs)
+    with pytest.raises(ValueError) as got:
+        getattr(K, name)(*args, **kwargs)
+    assert str(got.value) == str(expected.value)
+    assert str(got.value).startswith(f"ascend.{name}: ")
+
+
 def test_missing_library_logs_one_warning_and_falls_back(monkeypatch, tmp_path, caplog):
     monkeypatch.setattr(kernels, "__file__", str(tmp_path / "__init__.py"))
     with caplog.at_level(logging.WARNING, logger="ascend_passes.kernels"):

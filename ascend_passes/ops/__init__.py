@@ -65,6 +65,8 @@ KERNEL_OPS: tuple[str, ...] = (
     "rms_norm",
     "add_rms_norm",
     "swiglu",
+    "moe_gating_top_k_softmax",
+    "moe_gating_top_k",
     "moe_init_routing_v2",
     "grouped_matmul",
     "moe_finalize_routing",

@@ -94,8 +94,14 @@ def compile_downstream(compiler: str, gm: fx.GraphModule, example_inputs: Sequen
 
         from .ops import decompositions
 
-        table = {**select_decomp_table(), **decompositions(decompose)} if decompose else None
-        return _boxed(compile_fx(gm, list(example_inputs), decompositions=table))
+        if not decompose:
+            return _boxed(compile_fx(gm, list(example_inputs)))
+        table = {**select_decomp_table(), **decompositions(decompose)}
+        # AOTAutograd's cache keys on the graph handed in (ascend ops and all), not on the
+        # decomposition table, so it would hand back a graph compiled with other decompositions;
+        # Inductor's own FX-graph cache keys on the decomposed graph and stays on
+        with torch._functorch.config.patch(enable_autograd_cache=False):
+            return _boxed(compile_fx(gm, list(example_inputs), decompositions=table))
     if compiler == "torchair":
         import torch_npu  # noqa: F401  (registers the NPU device and torchair)
         import torchair

@@ -100,16 +100,11 @@ ASCEND_INLINE T from_f(float v) {
   return static_cast<T>(v);
 }
 
-// exp(x) for float, accurate to a few ulp over the float range; written with plain arithmetic
-// so the compiler vectorises loops that call it (std::exp does not vectorise here).
-ASCEND_INLINE float fast_exp(float x) {
-  // min/max, not a ternary chain: with one, GCC threads the clamped (constant) paths, the
-  // vectoriser then evaluates them for every element and e.g. silu's a / (1 + exp(88.3)) yields
-  // denormals: the AVX2 swiglu ran 8x slower than torch's (see also -fno-thread-jumps)
-  x = std::min(std::max(x, -87.3f), 88.3f);
-  // round(x / ln 2) by the 1.5 * 2^23 trick (no libm call, so loops vectorise)
-  const float magic = 12582912.0f;
-  const float n = (x * 1.44269504088896341f + magic) - magic;
+// exp(x) = 2^n * p(r) with n = round(x / ln 2), r = x - n ln 2 (Cody-Waite, two parts), p a
+// degree-7 polynomial; returns p and sets n. Plain arithmetic, so loops that call it vectorise.
+ASCEND_INLINE float exp_reduced(float x, float& n) {
+  const float magic = 12582912.0f;  // round(x / ln 2) by the 1.5 * 2^23 trick (no libm call)
+  n = (x * 1.44269504088896341f + magic) - magic;
   float r = x - n * 0.693359375f;
   r = r + n * 2.12194440e-4f;
   float p = 1.9875691500e-4f;
@@ -118,11 +113,38 @@ ASCEND_INLINE float fast_exp(float x) {
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const int32_t e = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &e, sizeof(scale));
-  return p * scale;
+  return p * r * r + r + 1.0f;
+}
+
+ASCEND_INLINE float pow2i(int32_t e) {  // 2^e for e in [-126, 127]
+  const int32_t bits = (e + 127) << 23;
+  float v;
+  std::memcpy(&v, &bits, sizeof(v));
+  return v;
+}
+
+// exp(x) for float, accurate to a few ulp over [-87.3, 88.3] (clamped outside): silu and friends.
+ASCEND_INLINE float fast_exp(float x) {
+  // min/max, not a ternary chain: with one, GCC threads the clamped (constant) paths, the
+  // vectoriser then evaluates them for every element and e.g. silu's a / (1 + exp(88.3)) yields
+  // denormals: the AVX2 swiglu ran 8x slower than torch's (see also -fno-thread-jumps)
+  x = std::min(std::max(x, -87.3f), 88.3f);
+  float n;
+  const float p = exp_reduced(x, n);
+  return p * pow2i(static_cast<int32_t>(n));
+}
+
+// exp(x) within 1 ulp over the whole float range: the 2^n scale is split in two factors, so
+// results underflow gradually to denormals and 0 and overflow to inf like expf. For ranking
+// (gating scores): fast_exp's clamp would give the tiny scores of very negative logits one common
+// value, and a stable top-k would then order them by index instead of by value.
+ASCEND_INLINE float exp_f32(float x) {
+  x = std::min(std::max(x, -104.0f), 89.0f);  // exp(-104) rounds to 0, exp(89) to inf
+  float n;
+  const float p = exp_reduced(x, n);
+  const int32_t ni = static_cast<int32_t>(n);  // in [-150, 128]
+  const int32_t n1 = ni >> 1, n2 = ni - n1;     // each in [-75, 64]: 2^n1, 2^n2 are normal floats
+  return p * pow2i(n1) * pow2i(n2);
 }
 
 // Calls f(scalar_t{}) for float32 / bfloat16 / float16 (f is a generic lambda).

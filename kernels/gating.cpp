@@ -116,33 +116,6 @@ ASCEND_INLINE void top_k_keys(uint64_t* keys, int64_t n, int64_t k, uint64_t* to
   }
 }
 
-// exp(x) in float32 within 1 ulp of the correctly rounded result over the whole float range:
-// common.h's fast_exp (same range reduction and polynomial, vectorises) with its 2^n scale split
-// in two factors, so results underflow gradually to denormals and 0 and overflow to inf like
-// expf. fast_exp's clamp at +-88 would give the tiny scores of very negative logits one common
-// value, and the stable top-k would then order them by index instead of by value.
-ASCEND_INLINE float exp_f32(float x) {
-  x = std::min(std::max(x, -104.0f), 89.0f);  // exp(-104) rounds to 0, exp(89) to inf
-  const float magic = 12582912.0f;            // round(x / ln 2) by the 1.5 * 2^23 trick
-  const float n = (x * 1.44269504088896341f + magic) - magic;
-  float r = x - n * 0.693359375f;
-  r = r + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const int32_t ni = static_cast<int32_t>(n);  // in [-150, 128]
-  const int32_t n1 = ni >> 1, n2 = ni - n1;     // each in [-75, 64]: 2^n1, 2^n2 are normal floats
-  const int32_t e1 = (n1 + 127) << 23, e2 = (n2 + 127) << 23;
-  float s1, s2;
-  std::memcpy(&s1, &e1, sizeof(s1));
-  std::memcpy(&s2, &e2, sizeof(s2));
-  return p * s1 * s2;
-}
-
 // p = softmax(x) in float32 (as torch.softmax(x.float(), -1)): exp(x - max), times 1 / sum.
 template <typename T>
 ASCEND_INLINE void softmax_row(const T* x, float* p, int64_t n) {

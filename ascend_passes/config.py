@@ -226,14 +226,18 @@ def _typed(name: str, value: Any, types: Any) -> None:
         raise ConfigError(f"option '{name}'={value!r} must be of type {expected}")
 
 
+def _names(name: str, value: Any, what: str) -> list[str]:
+    """``"a, b,c"`` or a list/tuple of names, as a list; anything else is a ConfigError."""
+    if isinstance(value, str):
+        return [p.strip() for p in value.split(",") if p.strip()]
+    if isinstance(value, (list, tuple)):
+        return list(value)
+    raise ConfigError(f"option '{name}' must be a comma-separated string or a list of {what}")
+
+
 def _pass_list(name: str, value: Any) -> tuple[str, ...]:
     """Parse ``"cleanup, norm,moe"`` or a sequence of names; check every name is a known pass."""
-    if isinstance(value, str):
-        items = [p.strip() for p in value.split(",") if p.strip()]
-    elif isinstance(value, (list, tuple)):
-        items = list(value)
-    else:
-        raise ConfigError(f"option '{name}' must be a comma-separated string or a list of pass names")
+    items = _names(name, value, "pass names")
     for item in items:
         if item not in DEFAULT_PIPELINE:
             raise ConfigError(
@@ -249,14 +253,8 @@ def _op_list(name: str, value: Any) -> tuple[str, ...]:
     """Parse ``"rms_norm,swiglu"`` or a sequence of ascend op names that have a decomposition."""
     from .ops import decomposable_ops
 
-    if isinstance(value, str):
-        items = [p.strip() for p in value.split(",") if p.strip()]
-    elif isinstance(value, (list, tuple)):
-        items = list(value)
-    else:
-        raise ConfigError(f"option '{name}' must be a comma-separated string or a list of ascend op names")
     valid = decomposable_ops()
-    for item in items:
+    for item in (items := _names(name, value, "ascend op names")):
         if item not in valid:
             raise ConfigError(f"option '{name}' names {item!r}, which is not an ascend op with a "
                               f"decomposition; valid ops are: {', '.join(valid)}")

@@ -90,12 +90,13 @@ def compile_downstream(compiler: str, gm: fx.GraphModule, example_inputs: Sequen
         return _boxed(gm)
     if compiler == "inductor":
         from torch._inductor.compile_fx import compile_fx
+
+        if not decompose:
+            return _boxed(compile_fx(gm, list(example_inputs)))
         from torch._inductor.decomposition import select_decomp_table
 
         from .ops import decompositions
 
-        if not decompose:
-            return _boxed(compile_fx(gm, list(example_inputs)))
         table = {**select_decomp_table(), **decompositions(decompose)}
         # AOTAutograd's cache keys on the graph handed in (ascend ops and all), not on the
         # decomposition table, so it would hand back a graph compiled with other decompositions;

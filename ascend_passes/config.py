@@ -251,9 +251,8 @@ def _pass_list(name: str, value: Any) -> tuple[str, ...]:
 
 def _op_list(name: str, value: Any) -> tuple[str, ...]:
     """Parse ``"rms_norm,swiglu"`` or a sequence of ascend op names that have a decomposition."""
-    from .ops import decomposable_ops
+    from .ops import DECOMPOSABLE_OPS as valid
 
-    valid = decomposable_ops()
     for item in (items := _names(name, value, "ascend op names")):
         if item not in valid:
             raise ConfigError(f"option '{name}' names {item!r}, which is not an ascend op with a "

@@ -13,6 +13,7 @@ pytest.importorskip("transformers")
 
 from ascend_passes import models  # noqa: E402
 from ascend_passes.errors import ConfigError  # noqa: E402
+from _helpers import forward_with_hooks  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -118,13 +119,8 @@ def _captured_routing(model, example_inputs):
     """(router module, router input, top-k expert ids) for every MoE layer of one eager forward."""
     routers = [m for m in model.modules() if type(m).__name__ in ("DeepseekV3TopkRouter", "Qwen3MoeTopKRouter")]
     captured = []
-    handles = [r.register_forward_hook(lambda mod, args, out: captured.append((mod, args[0], out[2]))) for r in routers]
-    try:
-        with torch.no_grad():
-            model(*example_inputs)
-    finally:
-        for handle in handles:
-            handle.remove()
+    forward_with_hooks(model, example_inputs, routers,
+                       lambda i, mod, args, out: captured.append((mod, args[0], out[2])))
     assert len(captured) == len(routers) > 0
     return captured
 

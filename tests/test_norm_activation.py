@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import ascend_passes as ap
+from _helpers import forward_with_hooks
 from ascend_passes import models
 from ascend_passes.passes import activation as activation_pass
 from ascend_passes.passes import norm as norm_pass
@@ -40,14 +41,8 @@ def _assert_close(out, ref, dtype):
 def _executed(model, inputs, predicate) -> collections.Counter:
     """Forward calls per module class name, for modules where ``predicate(module)``."""
     calls: collections.Counter = collections.Counter()
-    hooks = [m.register_forward_hook(lambda m, i, o: calls.update([type(m).__name__]))
-             for m in model.modules() if predicate(m)]
-    try:
-        with torch.no_grad():
-            model(*inputs)
-    finally:
-        for h in hooks:
-            h.remove()
+    forward_with_hooks(model, inputs, [m for m in model.modules() if predicate(m)],
+                       lambda i, mod, args, out: calls.update([type(mod).__name__]))
     return calls
 
 

@@ -95,25 +95,18 @@ def kernel_backend() -> str:
 
 def reference_impl(name: str):
     """The plain-PyTorch reference implementation of ``torch.ops.ascend.<name>``."""
-    return getattr(reference, name)
+    return mla.mla_prolog if name == mla.NAME else getattr(reference, name)
 
 
 # Ops whose reference implementation is functional ATen (no in-place writes, no data-dependent
 # Python), so a tracer can inline it: the decompositions handed to Inductor.
-_DECOMPOSABLE: dict[str, str] = {
-    "rms_norm": "reference", "add_rms_norm": "reference", "swiglu": "reference", "mla_prolog": "mla",
-}
-
-
-def decomposable_ops() -> tuple[str, ...]:
-    return tuple(_DECOMPOSABLE)
+DECOMPOSABLE_OPS: tuple[str, ...] = ("rms_norm", "add_rms_norm", "swiglu", "mla_prolog")
 
 
 def decompositions(names) -> dict:
-    """``{torch.ops.ascend.<name>.default: its ATen decomposition}`` for ``names``."""
-    modules = {"reference": reference, "mla": mla}
-    return {getattr(torch.ops.ascend, n).default: getattr(modules[_DECOMPOSABLE[n]], n) for n in names}
+    """``{torch.ops.ascend.<name>.default: its reference implementation}`` for ``names``."""
+    return {getattr(torch.ops.ascend, n).default: reference_impl(n) for n in names}
 
 
-__all__ = ["KERNEL_OPS", "NAMESPACE", "SCHEMAS", "decomposable_ops", "decompositions", "kernel_backend",
+__all__ = ["DECOMPOSABLE_OPS", "KERNEL_OPS", "NAMESPACE", "SCHEMAS", "decompositions", "kernel_backend",
            "reference_impl"]

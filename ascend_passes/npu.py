@@ -101,6 +101,11 @@ NPU_OPS: dict[str, NpuOp] = {
         note="drop_pad_mode=2 (token-major index from init_routing_v2) follows aclnnMoeFinalizeRoutingV2; "
         "older torch_npu documents only 0.",
     ),
+    "linear": NpuOp(
+        "npu_linear",
+        "torch_npu.npu_linear(input, weight, bias=None) -> Tensor",
+        note="torch_npu documents float32 / float16 (not bfloat16); the linear pass runs for target cpu only.",
+    ),
 }
 
 

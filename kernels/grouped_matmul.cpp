@@ -1,11 +1,17 @@
 // CPU kernel of ascend.grouped_matmul: y[rows of group g] = x[rows of group g] @ weight[g] (+ bias[g]).
-// The rows covered by group_list are cut into equal chunks that threads take from a shared counter
-// (a group may be shared by two chunks), so work is balanced however unevenly tokens are routed. Per (thread, group) piece:
-// bf16/fp16 with few rows (decode) -> a streaming kernel that reads each weight element once, converting
-// on the fly; fp32, and many rows (prefill) -> one single-threaded BLAS sgemm (bf16/fp16 converted to fp32
-// first, as this CPU has no fast bf16 GEMM).
+// Two schedules, both over work items that threads take from a shared counter:
+//  * decode (every group has at most kSkinnyRows rows): the call is bound by reading the touched
+//    experts' weights, so an item is a whole group (or a slice of its columns when there are fewer
+//    groups than threads) and each weight element is read once;
+//  * otherwise the rows covered by group_list are cut into equal chunks (a group may be shared by two
+//    chunks), so work is balanced however unevenly tokens are routed.
+// Per (item, group) piece: up to kSkinnyRows rows with the weight's K contiguous (Hugging Face's
+// [E, N, K] storage passed as its transpose) -> the weight-streaming kernel of skinny.h (fp32, bf16);
+// other few-row bf16/fp16 pieces -> a streaming kernel that converts on the fly; the rest -> one
+// single-threaded BLAS sgemm (bf16/fp16 converted to fp32 first, as this CPU has no fast bf16 GEMM).
 #include "common.h"
 #include "kernels.h"
+#include "skinny.h"
 
 #include <algorithm>
 #include <atomic>
@@ -111,10 +117,22 @@ void matmul_piece(const at::Tensor& x, const at::Tensor& w, const T* bias, int64
   // below (mm_out, …) must not see the weights' requires_grad
   at::AutoDispatchBelowADInplaceOrView below_autograd;
   const int64_t m = x.size(0), k = x.size(1), n = w.size(1);
-  if (m == 0) return;
-  // fp32: BLAS even for a row or two (measured: 82% of copy bandwidth at decode vs 67% for the
-  // streaming kernel); bf16/fp16: the streaming kernel, which converts on the fly instead of copying
-  // the whole expert weight to fp32 for BLAS (50% vs 28%)
+  if (m == 0 || n == 0) return;
+  if constexpr (!std::is_same_v<T, c10::Half>) {
+    if (m <= kSkinnyRows && w.stride(0) == 1 && k > 0) {  // w[:, j] contiguous: w^T is a row-major [N, K]
+      const auto xf = x.to(at::kFloat).contiguous();       // no copy for contiguous fp32 rows
+      const bool direct = std::is_same_v<T, float> && bias == nullptr && act_type == 0 && y.stride(1) == 1;
+      std::vector<float> acc(direct ? 0 : m * n);
+      float* out = direct ? reinterpret_cast<float*>(y.data_ptr<T>()) : acc.data();
+      skinny_nt(xf.const_data_ptr<float>(), k, w.const_data_ptr<T>(), w.stride(1), out, direct ? y.stride(0) : n, m,
+                k, 0, n);
+      if (!direct) store(acc.data(), bias, act_type, y.data_ptr<T>(), y.stride(0), m, n);
+      return;
+    }
+  }
+  // the [K, N] row-major layout (and fp16): fp32 -> BLAS even for a row or two (82% of copy bandwidth at
+  // decode vs 67% for the simple streaming kernel); bf16/fp16 -> the simple streaming kernel, which
+  // converts on the fly instead of copying the whole expert weight to fp32 for BLAS (50% vs 28%)
   if (!std::is_same_v<T, float> && m <= kSmallRows && (w.stride(1) == 1 || w.stride(0) == 1)) {
     std::vector<float> acc(m * n);
     const T* xp = x.const_data_ptr<T>();
@@ -253,6 +271,30 @@ std::vector<at::Tensor> grouped_matmul(at::TensorList x, at::TensorList weight, 
       // Rows are cut into ~4 chunks per thread, taken from a shared counter: a thread that the OS
       // deschedules (a loaded machine) delays the call by one chunk, not by half of the work.
       const int64_t threads = at::get_num_threads();
+      const int64_t most_rows = counts.empty() ? 0 : *std::max_element(counts.begin(), counts.end());
+      if (most_rows <= kSkinnyRows) {
+        // decode: items are (group, column slice); enough slices that every thread has work
+        std::vector<int64_t> groups;
+        for (int64_t g = 0; g < num_groups; ++g)
+          if (counts[g] > 0) groups.push_back(g);
+        if (groups.empty()) return;
+        const int64_t slices = std::clamp<int64_t>((2 * threads + groups.size() - 1) / groups.size(), 1,
+                                                   std::max<int64_t>(1, n / 64));
+        const int64_t slice_cols = (n + slices - 1) / slices;
+        const int64_t num_items = static_cast<int64_t>(groups.size()) * slices;
+        std::atomic<int64_t> next_item{0};
+        at::parallel_for(0, std::min(threads, num_items), 1, [&](int64_t, int64_t) {
+          for (int64_t i = next_item++; i < num_items; i = next_item++) {
+            const int64_t g = groups[i / slices], c0 = (i % slices) * slice_cols;
+            const int64_t cols = std::min(n, c0 + slice_cols) - c0;
+            if (cols <= 0) continue;
+            matmul_piece<scalar_t>(x0.narrow(0, begin[g], counts[g]), w.select(0, g).narrow(1, c0, cols),
+                                   bp ? bp + g * n + c0 : nullptr, act_type,
+                                   y.narrow(0, begin[g], counts[g]).narrow(1, c0, cols));
+          }
+        });
+        return;
+      }
       const int64_t num_chunks = std::min<int64_t>(total, 4 * threads);
       const int64_t chunk_rows = num_chunks == 0 ? 0 : (total + num_chunks - 1) / num_chunks;
       std::atomic<int64_t> next_chunk{0};

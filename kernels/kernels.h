@@ -40,6 +40,8 @@ std::vector<at::Tensor> grouped_matmul(at::TensorList x, at::TensorList weight,
                                        std::optional<int64_t> group_type, int64_t group_list_type,
                                        int64_t act_type, std::optional<at::ScalarType> output_dtype);
 
+at::Tensor linear(const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias);
+
 at::Tensor moe_finalize_routing(const at::Tensor& expanded_permuted_rows, const std::optional<at::Tensor>& skip1,
                                 const std::optional<at::Tensor>& skip2, const std::optional<at::Tensor>& bias,
                                 const std::optional<at::Tensor>& scales, const at::Tensor& expanded_src_to_dst_row,

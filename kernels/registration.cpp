@@ -8,7 +8,7 @@
 #include "kernels.h"
 
 namespace {
-int64_t version() { return 3; }
+int64_t version() { return 4; }
 }  // namespace
 
 TORCH_LIBRARY(ascend_kernels, m) {
@@ -34,6 +34,7 @@ TORCH_LIBRARY(ascend_kernels, m) {
       "moe_finalize_routing(Tensor expanded_permuted_rows, Tensor? skip1, Tensor? skip2, Tensor? bias, "
       "Tensor? scales, Tensor expanded_src_to_dst_row, Tensor? export_for_source_row, "
       "int? drop_pad_mode=0, int? k=1) -> Tensor");
+  m.def("linear(Tensor input, Tensor weight, Tensor? bias=None) -> Tensor");
 }
 
 #define ASCEND_IMPLS(m)                                                                   \
@@ -44,7 +45,8 @@ TORCH_LIBRARY(ascend_kernels, m) {
   m.impl("moe_gating_top_k", TORCH_FN(ascend_kernels::moe_gating_top_k));                 \
   m.impl("moe_init_routing_v2", TORCH_FN(ascend_kernels::moe_init_routing_v2));           \
   m.impl("grouped_matmul", TORCH_FN(ascend_kernels::grouped_matmul));                     \
-  m.impl("moe_finalize_routing", TORCH_FN(ascend_kernels::moe_finalize_routing))
+  m.impl("moe_finalize_routing", TORCH_FN(ascend_kernels::moe_finalize_routing));         \
+  m.impl("linear", TORCH_FN(ascend_kernels::linear))
 
 TORCH_LIBRARY_IMPL(ascend_kernels, CPU, m) { ASCEND_IMPLS(m); }
 

@@ -4,6 +4,7 @@ registration contract between them, and the fallback when the kernels are absent
 from __future__ import annotations
 
 import logging
+import math
 import os
 import subprocess
 import sys
@@ -311,3 +312,42 @@ def test_grouped_matmul_with_parameter_weights_on_worker_threads(grad_enabled):
                                             group_list_type=1)[0]
     expected = torch.cat([x[:100] @ w[0], x[100:200] @ w[1], x[200:250] @ w[2], x[250:] @ w[3]])
     torch.testing.assert_close(y.detach(), expected.detach(), rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------- weight-streaming (decode) paths
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 40])
+@pytest.mark.parametrize("k", [1, 17, 64, 100])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear_against_reference(dtype, rows, k, with_bias):
+    """Rows <= 8 take the streaming kernel (every register-block shape of 1..8 rows, K tails that
+    are not a multiple of the vector width), more rows the BLAS call."""
+    torch.manual_seed(rows * 1000 + k)
+    x = torch.randn(rows, k).to(dtype)
+    w = (torch.randn(131, k) / math.sqrt(k)).to(dtype)  # 131 rows: blocks of 4 and 3 plus a tail
+    b = torch.randn(131).to(dtype) if with_bias else None
+    assert_same(K.linear(x, w, b), reference.linear(x, w, b), dtype)
+
+
+def test_linear_strided_operands_match_reference():
+    x = torch.randn(8, 96)[:, ::2]  # rows 96 apart, columns 2 apart
+    w_rows = torch.randn(70, 128)[:, :48]  # rows contiguous, 128 apart: streamed
+    w_cols = torch.randn(48, 70).t()  # columns contiguous: BLAS
+    for w in (w_rows, w_cols):
+        torch.testing.assert_close(K.linear(x, w), x @ w.t(), rtol=1e-5, atol=1e-5)
+    assert K.linear(torch.randn(0, 48), w_rows).shape == (0, 70)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("counts", [[1, 0, 0, 0], [0, 3, 0, 8], [8, 8, 8, 8], [9, 1, 0, 2], [2, 0, 1, 1]])
+def test_grouped_matmul_decode_schedule_against_reference(dtype, counts):
+    """Groups of at most 8 rows are scheduled as whole groups, or column slices of them when there
+    are fewer groups than threads (N = 200 columns); a group of 9 rows switches to row chunks."""
+    torch.manual_seed(sum(counts))
+    group_list = torch.tensor(counts)
+    x = torch.randn(int(group_list.sum()) + 2, 40).to(dtype)  # 2 rows no group owns: zero
+    w = (torch.randn(4, 200, 40) / 6).transpose(1, 2).to(dtype)  # HF's [E, N, K] storage
+    bias = torch.randn(4, 200).to(dtype)
+    for act, b in ((0, None), (5, [bias])):
+        kw = dict(bias=b, group_list=group_list, group_type=0, group_list_type=1, act_type=act)
+        assert_same(K.grouped_matmul([x], [w], **kw), reference.grouped_matmul([x], [w], **kw), dtype)

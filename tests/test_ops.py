@@ -434,6 +434,16 @@ BAD_INPUTS = [
      lambda: A.moe_finalize_routing(torch.randn(4, 2), None, None, None, torch.rand(2, 2),
                                     torch.tensor([0, 1, 2, 7], dtype=torch.int32), None, 2, 2),
      r"expanded_src_to_dst_row value 7 out of range \[-1, 4\)"),
+    ("linear 3-D input", lambda: A.linear(torch.randn(2, 3, 8), torch.randn(4, 8)),
+     r"ascend.linear: input must be 2-D, got 3-D"),
+    ("linear K mismatch", lambda: A.linear(torch.randn(3, 8), torch.randn(4, 6)),
+     r"ascend.linear: input has K=8 columns but weight \[N, K\] has K=6"),
+    ("linear bias shape", lambda: A.linear(torch.randn(3, 8), torch.randn(4, 8), torch.randn(5)),
+     r"ascend.linear: bias must have shape \[4\], got \(5,\)"),
+    ("linear dtype mismatch", lambda: A.linear(torch.randn(3, 8), torch.randn(4, 8).to(torch.bfloat16)),
+     r"ascend.linear: weight dtype torch.bfloat16 does not match input dtype torch.float32"),
+    ("linear integer input", lambda: A.linear(torch.ones(3, 8, dtype=torch.int32), torch.ones(4, 8, dtype=torch.int32)),
+     r"ascend.linear: input must be float32, bfloat16 or float16, got torch.int32"),
     ("finalize bias without experts",
      lambda: A.moe_finalize_routing(torch.randn(4, 2), None, None, torch.randn(3, 2), torch.rand(2, 2),
                                     torch.arange(4, dtype=torch.int32), None, 2, 2),
@@ -450,6 +460,25 @@ def test_bad_input_raises_clear_value_error(backend, case):
     _, call, message = case
     with pytest.raises(ValueError, match=message):
         call()
+
+
+# ---------------------------------------------------------------- linear
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 5, 8, 33])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear_matches_dot_product_formula(backend, dtype, rows, with_bias):
+    x = torch.randn(rows, 24).to(dtype)
+    w = (torch.randn(7, 24) / 5).to(dtype)
+    b = torch.randn(7).to(dtype) if with_bias else None
+    y = A.linear(x, w, b)
+    assert y.dtype == dtype and y.shape == (rows, 7)
+    expected = torch.empty(rows, 7)
+    for i in range(rows):
+        for n in range(7):
+            expected[i, n] = sum(float(x[i, j]) * float(w[n, j]) for j in range(24)) + (float(b[n]) if b is not None else 0.0)
+    torch.testing.assert_close(y.float(), expected, **tol(dtype))
 
 
 # ---------------------------------------------------------------- opcheck and torch.compile
@@ -476,6 +505,7 @@ def sample_calls():
         ("moe_finalize_routing",
          (torch.randn(12, 16), torch.randn(6, 16), None, torch.randn(8, 16), torch.rand(6, 2),
           torch.randperm(12).to(torch.int32), ids, 2, 2), {}),
+        ("linear", (x, torch.randn(5, 16), torch.randn(5)), {}),
     ]
 
 

@@ -44,9 +44,6 @@ def _summary(report: Any) -> dict[str, Any]:
         "dp": dp.counts() if dp else {},
         "dp_near_misses": [(nm.layer, nm.reason) for nm in dp.near_misses] if dp else [],
         "mtp_layers": len(report.facts.get("mtp_layers", [])),
-        "mm_rows": sorted(int(n.meta["val"].shape[0]) for n in report.graph.graph.nodes
-                          if n.op == "call_function" and n.target is torch.ops.aten.mm.default
-                          and isinstance(n.meta["val"].shape[0], int)),
     }
 
 

@@ -58,6 +58,8 @@ SCHEMAS: dict[str, str] = {
         "Tensor? scales, Tensor expanded_src_to_dst_row, Tensor? export_for_source_row, "
         "int? drop_pad_mode=0, int? k=1) -> Tensor"
     ),
+    # torch_npu.npu_linear
+    "linear": "linear(Tensor input, Tensor weight, Tensor? bias=None) -> Tensor",
 }
 
 # Ops with a C++ CPU kernel in kernels/ (registered by the library for DispatchKey::CPU).
@@ -70,6 +72,7 @@ KERNEL_OPS: tuple[str, ...] = (
     "moe_init_routing_v2",
     "grouped_matmul",
     "moe_finalize_routing",
+    "linear",
 )
 
 

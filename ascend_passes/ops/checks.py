@@ -66,6 +66,20 @@ def check_swiglu(x: torch.Tensor, dim: int) -> int:
     return dim
 
 
+def check_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    op = "linear"
+    check_float(op, "input", x)
+    check_dim(op, "input", x, (2,))
+    check_dim(op, "weight", weight, (2,))
+    check_same_dtype(op, "weight", weight, "input", x)
+    if x.shape[1] != weight.shape[1]:
+        fail(op, f"input has K={x.shape[1]} columns but weight [N, K] has K={weight.shape[1]}")
+    if bias is not None:
+        if bias.dim() != 1 or bias.shape[0] != weight.shape[0]:
+            fail(op, f"bias must have shape [{weight.shape[0]}], got {tuple(bias.shape)}")
+        check_same_dtype(op, "bias", bias, "input", x)
+
+
 def check_topk_softmax(x: torch.Tensor, finished: torch.Tensor | None, k: int) -> None:
     op = "moe_gating_top_k_softmax"
     check_float(op, "x", x)

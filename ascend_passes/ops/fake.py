@@ -37,6 +37,11 @@ def swiglu(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     return x.new_empty(shape)
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    checks.check_linear(x, weight, bias)
+    return x.new_empty((x.shape[0], weight.shape[0]))
+
+
 def moe_gating_top_k_softmax(
     x: torch.Tensor, finished: torch.Tensor | None = None, k: int = 1
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -43,6 +43,12 @@ def swiglu(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     return (F.silu(a) * b).to(x.dtype)
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T + bias`` for ``x [M, K]``, ``weight [N, K]`` (``F.linear`` on 2-D input)."""
+    checks.check_linear(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
 def _stable_topk(values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k along the last dim; among equal values the lower index comes first."""
     sorted_values, order = torch.sort(values, dim=-1, descending=True, stable=True)

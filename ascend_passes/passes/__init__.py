@@ -28,6 +28,8 @@ PASS_TABLE: dict[str, str] = {
     "eplb": "ascend_passes.passes.eplb:EplbPass",
     "sequence_parallel": "ascend_passes.passes.sequence_parallel:SequenceParallelPass",
     "shared_expert_dp": "ascend_passes.passes.shared_expert_dp:SharedExpertDpPass",
+    # last: the passes above look for matmuls inside their patterns
+    "linear": "ascend_passes.passes.linear:LinearPass",
 }
 
 

@@ -1,0 +1,175 @@
+// The weight-streaming kernel of skinny.h, compiled three times: AVX-512 (16 float lanes, 32
+// registers), AVX2 + FMA (8 lanes, 16 registers) and the x86-64 baseline, picked once at run time
+// from the CPU's feature bits. The register blocks differ per target: MB rows of x times NB
+// weight rows of accumulators, as many as fit in the register file next to the NB weight vectors.
+#include "skinny.h"
+
+namespace ascend_kernels {
+namespace {
+
+template <int L>
+struct Vec {
+  typedef float f __attribute__((vector_size(4 * L)));
+  typedef uint16_t u16 __attribute__((vector_size(2 * L)));
+  typedef uint32_t u32 __attribute__((vector_size(4 * L)));
+};
+
+template <int L>
+ASCEND_INLINE typename Vec<L>::f load(const float* p) {
+  typename Vec<L>::f v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+template <int L>
+ASCEND_INLINE typename Vec<L>::f load(const c10::BFloat16* p) {  // bf16 is the top half of a float
+  typename Vec<L>::u16 h;
+  std::memcpy(&h, p, sizeof(h));
+  const typename Vec<L>::u32 bits = __builtin_convertvector(h, typename Vec<L>::u32) << 16;
+  typename Vec<L>::f v;
+  std::memcpy(&v, &bits, sizeof(v));
+  return v;
+}
+
+// sum of the lanes by halving (one vector add per step), then four scalars
+template <int L>
+ASCEND_INLINE float hsum(typename Vec<L>::f v) {
+  if constexpr (L > 4) {
+    typename Vec<L / 2>::f lo, hi;
+    std::memcpy(&lo, &v, sizeof(lo));
+    std::memcpy(&hi, reinterpret_cast<const char*>(&v) + sizeof(lo), sizeof(hi));
+    return hsum<L / 2>(lo + hi);
+  } else {
+    return (v[0] + v[2]) + (v[1] + v[3]);
+  }
+}
+
+// y[0:MB, 0:NB] for MB rows of x and NB rows of w
+template <int L, int MB, int NB, typename T>
+ASCEND_INLINE void block(const float* x, int64_t xs, const T* w, int64_t ws, float* y, int64_t ys, int64_t k) {
+  using V = typename Vec<L>::f;
+  V acc[MB][NB];
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NB; ++j) acc[i][j] = V{};
+  const int64_t k_main = k - k % L;
+  for (int64_t kk = 0; kk < k_main; kk += L) {
+    V wv[NB];
+    for (int j = 0; j < NB; ++j) wv[j] = load<L>(w + j * ws + kk);
+    for (int i = 0; i < MB; ++i) {
+      const V xv = load<L>(x + i * xs + kk);
+      for (int j = 0; j < NB; ++j) acc[i][j] += xv * wv[j];
+    }
+  }
+  for (int i = 0; i < MB; ++i) {
+    for (int j = 0; j < NB; ++j) {
+      float s = hsum<L>(acc[i][j]);
+      for (int64_t kk = k_main; kk < k; ++kk) s += x[i * xs + kk] * to_f(w[j * ws + kk]);
+      y[i * ys + j] = s;
+    }
+  }
+}
+
+// Weight rows per block for MB rows of x: MB * NB accumulators + NB weight vectors + one x vector
+// must fit the register file (32 vectors with AVX-512, 16 otherwise).
+template <int L>
+constexpr int rows_of_w(int mb) {
+  if (L == 16) return mb <= 6 ? 4 : 3;
+  return mb <= 2 ? 4 : mb == 3 ? 3 : mb <= 6 ? 2 : 1;
+}
+
+template <int L, int MB, typename T>
+ASCEND_INLINE void all_cols(const float* x, int64_t xs, const T* w, int64_t ws, float* y, int64_t ys, int64_t k,
+                            int64_t n_lo, int64_t n_hi) {
+  constexpr int NB = rows_of_w<L>(MB);
+  int64_t n = n_lo;
+  for (; n + NB <= n_hi; n += NB) block<L, MB, NB>(x, xs, w + n * ws, ws, y + n, ys, k);
+  for (; n < n_hi; ++n) block<L, MB, 1>(x, xs, w + n * ws, ws, y + n, ys, k);
+}
+
+// All (up to kSkinnyRows) rows of x in one pass over each weight row, so the weight is read once.
+template <int L, typename T>
+ASCEND_INLINE void rows(const float* x, int64_t xs, const T* w, int64_t ws, float* y, int64_t ys, int64_t m,
+                        int64_t k, int64_t n_lo, int64_t n_hi) {
+  static_assert(kSkinnyRows == 8, "the switch below covers 1..8 rows");
+  for (int64_t m0 = 0; m0 < m; m0 += kSkinnyRows) {
+    const float* xb = x + m0 * xs;
+    float* yb = y + m0 * ys;
+    switch (std::min(kSkinnyRows, m - m0)) {
+      case 1: all_cols<L, 1>(xb, xs, w, ws, yb, ys, k, n_lo, n_hi); break;
+      case 2: all_cols<L, 2>(xb, xs, w, ws, yb, ys, k, n_lo, n_hi); break;
+      case 3: all_cols<L, 3>(xb, xs, w, ws, yb, ys, k, n_lo, n_hi); break;
+      case 4: all_cols<L, 4>(xb, xs, w, ws, yb, ys, k, n_lo, n_hi); break;
+      case 5: all_cols<L, 5>(xb, xs, w, ws, yb, ys, k, n_lo, n_hi); break;
+      case 6: all_cols<L, 6>(xb, xs, w, ws, yb, ys, k, n_lo, n_hi); break;
+      case 7: all_cols<L, 7>(xb, xs, w, ws, yb, ys, k, n_lo, n_hi); break;
+      default: all_cols<L, 8>(xb, xs, w, ws, yb, ys, k, n_lo, n_hi); break;
+    }
+  }
+}
+
+#define ASCEND_SKINNY_ARGS \
+  const float *x, int64_t xs, const T *w, int64_t ws, float *y, int64_t ys, int64_t m, int64_t k, int64_t n_lo, \
+      int64_t n_hi
+#define ASCEND_SKINNY_PASS x, xs, w, ws, y, ys, m, k, n_lo, n_hi
+
+template <typename T>
+void rows_baseline(ASCEND_SKINNY_ARGS) {
+  rows<4, T>(ASCEND_SKINNY_PASS);
+}
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+template <typename T>
+__attribute__((target("avx512f,avx512vl,avx512bw,avx512dq,avx2,fma"))) void rows_avx512(ASCEND_SKINNY_ARGS) {
+  rows<16, T>(ASCEND_SKINNY_PASS);
+}
+
+template <typename T>
+__attribute__((target("avx2,fma"))) void rows_avx2(ASCEND_SKINNY_ARGS) {
+  rows<8, T>(ASCEND_SKINNY_PASS);
+}
+
+int isa_level() {
+  static const int level = [] {
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
+        __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq"))
+      return 2;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return 1;
+    return 0;
+  }();
+  return level;
+}
+
+template <typename T>
+void dispatch(ASCEND_SKINNY_ARGS) {
+  switch (isa_level()) {
+    case 2: rows_avx512<T>(ASCEND_SKINNY_PASS); break;
+    case 1: rows_avx2<T>(ASCEND_SKINNY_PASS); break;
+    default: rows_baseline<T>(ASCEND_SKINNY_PASS); break;
+  }
+}
+#else
+template <typename T>
+void dispatch(ASCEND_SKINNY_ARGS) {
+  rows_baseline<T>(ASCEND_SKINNY_PASS);
+}
+#endif
+
+}  // namespace
+
+void skinny_nt(const float* x, int64_t xs, const float* w, int64_t ws, float* y, int64_t ys, int64_t m, int64_t k,
+               int64_t n_lo, int64_t n_hi) {
+  using T = float;
+  dispatch<T>(ASCEND_SKINNY_PASS);
+}
+
+void skinny_nt(const float* x, int64_t xs, const c10::BFloat16* w, int64_t ws, float* y, int64_t ys, int64_t m,
+               int64_t k, int64_t n_lo, int64_t n_hi) {
+  using T = c10::BFloat16;
+  dispatch<T>(ASCEND_SKINNY_PASS);
+}
+
+#undef ASCEND_SKINNY_ARGS
+#undef ASCEND_SKINNY_PASS
+
+}  // namespace ascend_kernels

@@ -55,9 +55,10 @@ The subset, and why:
 - **head_num** (keyword, not in torch_npu, where N is ``weight_uk.size(0)``): needed because
   ``weight_uk`` may be None.
 
-CPU path: the reference implementation below (``mm`` / ``bmm`` / elementwise, plain PyTorch) is
-registered for every backend (``CompositeExplicitAutograd``); there is no C++ kernel — the op is
-a chain of GEMMs whose cost the matmuls dominate, so a fused CPU kernel would gain little.
+CPU path: the reference implementation below (``ascend.linear`` for the three projections, ``bmm``,
+elementwise) is registered for every backend (``CompositeExplicitAutograd``); there is no C++
+kernel — the op is a chain of GEMMs whose cost the matmuls dominate, so a fused CPU kernel would
+gain little beyond what ``ascend.linear``'s decode kernel gives.
 
 torch_npu mapping for the ``lower`` pass (``torch.ops.npu.npu_mla_prolog_v3(...)``)::
 
@@ -165,6 +166,13 @@ def _rope(v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: boo
     return v * cos + rotated * sin
 
 
+def _mm(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``a @ w`` for an ``in × out`` weight, as ``ascend.linear(a, w.T)``: the weights are
+    transposed views of ``nn.Linear`` ``[out, in]`` weights, whose CPU kernel streams them at
+    decode (plain ``F.linear`` on other devices)."""
+    return torch.ops.ascend.linear(a, w.t())
+
+
 def mla_prolog(token_x, weight_dq, weight_uq_qr, weight_uk, weight_dkv_kr, rmsnorm_gamma_cq,
                rmsnorm_gamma_ckv, rope_sin, rope_cos, *, head_num, rmsnorm_epsilon_cq=1e-05,
                rmsnorm_epsilon_ckv=1e-05, rope_interleave=False):
@@ -175,15 +183,15 @@ def mla_prolog(token_x, weight_dq, weight_uq_qr, weight_uk, weight_dkv_kr, rmsno
     x = token_x.reshape(-1, token_x.shape[-1])
     cos = rope_cos.reshape(-1, 1, dr)
     sin = rope_sin.reshape(-1, 1, dr)
-    cq = x if weight_dq is None else _rms_norm(x @ weight_dq, rmsnorm_gamma_cq, rmsnorm_epsilon_cq)
-    q = (cq @ weight_uq_qr).view(-1, n, d + dr)
+    cq = x if weight_dq is None else _rms_norm(_mm(x, weight_dq), rmsnorm_gamma_cq, rmsnorm_epsilon_cq)
+    q = _mm(cq, weight_uq_qr).view(-1, n, d + dr)
     q_nope, q_pe = q[..., :d], q[..., d:]
     if weight_uk is not None:  # absorbed: (N, T, D) @ (N, D, Hckv)
         query = torch.bmm(q_nope.transpose(0, 1), weight_uk).transpose(0, 1).contiguous()
     else:
         query = q_nope.contiguous()
     query_rope = _rope(q_pe, cos, sin, rope_interleave)
-    ckv = x @ weight_dkv_kr
+    ckv = _mm(x, weight_dkv_kr)
     kv = _rms_norm(ckv[:, :hckv], rmsnorm_gamma_ckv, rmsnorm_epsilon_ckv)
     k_rope = _rope(ckv[:, hckv:].unsqueeze(1), cos, sin, rope_interleave).squeeze(1)
     return (query.reshape(*lead, n, query.shape[-1]), query_rope.reshape(*lead, n, dr),

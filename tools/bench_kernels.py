@@ -249,6 +249,15 @@ def bench_case(tokens: int, dtype: torch.dtype, quick: bool) -> list[Row]:
             r = gemm(f"grouped_matmul {step} [E,K,N] weights", (0.0, 0.0), flops, weight.contiguous(), x)
             r.ref_ms = None
             rows.append(r)
+    if not slow:
+        # a decode linear (the dense layers and lm head around the MoE): ascend.linear streams the
+        # weight; its reference is F.linear (BLAS, which packs the weight first for so few rows)
+        weights = [(torch.randn(4 * H, H) / 32).to(dtype) for _ in range(4)]  # 4 x 16 MB: not cached
+        x_lin = torch.randn(tokens, H).to(dtype)
+        t_lin = tuple(best_time(lambda impl=impl: impl.linear(x_lin, weights[next(turn) % 4]), budget, min_reps=3)
+                      for impl in (A, reference))
+        rows.append(row(f"linear [{tokens},{H}]x[{4 * H},{H}]^T", t_lin, "memory",
+                        weights[0].numel() * weights[0].element_size()))
     if slow:
         layer = row("MoE layer" + naive_note, t_layer, "routing", (t_init[0] + t_fin[0]) / t_layer[0],
                     f"{(up_flops + down_flops) / t_layer[0] / 1e9:.1f} GFLOP/s")

@@ -8,8 +8,11 @@
 // Per (item, group) piece: up to kSkinnyRows rows with the weight's K contiguous (Hugging Face's
 // [E, N, K] storage passed as its transpose) -> the weight-streaming kernel of skinny.h (fp32, bf16);
 // other few-row bf16/fp16 pieces -> a streaming kernel that converts on the fly; the rest -> one
-// single-threaded BLAS sgemm (bf16/fp16 converted to fp32 first, as this CPU has no fast bf16 GEMM).
+// single-threaded fp32 GEMM (bf16/fp16 converted to fp32 first, as this CPU has no fast bf16 GEMM):
+// gemm.h's AVX-512 kernel, which prefetches the next group's weight while it computes, when the
+// weight's K is contiguous, else BLAS.
 #include "common.h"
+#include "gemm.h"
 #include "kernels.h"
 #include "skinny.h"
 
@@ -111,8 +114,28 @@ void activate_inplace(at::Tensor& y, int64_t act_type) {
 }
 
 // y = x @ w (+ bias) for one piece of one group; x, y are row slices, w is [K, N] with any strides.
+// y = x @ w for fp32 x, y, w [K, N]: the AVX-512 GEMM of gemm.h when w's K is contiguous (w^T is a
+// row-major [N, K]) and the CPU has it, prefetching `next` (the next group's weight) under the
+// compute; else BLAS.
+void mm_f32(const at::Tensor& x, const at::Tensor& w, at::Tensor& y, const NextWeight& next) {
+  const int64_t m = x.size(0), k = x.size(1), n = w.size(1);
+  if (m > 0 && k > 0 && w.stride(0) == 1 && x.stride(1) == 1 && y.stride(1) == 1 && gemm_nt_available()) {
+    gemm_nt(x.const_data_ptr<float>(), x.stride(0), w.const_data_ptr<float>(), w.stride(1), y.data_ptr<float>(),
+            y.stride(0), m, n, k, next);
+  } else {
+    at::mm_out(y, x, w);
+  }
+}
+
+// The weight of group g as the next one to prefetch (its [K, N] view with K contiguous), or none.
+NextWeight next_weight(const at::Tensor& w) {
+  if (w.scalar_type() != at::kFloat || w.stride(0) != 1) return {};
+  return {w.const_data_ptr<float>(), w.stride(1), w.size(1), w.size(0)};
+}
+
 template <typename T>
-void matmul_piece(const at::Tensor& x, const at::Tensor& w, const T* bias, int64_t act_type, at::Tensor y) {
+void matmul_piece(const at::Tensor& x, const at::Tensor& w, const T* bias, int64_t act_type, at::Tensor y,
+                  const NextWeight& next = {}) {
   // runs on worker threads, which do not inherit the caller's no-autograd state: the ATen calls
   // below (mm_out, …) must not see the weights' requires_grad
   at::AutoDispatchBelowADInplaceOrView below_autograd;
@@ -143,11 +166,12 @@ void matmul_piece(const at::Tensor& x, const at::Tensor& w, const T* bias, int64
     return;
   }
   if constexpr (std::is_same_v<T, float>) {
-    at::mm_out(y, x, w);
+    mm_f32(x, w, y, next);
     if (bias) y.add_(at::from_blob(const_cast<float*>(bias), {n}, y.options()));
     activate_inplace(y, act_type);
   } else {
-    auto yf = at::mm(x.to(at::kFloat), w.to(at::kFloat));
+    auto yf = at::empty({m, n}, x.options().dtype(at::kFloat));
+    mm_f32(x.to(at::kFloat).contiguous(), w.to(at::kFloat), yf, {});  // .to keeps w's strides
     if (bias) yf.add_(at::from_blob(const_cast<T*>(bias), {n}, x.options()).to(at::kFloat));
     activate_inplace(yf, act_type);
     y.copy_(yf);
@@ -295,22 +319,29 @@ std::vector<at::Tensor> grouped_matmul(at::TensorList x, at::TensorList weight, 
         });
         return;
       }
-      const int64_t num_chunks = std::min<int64_t>(total, 4 * threads);
-      const int64_t chunk_rows = num_chunks == 0 ? 0 : (total + num_chunks - 1) / num_chunks;
-      std::atomic<int64_t> next_chunk{0};
-      auto run_chunk = [&](int64_t lo, int64_t hi) {
-        // first group whose rows reach past `lo`
-        int64_t g = std::upper_bound(begin.begin(), begin.end(), lo) - begin.begin() - 1;
-        for (; g < num_groups && begin[g] < hi; ++g) {
-          const int64_t r0 = std::max(lo, begin[g]), r1 = std::min(hi, begin[g + 1]);
-          if (r1 <= r0) continue;
-          matmul_piece<scalar_t>(x0.narrow(0, r0, r1 - r0), w.select(0, g), bp ? bp + g * n : nullptr, act_type,
-                                 y.narrow(0, r0, r1 - r0));
-        }
+      // prefill: items are groups, a group of more than total / (4 * threads) rows cut into pieces of that
+      // size (one hot expert cannot idle the other threads); a thread claims its next item before it
+      // computes the current one, so that it can prefetch the next item's weight under the compute
+      const int64_t piece_rows = std::max<int64_t>(1, (total + 4 * threads - 1) / (4 * threads));
+      struct Item {
+        int64_t g, r0, r1;
       };
-      at::parallel_for(0, std::min(threads, num_chunks), 1, [&](int64_t, int64_t) {
-        for (int64_t c = next_chunk++; c < num_chunks; c = next_chunk++) {
-          run_chunk(c * chunk_rows, std::min(total, (c + 1) * chunk_rows));
+      std::vector<Item> items;
+      for (int64_t g = 0; g < num_groups; ++g)
+        for (int64_t r0 = begin[g]; r0 < begin[g + 1]; r0 += piece_rows)
+          items.push_back({g, r0, std::min(begin[g + 1], r0 + piece_rows)});
+      const int64_t num_items = static_cast<int64_t>(items.size());
+      std::atomic<int64_t> next_item{0};
+      at::parallel_for(0, std::min(threads, num_items), 1, [&](int64_t, int64_t) {
+        int64_t i = next_item++;
+        while (i < num_items) {
+          const int64_t after = next_item++;
+          const Item& it = items[i];
+          const bool other = after < num_items && items[after].g != it.g;  // same group: its weight is hot
+          const NextWeight next = other ? next_weight(w.select(0, items[after].g)) : NextWeight{};
+          matmul_piece<scalar_t>(x0.narrow(0, it.r0, it.r1 - it.r0), w.select(0, it.g), bp ? bp + it.g * n : nullptr,
+                                 act_type, y.narrow(0, it.r0, it.r1 - it.r0), next);
+          i = after;
         }
       });
     }

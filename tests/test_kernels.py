@@ -351,3 +351,26 @@ def test_grouped_matmul_decode_schedule_against_reference(dtype, counts):
     for act, b in ((0, None), (5, [bias])):
         kw = dict(bias=b, group_list=group_list, group_type=0, group_list_type=1, act_type=act)
         assert_same(K.grouped_matmul([x], [w], **kw), reference.grouped_matmul([x], [w], **kw), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_bias,act", [(False, 0), (True, 5)])
+def test_grouped_matmul_prefill_gemm_against_reference(dtype, with_bias, act):
+    """Prefill pieces with the weight's K contiguous take the AVX-512 GEMM where the CPU has it: K=300
+    is two full depth blocks of 128 plus 44 (a tail that is not a multiple of 16), N=130 two full
+    64-column panels plus 2 (masked), rows in blocks of 6 with tails; a group of 100 rows is cut in
+    pieces; groups of <= 8 rows take the streaming kernel."""
+    torch.manual_seed(7)
+    group_list = torch.tensor([0, 13, 64, 9, 100, 1])
+    x = torch.randn(int(group_list.sum()) + 3, 300).to(dtype)
+    w = (torch.randn(6, 130, 300) / 17).transpose(1, 2).to(dtype)  # HF's [E, N, K] storage
+    bias = [torch.randn(6, 130).to(dtype)] if with_bias else None
+    kw = dict(bias=bias, group_list=group_list, group_type=0, group_list_type=1, act_type=act)
+    assert_same(K.grouped_matmul([x], [w], **kw), reference.grouped_matmul([x], [w], **kw), dtype)
+
+
+def test_grouped_matmul_single_matmul_gemm_against_formula():
+    x = torch.randn(40, 300)
+    w = torch.randn(130, 300).t()  # [K, N] with K contiguous
+    (y,) = K.grouped_matmul([x], [w])
+    torch.testing.assert_close(y, x @ w, rtol=1e-5, atol=1e-4)

@@ -1,0 +1,172 @@
+// The AVX-512 GEMM of gemm.h. Blocking: 64 columns of W (NR) x 128 of K (KC) are packed, transposed
+// by 16x16 register transposes, into a [KC][NR] panel (32 KB, in L1); a 6 x 64 micro-kernel (MR rows of
+// A broadcast against 4 vectors of the panel, 24 accumulators) walks the rows of A. Each micro-kernel
+// call also prefetches its share of the next panel's weight rows into L2, so the cold weight loads
+// overlap the compute. K blocks after the first accumulate into C.
+#include "gemm.h"
+
+#include <algorithm>
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#include <immintrin.h>
+#define ASCEND_GEMM_AVX512 1
+#endif
+
+namespace ascend_kernels {
+
+#if ASCEND_GEMM_AVX512
+namespace {
+
+constexpr int kNR = 64;          // columns of W per panel
+constexpr int kNV = kNR / 16;    // vectors per panel row
+constexpr int kMR = 6;           // rows of A per micro-kernel call
+constexpr int64_t kKC = 128;     // depth per panel (measured best of 128 / 192 / 256 for K = 256 and 1024)
+constexpr int64_t kLine = 64;    // bytes per cache line
+
+#define ASCEND_AVX512 __attribute__((target("avx512f,avx512vl,avx512bw,avx512dq,fma")))
+#define ASCEND_AVX512_INLINE ASCEND_AVX512 inline __attribute__((always_inline))
+
+// dst[j * ldd + i] = src[i * lds + j] for j < 16 and i < rows (rows >= 16: all 16), 0 for i >= rows
+ASCEND_AVX512_INLINE void transpose16(const float* src, int64_t lds, int rows, float* dst, int64_t ldd) {
+  __m512 r[16], t[16], u[16];
+  for (int i = 0; i < 16; ++i) r[i] = i < rows ? _mm512_loadu_ps(src + i * lds) : _mm512_setzero_ps();
+  for (int i = 0; i < 8; ++i) {  // pairs of rows interleaved within 128-bit lanes
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int g = 0; g < 4; ++g) {  // u[4g + c], lane l: column 4l + c of rows 4g..4g+3
+    const __m512d a = _mm512_castps_pd(t[4 * g]), b = _mm512_castps_pd(t[4 * g + 2]);
+    const __m512d c = _mm512_castps_pd(t[4 * g + 1]), d = _mm512_castps_pd(t[4 * g + 3]);
+    u[4 * g + 0] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
+    u[4 * g + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
+    u[4 * g + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(c, d));
+    u[4 * g + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(c, d));
+  }
+  for (int c = 0; c < 4; ++c) {  // gather lane l of the four groups: column 4l + c of all 16 rows
+    const __m512 x0 = _mm512_shuffle_f32x4(u[c], u[4 + c], 0x88), x1 = _mm512_shuffle_f32x4(u[c], u[4 + c], 0xdd);
+    const __m512 y0 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0x88);
+    const __m512 y1 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0xdd);
+    _mm512_storeu_ps(dst + (0 + c) * ldd, _mm512_shuffle_f32x4(x0, y0, 0x88));
+    _mm512_storeu_ps(dst + (8 + c) * ldd, _mm512_shuffle_f32x4(x0, y0, 0xdd));
+    _mm512_storeu_ps(dst + (4 + c) * ldd, _mm512_shuffle_f32x4(x1, y1, 0x88));
+    _mm512_storeu_ps(dst + (12 + c) * ldd, _mm512_shuffle_f32x4(x1, y1, 0xdd));
+  }
+}
+
+// panel[kk * kNR + j] = w[j * ldw + kk] for kk < kc, j < nr; 0 for j >= nr
+ASCEND_AVX512_INLINE void pack_panel(const float* w, int64_t ldw, int nr, int64_t kc, float* panel) {
+  int64_t kk = 0;
+  for (; kk + 16 <= kc; kk += 16) {
+    for (int v = 0; v < kNV; ++v) {
+      transpose16(w + 16 * v * ldw + kk, ldw, std::max(0, std::min(16, nr - 16 * v)), panel + kk * kNR + 16 * v, kNR);
+    }
+  }
+  for (; kk < kc; ++kk)
+    for (int j = 0; j < kNR; ++j) panel[kk * kNR + j] = j < nr ? w[j * ldw + kk] : 0.f;
+}
+
+// C[0:R, 0:nr] (+)= A[0:R, 0:kc] @ panel; one prefetch of `pf` every 8 steps of k, up to pf_lines
+template <int R>
+ASCEND_AVX512_INLINE void micro(const float* a, int64_t lda, const float* panel, int64_t kc, float* c, int64_t ldc,
+                                int nr, bool accumulate, const char* pf, int64_t pf_lines) {
+  __mmask16 mask[kNV];
+  for (int v = 0; v < kNV; ++v) {
+    const int left = nr - 16 * v;
+    mask[v] = left >= 16 ? __mmask16(0xffff) : left <= 0 ? __mmask16(0) : __mmask16((1u << left) - 1);
+  }
+  __m512 acc[R][kNV];
+  for (int i = 0; i < R; ++i)
+    for (int v = 0; v < kNV; ++v)
+      acc[i][v] = accumulate ? _mm512_maskz_loadu_ps(mask[v], c + i * ldc + 16 * v) : _mm512_setzero_ps();
+  int64_t line = 0;
+  for (int64_t kk = 0; kk < kc; ++kk) {
+    __m512 b[kNV];
+    for (int v = 0; v < kNV; ++v) b[v] = _mm512_loadu_ps(panel + kk * kNR + 16 * v);
+    for (int i = 0; i < R; ++i) {
+      const __m512 av = _mm512_set1_ps(a[i * lda + kk]);
+      for (int v = 0; v < kNV; ++v) acc[i][v] = _mm512_fmadd_ps(av, b[v], acc[i][v]);
+    }
+    if ((kk & 7) == 0 && line < pf_lines) _mm_prefetch(pf + kLine * line++, _MM_HINT_T1);
+  }
+  for (int i = 0; i < R; ++i)
+    for (int v = 0; v < kNV; ++v) _mm512_mask_storeu_ps(c + i * ldc + 16 * v, mask[v], acc[i][v]);
+}
+
+// The weight rows a panel computes from, and how their cache lines are handed out for prefetching.
+struct Rows {
+  const float* w = nullptr;
+  int64_t ldw = 0, rows = 0, lines_per_row = 0;
+  int64_t lines() const { return rows * lines_per_row; }
+  const char* line(int64_t i) const {
+    return reinterpret_cast<const char*>(w + (i / lines_per_row) * ldw) + kLine * (i % lines_per_row);
+  }
+};
+
+ASCEND_AVX512 void gemm_avx512(const float* a, int64_t lda, const float* w, int64_t ldw, float* c, int64_t ldc,
+                               int64_t m, int64_t n, int64_t k, const NextWeight& after) {
+  alignas(64) float panel[kKC * kNR];
+  const int64_t m_blocks = (m + kMR - 1) / kMR, k_blocks = (k + kKC - 1) / kKC;
+  for (int64_t n0 = 0; n0 < n; n0 += kNR) {
+    const int nr = static_cast<int>(std::min<int64_t>(kNR, n - n0));
+    Rows next;  // this call's next panel, else the first panel of the next weight
+    if (n0 + kNR < n) {
+      next = {w + (n0 + kNR) * ldw, ldw, std::min<int64_t>(kNR, n - n0 - kNR), (k * 4 + kLine - 1) / kLine};
+    } else if (after.w != nullptr) {
+      next = {after.w, after.ldw, std::min<int64_t>(kNR, after.rows), (after.k * 4 + kLine - 1) / kLine};
+    }
+    // its lines, spread over the micro-kernel calls on this panel (a row at a time: rows are ldw apart)
+    const int64_t share = (next.lines() + m_blocks * k_blocks - 1) / (m_blocks * k_blocks);
+    int64_t done = 0;
+    for (int64_t k0 = 0; k0 < k; k0 += kKC) {
+      const int64_t kc = std::min(kKC, k - k0);
+      pack_panel(w + n0 * ldw + k0, ldw, nr, kc, panel);
+      for (int64_t m0 = 0; m0 < m; m0 += kMR) {
+        const char* pf = nullptr;
+        int64_t pf_lines = 0;
+        if (done < next.lines()) {
+          pf = next.line(done);
+          pf_lines = std::min(share, next.lines_per_row - done % next.lines_per_row);
+          done += pf_lines;
+        }
+        const float* ab = a + m0 * lda + k0;
+        float* cb = c + m0 * ldc + n0;
+        const bool acc = k0 > 0;
+        switch (std::min<int64_t>(kMR, m - m0)) {
+          case 1: micro<1>(ab, lda, panel, kc, cb, ldc, nr, acc, pf, pf_lines); break;
+          case 2: micro<2>(ab, lda, panel, kc, cb, ldc, nr, acc, pf, pf_lines); break;
+          case 3: micro<3>(ab, lda, panel, kc, cb, ldc, nr, acc, pf, pf_lines); break;
+          case 4: micro<4>(ab, lda, panel, kc, cb, ldc, nr, acc, pf, pf_lines); break;
+          case 5: micro<5>(ab, lda, panel, kc, cb, ldc, nr, acc, pf, pf_lines); break;
+          default: micro<6>(ab, lda, panel, kc, cb, ldc, nr, acc, pf, pf_lines); break;
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+
+bool gemm_nt_available() {
+  static const bool ok = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
+           __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq");
+  }();
+  return ok;
+}
+
+void gemm_nt(const float* a, int64_t lda, const float* w, int64_t ldw, float* c, int64_t ldc, int64_t m, int64_t n,
+             int64_t k, const NextWeight& next) {
+  gemm_avx512(a, lda, w, ldw, c, ldc, m, n, k, next);
+}
+
+#else  // not x86-64 GCC: callers use BLAS
+
+bool gemm_nt_available() { return false; }
+
+void gemm_nt(const float*, int64_t, const float*, int64_t, float*, int64_t, int64_t, int64_t, int64_t,
+             const NextWeight&) {}
+
+#endif
+
+}  // namespace ascend_kernels

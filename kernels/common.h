@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <sstream>
 #include <string>
@@ -26,6 +27,34 @@
 #else
 #define ASCEND_HOT
 #endif
+
+// The widest instruction set of the hand-vectorised kernels (skinny.cpp, gemm.cpp): AVX-512 (F, VL,
+// BW, DQ), AVX2 + FMA, or the x86-64 baseline, from the CPU's feature bits, read once.
+// ASCEND_PASSES_ISA=avx512|avx2|baseline caps it, so that tests run every code path on one machine.
+enum class Isa : int { kBaseline = 0, kAvx2 = 1, kAvx512 = 2 };
+
+inline Isa isa_level() {
+  static const Isa level = [] {
+    Isa cpu = Isa::kBaseline;
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
+        __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq")) {
+      cpu = Isa::kAvx512;
+    } else if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+      cpu = Isa::kAvx2;
+    }
+#endif
+    const char* env = std::getenv("ASCEND_PASSES_ISA");
+    if (env == nullptr || *env == '\0') return cpu;
+    const std::string cap(env);
+    TORCH_CHECK_VALUE(cap == "avx512" || cap == "avx2" || cap == "baseline",
+                      "ASCEND_PASSES_ISA must be one of avx512, avx2, baseline; got '", cap, "'");
+    const Isa wanted = cap == "avx512" ? Isa::kAvx512 : cap == "avx2" ? Isa::kAvx2 : Isa::kBaseline;
+    return std::min(cpu, wanted);
+  }();
+  return level;
+}
 
 // Helpers called from ASCEND_HOT functions are force-inlined so they are compiled (and
 // vectorised) for each clone's target, not once for the baseline.

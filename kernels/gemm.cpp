@@ -5,6 +5,8 @@
 // overlap the compute. K blocks after the first accumulate into C.
 #include "gemm.h"
 
+#include "common.h"
+
 #include <algorithm>
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
@@ -146,14 +148,7 @@ ASCEND_AVX512 void gemm_avx512(const float* a, int64_t lda, const float* w, int6
 
 }  // namespace
 
-bool gemm_nt_available() {
-  static const bool ok = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
-           __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq");
-  }();
-  return ok;
-}
+bool gemm_nt_available() { return isa_level() == Isa::kAvx512; }
 
 void gemm_nt(const float* a, int64_t lda, const float* w, int64_t ldw, float* c, int64_t ldc, int64_t m, int64_t n,
              int64_t k, const NextWeight& next) {

@@ -128,23 +128,11 @@ __attribute__((target("avx2,fma"))) void rows_avx2(ASCEND_SKINNY_ARGS) {
   rows<8, T>(ASCEND_SKINNY_PASS);
 }
 
-int isa_level() {
-  static const int level = [] {
-    __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
-        __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq"))
-      return 2;
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return 1;
-    return 0;
-  }();
-  return level;
-}
-
 template <typename T>
 void dispatch(ASCEND_SKINNY_ARGS) {
   switch (isa_level()) {
-    case 2: rows_avx512<T>(ASCEND_SKINNY_PASS); break;
-    case 1: rows_avx2<T>(ASCEND_SKINNY_PASS); break;
+    case Isa::kAvx512: rows_avx512<T>(ASCEND_SKINNY_PASS); break;
+    case Isa::kAvx2: rows_avx2<T>(ASCEND_SKINNY_PASS); break;
     default: rows_baseline<T>(ASCEND_SKINNY_PASS); break;
   }
 }

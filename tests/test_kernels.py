@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -374,3 +375,26 @@ def test_grouped_matmul_single_matmul_gemm_against_formula():
     w = torch.randn(130, 300).t()  # [K, N] with K contiguous
     (y,) = K.grouped_matmul([x], [w])
     torch.testing.assert_close(y, x @ w, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("isa", ["avx2", "baseline"])
+def test_streaming_and_gemm_paths_of_narrower_instruction_sets(isa):
+    """The hand-vectorised kernels pick AVX-512, AVX2+FMA or the baseline from the CPU; capped with
+    ASCEND_PASSES_ISA, this machine runs the other code paths (the GEMM falls back to BLAS) through
+    the same tests as above, in a fresh process (the level is read once)."""
+    tests = Path(__file__).resolve().parent
+    selection = "linear or decode_schedule or prefill_gemm or single_matmul_gemm or grouped_matmul_against"
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0", str(tests / "test_kernels.py"),
+         "-k", selection],
+        env={**os.environ, "ASCEND_PASSES_ISA": isa}, capture_output=True, text=True, timeout=600, cwd=tests.parent)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert " passed" in run.stdout and "failed" not in run.stdout
+
+
+def test_bad_isa_setting_raises_a_clear_error():
+    run = subprocess.run([sys.executable, "-c", "import torch, ascend_passes.ops; "
+                          "torch.ops.ascend.linear(torch.randn(2, 4), torch.randn(3, 4))"],
+                         env={**os.environ, "ASCEND_PASSES_ISA": "sse9"}, capture_output=True, text=True, timeout=300)
+    assert run.returncode != 0
+    assert "ValueError: ASCEND_PASSES_ISA must be one of avx512, avx2, baseline; got 'sse9'" in run.stderr

@@ -4,6 +4,8 @@
 // weight rows of accumulators, as many as fit in the register file next to the NB weight vectors.
 #include "skinny.h"
 
+#include <utility>
+
 namespace ascend_kernels {
 namespace {
 
@@ -31,17 +33,48 @@ ASCEND_INLINE typename Vec<L>::f load(const c10::BFloat16* p) {  // bf16 is the 
   return v;
 }
 
-// sum of the lanes by halving (one vector add per step), then four scalars
-template <int L>
-ASCEND_INLINE float hsum(typename Vec<L>::f v) {
-  if constexpr (L > 4) {
-    typename Vec<L / 2>::f lo, hi;
-    std::memcpy(&lo, &v, sizeof(lo));
-    std::memcpy(&hi, reinterpret_cast<const char*>(&v) + sizeof(lo), sizeof(hi));
-    return hsum<L / 2>(lo + hi);
+// Lane sums of many accumulators at once: a fold step takes two vectors that each hold L/W groups of
+// W partial sums and returns one that holds their 2L/W groups at width W/2 (x's groups first), one
+// add per pair. Folding pairs level by level leaves, in lane p, the sum of accumulator p: ~3 vector
+// operations per accumulator instead of a halving reduction each (which cost as much as the K loop of
+// a K = 128 weight).
+template <int L, int W>
+constexpr int fold_lo(int r) {  // source lane, in (x, y), of the first addend of lane r
+  const int groups = L / W, half = W / 2, q = r / half;
+  return (q < groups ? 0 : L) + (q % groups) * W + r % half;
+}
+
+template <int L, int W, int... R>
+ASCEND_INLINE typename Vec<L>::f fold(typename Vec<L>::f x, typename Vec<L>::f y, std::integer_sequence<int, R...>) {
+  return __builtin_shufflevector(x, y, fold_lo<L, W>(R)...) + __builtin_shufflevector(x, y, (fold_lo<L, W>(R) + W / 2)...);
+}
+
+// v[0..N) each hold L/W groups of width W (one accumulator per group); returns lane p = sum of group p
+template <int L, int W, int N>
+ASCEND_INLINE typename Vec<L>::f fold_all(typename Vec<L>::f* v) {
+  constexpr auto lanes = std::make_integer_sequence<int, L>{};
+  if constexpr (W == 1) {
+    return v[0];
+  } else if constexpr (N == 1) {
+    v[0] = fold<L, W>(v[0], v[0], lanes);
+    return fold_all<L, W / 2, 1>(v);
   } else {
-    return (v[0] + v[2]) + (v[1] + v[3]);
+    for (int t = 0; t < N / 2; ++t) v[t] = fold<L, W>(v[2 * t], v[2 * t + 1], lanes);
+    return fold_all<L, W / 2, N / 2>(v);
   }
+}
+
+constexpr int pow2_at_least(int n) { return n <= 1 ? 1 : 2 * pow2_at_least((n + 1) / 2); }
+
+// sums[p] = lane sum of acc[p] for p < P, L accumulators at a time
+template <int L, int P>
+ASCEND_INLINE void lane_sums(const typename Vec<L>::f* acc, float* sums) {
+  constexpr int C = P < L ? P : L, N = pow2_at_least(C);
+  typename Vec<L>::f v[N];
+  for (int p = 0; p < N; ++p) v[p] = p < C ? acc[p] : typename Vec<L>::f{};
+  const typename Vec<L>::f r = fold_all<L, L, N>(v);
+  for (int p = 0; p < C; ++p) sums[p] = r[p];
+  if constexpr (P > L) lane_sums<L, P - L>(acc + L, sums + L);
 }
 
 // y[0:MB, 0:NB] for MB rows of x and NB rows of w
@@ -60,9 +93,11 @@ ASCEND_INLINE void block(const float* x, int64_t xs, const T* w, int64_t ws, flo
       for (int j = 0; j < NB; ++j) acc[i][j] += xv * wv[j];
     }
   }
+  float sums[MB * NB];
+  lane_sums<L, MB * NB>(&acc[0][0], sums);
   for (int i = 0; i < MB; ++i) {
     for (int j = 0; j < NB; ++j) {
-      float s = hsum<L>(acc[i][j]);
+      float s = sums[i * NB + j];
       for (int64_t kk = k_main; kk < k; ++kk) s += x[i * xs + kk] * to_f(w[j * ws + kk]);
       y[i * ys + j] = s;
     }

@@ -28,10 +28,17 @@ constexpr int64_t kLine = 64;    // bytes per cache line
 #define ASCEND_AVX512 __attribute__((target("avx512f,avx512vl,avx512bw,avx512dq,fma")))
 #define ASCEND_AVX512_INLINE ASCEND_AVX512 inline __attribute__((always_inline))
 
+ASCEND_AVX512_INLINE __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+ASCEND_AVX512_INLINE __m512 load16(const c10::BFloat16* p) {  // bf16 is the top half of a float
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
 // dst[j * ldd + i] = src[i * lds + j] for j < 16 and i < rows (rows >= 16: all 16), 0 for i >= rows
-ASCEND_AVX512_INLINE void transpose16(const float* src, int64_t lds, int rows, float* dst, int64_t ldd) {
+template <typename T>
+ASCEND_AVX512_INLINE void transpose16(const T* src, int64_t lds, int rows, float* dst, int64_t ldd) {
   __m512 r[16], t[16], u[16];
-  for (int i = 0; i < 16; ++i) r[i] = i < rows ? _mm512_loadu_ps(src + i * lds) : _mm512_setzero_ps();
+  for (int i = 0; i < 16; ++i) r[i] = i < rows ? load16(src + i * lds) : _mm512_setzero_ps();
   for (int i = 0; i < 8; ++i) {  // pairs of rows interleaved within 128-bit lanes
     t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
     t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
@@ -56,7 +63,8 @@ ASCEND_AVX512_INLINE void transpose16(const float* src, int64_t lds, int rows, f
 }
 
 // panel[kk * kNR + j] = w[j * ldw + kk] for kk < kc, j < nr; 0 for j >= nr
-ASCEND_AVX512_INLINE void pack_panel(const float* w, int64_t ldw, int nr, int64_t kc, float* panel) {
+template <typename T>
+ASCEND_AVX512_INLINE void pack_panel(const T* w, int64_t ldw, int nr, int64_t kc, float* panel) {
   int64_t kk = 0;
   for (; kk + 16 <= kc; kk += 16) {
     for (int v = 0; v < kNV; ++v) {
@@ -64,7 +72,7 @@ ASCEND_AVX512_INLINE void pack_panel(const float* w, int64_t ldw, int nr, int64_
     }
   }
   for (; kk < kc; ++kk)
-    for (int j = 0; j < kNR; ++j) panel[kk * kNR + j] = j < nr ? w[j * ldw + kk] : 0.f;
+    for (int j = 0; j < kNR; ++j) panel[kk * kNR + j] = j < nr ? static_cast<float>(w[j * ldw + kk]) : 0.f;
 }
 
 // C[0:R, 0:nr] (+)= A[0:R, 0:kc] @ panel; one prefetch of `pf` every 8 steps of k, up to pf_lines
@@ -96,25 +104,27 @@ ASCEND_AVX512_INLINE void micro(const float* a, int64_t lda, const float* panel,
 
 // The weight rows a panel computes from, and how their cache lines are handed out for prefetching.
 struct Rows {
-  const float* w = nullptr;
-  int64_t ldw = 0, rows = 0, lines_per_row = 0;
+  const char* w = nullptr;
+  int64_t row_bytes = 0, rows = 0, lines_per_row = 0;  // row_bytes: from one row to the next
   int64_t lines() const { return rows * lines_per_row; }
-  const char* line(int64_t i) const {
-    return reinterpret_cast<const char*>(w + (i / lines_per_row) * ldw) + kLine * (i % lines_per_row);
-  }
+  const char* line(int64_t i) const { return w + (i / lines_per_row) * row_bytes + kLine * (i % lines_per_row); }
 };
 
-ASCEND_AVX512 void gemm_avx512(const float* a, int64_t lda, const float* w, int64_t ldw, float* c, int64_t ldc,
+template <typename T>
+ASCEND_AVX512 void gemm_avx512(const float* a, int64_t lda, const T* w, int64_t ldw, float* c, int64_t ldc,
                                int64_t m, int64_t n, int64_t k, const NextWeight& after) {
   alignas(64) float panel[kKC * kNR];
   const int64_t m_blocks = (m + kMR - 1) / kMR, k_blocks = (k + kKC - 1) / kKC;
+  const auto lines_of = [](int64_t row_elems, int64_t elem_bytes) { return (row_elems * elem_bytes + kLine - 1) / kLine; };
   for (int64_t n0 = 0; n0 < n; n0 += kNR) {
     const int nr = static_cast<int>(std::min<int64_t>(kNR, n - n0));
     Rows next;  // this call's next panel, else the first panel of the next weight
     if (n0 + kNR < n) {
-      next = {w + (n0 + kNR) * ldw, ldw, std::min<int64_t>(kNR, n - n0 - kNR), (k * 4 + kLine - 1) / kLine};
+      next = {reinterpret_cast<const char*>(w + (n0 + kNR) * ldw), ldw * int64_t(sizeof(T)),
+              std::min<int64_t>(kNR, n - n0 - kNR), lines_of(k, sizeof(T))};
     } else if (after.w != nullptr) {
-      next = {after.w, after.ldw, std::min<int64_t>(kNR, after.rows), (after.k * 4 + kLine - 1) / kLine};
+      next = {static_cast<const char*>(after.w), after.ldw * after.elem_bytes, std::min<int64_t>(kNR, after.rows),
+              lines_of(after.k, after.elem_bytes)};
     }
     // its lines, spread over the micro-kernel calls on this panel (a row at a time: rows are ldw apart)
     const int64_t share = (next.lines() + m_blocks * k_blocks - 1) / (m_blocks * k_blocks);
@@ -155,11 +165,18 @@ void gemm_nt(const float* a, int64_t lda, const float* w, int64_t ldw, float* c,
   gemm_avx512(a, lda, w, ldw, c, ldc, m, n, k, next);
 }
 
+void gemm_nt(const float* a, int64_t lda, const c10::BFloat16* w, int64_t ldw, float* c, int64_t ldc, int64_t m,
+             int64_t n, int64_t k, const NextWeight& next) {
+  gemm_avx512(a, lda, w, ldw, c, ldc, m, n, k, next);
+}
+
 #else  // not x86-64 GCC: callers use BLAS
 
 bool gemm_nt_available() { return false; }
 
 void gemm_nt(const float*, int64_t, const float*, int64_t, float*, int64_t, int64_t, int64_t, int64_t,
+             const NextWeight&) {}
+void gemm_nt(const float*, int64_t, const c10::BFloat16*, int64_t, float*, int64_t, int64_t, int64_t, int64_t,
              const NextWeight&) {}
 
 #endif

@@ -1,5 +1,6 @@
 // fp32 GEMM for the prefill pieces of grouped_matmul: C[M, N] = A[M, K] @ W[N, K]^T with the rows of
-// W contiguous (Hugging Face's [E, N, K] expert storage), AVX-512 only.
+// W contiguous (Hugging Face's [E, N, K] expert storage), W in fp32 or bf16 (widened while packing),
+// AVX-512 only.
 //
 // Why not BLAS: each expert's piece is short (~192 rows at T = 2048, top-6 of 64) and its 1 MB weight
 // is cold. MKL packs that weight from DRAM before computing, with no overlap, and the down projection
@@ -9,14 +10,17 @@
 // up projection (tools/bench_kernels.py, 2-core Xeon).
 #pragma once
 
+#include <c10/util/BFloat16.h>
+
 #include <cstdint>
 
 namespace ascend_kernels {
 
 // The weight rows to prefetch after the last panel of this call: the next call's W.
 struct NextWeight {
-  const float* w = nullptr;
-  int64_t ldw = 0;
+  const void* w = nullptr;
+  int64_t elem_bytes = 4;  // 4: float, 2: bf16
+  int64_t ldw = 0;         // elements from one row to the next
   int64_t rows = 0;  // rows of W (N), of which the first panel's are prefetched
   int64_t k = 0;
 };
@@ -27,5 +31,7 @@ bool gemm_nt_available();
 // C (row stride ldc) = A (row stride lda) @ W^T (W rows ldw apart, each K contiguous floats).
 void gemm_nt(const float* a, int64_t lda, const float* w, int64_t ldw, float* c, int64_t ldc, int64_t m, int64_t n,
              int64_t k, const NextWeight& next);
+void gemm_nt(const float* a, int64_t lda, const c10::BFloat16* w, int64_t ldw, float* c, int64_t ldc, int64_t m,
+             int64_t n, int64_t k, const NextWeight& next);
 
 }  // namespace ascend_kernels

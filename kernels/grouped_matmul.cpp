@@ -8,9 +8,9 @@
 // Per (item, group) piece: up to kSkinnyRows rows with the weight's K contiguous (Hugging Face's
 // [E, N, K] storage passed as its transpose) -> the weight-streaming kernel of skinny.h (fp32, bf16);
 // other few-row bf16/fp16 pieces -> a streaming kernel that converts on the fly; the rest -> one
-// single-threaded fp32 GEMM (bf16/fp16 converted to fp32 first, as this CPU has no fast bf16 GEMM):
-// gemm.h's AVX-512 kernel, which prefetches the next group's weight while it computes, when the
-// weight's K is contiguous, else BLAS.
+// single-threaded fp32 GEMM (this CPU has no fast bf16 GEMM): gemm.h's AVX-512 kernel, which widens
+// bf16 weights while packing and prefetches the next group's weight while it computes, when the
+// weight's K is contiguous; else BLAS (bf16/fp16 converted to fp32 first).
 #include "common.h"
 #include "gemm.h"
 #include "kernels.h"
@@ -129,8 +129,9 @@ void mm_f32(const at::Tensor& x, const at::Tensor& w, at::Tensor& y, const NextW
 
 // The weight of group g as the next one to prefetch (its [K, N] view with K contiguous), or none.
 NextWeight next_weight(const at::Tensor& w) {
-  if (w.scalar_type() != at::kFloat || w.stride(0) != 1) return {};
-  return {w.const_data_ptr<float>(), w.stride(1), w.size(1), w.size(0)};
+  const auto dtype = w.scalar_type();
+  if ((dtype != at::kFloat && dtype != at::kBFloat16) || w.stride(0) != 1) return {};
+  return {w.const_data_ptr(), static_cast<int64_t>(w.element_size()), w.stride(1), w.size(1), w.size(0)};
 }
 
 template <typename T>
@@ -171,7 +172,16 @@ void matmul_piece(const at::Tensor& x, const at::Tensor& w, const T* bias, int64
     activate_inplace(y, act_type);
   } else {
     auto yf = at::empty({m, n}, x.options().dtype(at::kFloat));
-    mm_f32(x.to(at::kFloat).contiguous(), w.to(at::kFloat), yf, {});  // .to keeps w's strides
+    bool done = false;
+    if constexpr (std::is_same_v<T, c10::BFloat16>) {  // the GEMM widens bf16 weights while packing
+      if (w.stride(0) == 1 && k > 0 && gemm_nt_available()) {
+        const auto xf = x.to(at::kFloat).contiguous();
+        gemm_nt(xf.const_data_ptr<float>(), k, w.const_data_ptr<T>(), w.stride(1), yf.data_ptr<float>(), n, m, n, k,
+                next);
+        done = true;
+      }
+    }
+    if (!done) mm_f32(x.to(at::kFloat).contiguous(), w.to(at::kFloat), yf, {});  // .to keeps w's strides
     if (bias) yf.add_(at::from_blob(const_cast<T*>(bias), {n}, x.options()).to(at::kFloat));
     activate_inplace(yf, act_type);
     y.copy_(yf);

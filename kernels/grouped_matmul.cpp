@@ -293,7 +293,7 @@ std::vector<at::Tensor> grouped_matmul(at::TensorList x, at::TensorList weight, 
   for (int64_t g = 0; g < num_groups; ++g) begin[g + 1] = begin[g] + counts[g];
   const int64_t total = begin[num_groups];
   auto x0 = x[0].contiguous();
-  const int64_t m = x0.size(0), n = w.size(2);
+  const int64_t m = x0.size(0), n = w.size(2), k = w.size(1);
   ASCEND_CHECK(total <= m, kGmm, "group_list covers ", total, " rows but x[0] has only ", m);
   auto y = empty_output({m, n}, x0.options());
   if (total < m) y.narrow(0, total, m - total).zero_();  // rows no group owns (e.g. dropped by EP)
@@ -316,15 +316,36 @@ std::vector<at::Tensor> grouped_matmul(at::TensorList x, at::TensorList weight, 
                                                    std::max<int64_t>(1, n / 64));
         const int64_t slice_cols = (n + slices - 1) / slices;
         const int64_t num_items = static_cast<int64_t>(groups.size()) * slices;
+        // the streaming kernel on raw pointers when the weight's K is contiguous (no tensor views per
+        // item: a decode call has ~100 items of a few microseconds each)
+        constexpr bool streamable = !std::is_same_v<scalar_t, c10::Half>;
+        const bool raw = streamable && w.stride(1) == 1 && k > 0;
+        const auto xf = raw ? x0.to(at::kFloat).contiguous() : at::Tensor();  // no copy for fp32
         std::atomic<int64_t> next_item{0};
         at::parallel_for(0, std::min(threads, num_items), 1, [&](int64_t, int64_t) {
+          std::vector<float> acc;
           for (int64_t i = next_item++; i < num_items; i = next_item++) {
             const int64_t g = groups[i / slices], c0 = (i % slices) * slice_cols;
             const int64_t cols = std::min(n, c0 + slice_cols) - c0;
             if (cols <= 0) continue;
-            matmul_piece<scalar_t>(x0.narrow(0, begin[g], counts[g]), w.select(0, g).narrow(1, c0, cols),
-                                   bp ? bp + g * n + c0 : nullptr, act_type,
-                                   y.narrow(0, begin[g], counts[g]).narrow(1, c0, cols));
+            const scalar_t* bias_g = bp ? bp + g * n + c0 : nullptr;
+            if (raw) {
+              if constexpr (streamable) {
+                const float* xp = xf.const_data_ptr<float>() + begin[g] * k;
+                const scalar_t* wp = w.const_data_ptr<scalar_t>() + g * w.stride(0) + c0 * w.stride(2);
+                scalar_t* yp = y.data_ptr<scalar_t>() + begin[g] * n + c0;
+                if (std::is_same_v<scalar_t, float> && bias_g == nullptr && act_type == 0) {
+                  skinny_nt(xp, k, wp, w.stride(2), reinterpret_cast<float*>(yp), n, counts[g], k, 0, cols);
+                } else {
+                  acc.resize(counts[g] * cols);
+                  skinny_nt(xp, k, wp, w.stride(2), acc.data(), cols, counts[g], k, 0, cols);
+                  store(acc.data(), bias_g, act_type, yp, n, counts[g], cols);
+                }
+              }
+              continue;
+            }
+            matmul_piece<scalar_t>(x0.narrow(0, begin[g], counts[g]), w.select(0, g).narrow(1, c0, cols), bias_g,
+                                   act_type, y.narrow(0, begin[g], counts[g]).narrow(1, c0, cols));
           }
         });
         return;

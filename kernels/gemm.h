@@ -6,8 +6,8 @@
 // is cold. MKL packs that weight from DRAM before computing, with no overlap, and the down projection
 // (K = 256) reached only 75-77% of a dense mm of the same FLOPs. This kernel packs 64-column panels of
 // W and, while it computes on one, prefetches the next panel (the next expert's first panel after the
-// last one), so the weight streams in under the compute: 86% for the down projection, 85-90% for the
-// up projection (tools/bench_kernels.py, 2-core Xeon).
+// last one), so the weight streams in under the compute: 81-82% for the down projection, 82-85% for
+// the up projection (tools/bench_kernels.py, 2-core Xeon).
 #pragma once
 
 #include <c10/util/BFloat16.h>

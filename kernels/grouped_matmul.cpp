@@ -3,8 +3,9 @@
 //  * decode (every group has at most kSkinnyRows rows): the call is bound by reading the touched
 //    experts' weights, so an item is a whole group (or a slice of its columns when there are fewer
 //    groups than threads) and each weight element is read once;
-//  * otherwise the rows covered by group_list are cut into equal chunks (a group may be shared by two
-//    chunks), so work is balanced however unevenly tokens are routed.
+//  * otherwise (prefill) an item is a group, cut into pieces of at most total / (4 * threads) rows so
+//    that one hot expert cannot idle the other threads; a thread claims its next item before it
+//    computes the current one, so that it can prefetch that item's weight under the compute.
 // Per (item, group) piece: up to kSkinnyRows rows with the weight's K contiguous (Hugging Face's
 // [E, N, K] storage passed as its transpose) -> the weight-streaming kernel of skinny.h (fp32, bf16);
 // other few-row bf16/fp16 pieces -> a streaming kernel that converts on the fly; the rest -> one
@@ -113,18 +114,40 @@ void activate_inplace(at::Tensor& y, int64_t act_type) {
   else if (act_type == 5) y.copy_(at::silu(y));
 }
 
-// y = x @ w (+ bias) for one piece of one group; x, y are row slices, w is [K, N] with any strides.
-// y = x @ w for fp32 x, y, w [K, N]: the AVX-512 GEMM of gemm.h when w's K is contiguous (w^T is a
-// row-major [N, K]) and the CPU has it, prefetching `next` (the next group's weight) under the
-// compute; else BLAS.
+// y = x @ w for fp32 x, y and w [K, N] in fp32, bf16 or fp16: the AVX-512 GEMM of gemm.h when w's K
+// is contiguous (w^T is a row-major [N, K]) and the CPU has it, prefetching `next` (the next group's
+// weight) under the compute; it widens bf16 while packing, fp16 is widened first; else BLAS.
 void mm_f32(const at::Tensor& x, const at::Tensor& w, at::Tensor& y, const NextWeight& next) {
   const int64_t m = x.size(0), k = x.size(1), n = w.size(1);
-  if (m > 0 && k > 0 && w.stride(0) == 1 && x.stride(1) == 1 && y.stride(1) == 1 && gemm_nt_available()) {
-    gemm_nt(x.const_data_ptr<float>(), x.stride(0), w.const_data_ptr<float>(), w.stride(1), y.data_ptr<float>(),
+  const bool gemm = m > 0 && k > 0 && w.stride(0) == 1 && x.stride(1) == 1 && y.stride(1) == 1 &&
+                    gemm_nt_available();
+  if (gemm && w.scalar_type() == at::kBFloat16) {
+    gemm_nt(x.const_data_ptr<float>(), x.stride(0), w.const_data_ptr<c10::BFloat16>(), w.stride(1),
+            y.data_ptr<float>(), y.stride(0), m, n, k, next);
+    return;
+  }
+  const auto wf = w.to(at::kFloat);  // keeps w's strides; no copy for fp32
+  if (gemm) {
+    gemm_nt(x.const_data_ptr<float>(), x.stride(0), wf.const_data_ptr<float>(), wf.stride(1), y.data_ptr<float>(),
             y.stride(0), m, n, k, next);
   } else {
-    at::mm_out(y, x, w);
+    at::mm_out(y, x, wf);
   }
+}
+
+// y[0:m, 0:n] (row stride ys) = x @ wt^T (+ bias, activation) with the streaming kernel: x fp32 rows
+// k apart, wt the rows of w^T (ws apart). fp32 without bias or activation is written in place; else
+// through `acc` (m * n floats, reused by the caller).
+template <typename T>
+void skinny_piece(const float* x, const T* wt, int64_t ws, const T* bias, int64_t act_type, T* y, int64_t ys,
+                  int64_t m, int64_t k, int64_t n, std::vector<float>& acc) {
+  if (std::is_same_v<T, float> && bias == nullptr && act_type == 0) {
+    skinny_nt(x, k, wt, ws, reinterpret_cast<float*>(y), ys, m, k, 0, n);
+    return;
+  }
+  acc.resize(m * n);
+  skinny_nt(x, k, wt, ws, acc.data(), n, m, k, 0, n);
+  store(acc.data(), bias, act_type, y, ys, m, n);
 }
 
 // The weight of group g as the next one to prefetch (its [K, N] view with K contiguous), or none.
@@ -134,6 +157,7 @@ NextWeight next_weight(const at::Tensor& w) {
   return {w.const_data_ptr(), static_cast<int64_t>(w.element_size()), w.stride(1), w.size(1), w.size(0)};
 }
 
+// y = x @ w (+ bias) for one piece of one group; x, y are row slices, w is [K, N] with any strides.
 template <typename T>
 void matmul_piece(const at::Tensor& x, const at::Tensor& w, const T* bias, int64_t act_type, at::Tensor y,
                   const NextWeight& next = {}) {
@@ -143,14 +167,11 @@ void matmul_piece(const at::Tensor& x, const at::Tensor& w, const T* bias, int64
   const int64_t m = x.size(0), k = x.size(1), n = w.size(1);
   if (m == 0 || n == 0) return;
   if constexpr (!std::is_same_v<T, c10::Half>) {
-    if (m <= kSkinnyRows && w.stride(0) == 1 && k > 0) {  // w[:, j] contiguous: w^T is a row-major [N, K]
-      const auto xf = x.to(at::kFloat).contiguous();       // no copy for contiguous fp32 rows
-      const bool direct = std::is_same_v<T, float> && bias == nullptr && act_type == 0 && y.stride(1) == 1;
-      std::vector<float> acc(direct ? 0 : m * n);
-      float* out = direct ? reinterpret_cast<float*>(y.data_ptr<T>()) : acc.data();
-      skinny_nt(xf.const_data_ptr<float>(), k, w.const_data_ptr<T>(), w.stride(1), out, direct ? y.stride(0) : n, m,
-                k, 0, n);
-      if (!direct) store(acc.data(), bias, act_type, y.data_ptr<T>(), y.stride(0), m, n);
+    if (m <= kSkinnyRows && w.stride(0) == 1 && k > 0 && y.stride(1) == 1) {  // w^T is a row-major [N, K]
+      const auto xf = x.to(at::kFloat).contiguous();                           // no copy for fp32 rows
+      std::vector<float> acc;
+      skinny_piece(xf.const_data_ptr<float>(), w.const_data_ptr<T>(), w.stride(1), bias, act_type, y.data_ptr<T>(),
+                   y.stride(0), m, k, n, acc);
       return;
     }
   }
@@ -172,16 +193,7 @@ void matmul_piece(const at::Tensor& x, const at::Tensor& w, const T* bias, int64
     activate_inplace(y, act_type);
   } else {
     auto yf = at::empty({m, n}, x.options().dtype(at::kFloat));
-    bool done = false;
-    if constexpr (std::is_same_v<T, c10::BFloat16>) {  // the GEMM widens bf16 weights while packing
-      if (w.stride(0) == 1 && k > 0 && gemm_nt_available()) {
-        const auto xf = x.to(at::kFloat).contiguous();
-        gemm_nt(xf.const_data_ptr<float>(), k, w.const_data_ptr<T>(), w.stride(1), yf.data_ptr<float>(), n, m, n, k,
-                next);
-        done = true;
-      }
-    }
-    if (!done) mm_f32(x.to(at::kFloat).contiguous(), w.to(at::kFloat), yf, {});  // .to keeps w's strides
+    mm_f32(x.to(at::kFloat).contiguous(), w, yf, next);
     if (bias) yf.add_(at::from_blob(const_cast<T*>(bias), {n}, x.options()).to(at::kFloat));
     activate_inplace(yf, act_type);
     y.copy_(yf);
@@ -302,8 +314,6 @@ std::vector<at::Tensor> grouped_matmul(at::TensorList x, at::TensorList weight, 
     using scalar_t = decltype(tag);
     if constexpr (!std::is_same_v<scalar_t, double>) {
       const scalar_t* bp = bias_c.defined() ? bias_c.const_data_ptr<scalar_t>() : nullptr;
-      // Rows are cut into ~4 chunks per thread, taken from a shared counter: a thread that the OS
-      // deschedules (a loaded machine) delays the call by one chunk, not by half of the work.
       const int64_t threads = at::get_num_threads();
       const int64_t most_rows = counts.empty() ? 0 : *std::max_element(counts.begin(), counts.end());
       if (most_rows <= kSkinnyRows) {
@@ -331,16 +341,9 @@ std::vector<at::Tensor> grouped_matmul(at::TensorList x, at::TensorList weight, 
             const scalar_t* bias_g = bp ? bp + g * n + c0 : nullptr;
             if (raw) {
               if constexpr (streamable) {
-                const float* xp = xf.const_data_ptr<float>() + begin[g] * k;
-                const scalar_t* wp = w.const_data_ptr<scalar_t>() + g * w.stride(0) + c0 * w.stride(2);
-                scalar_t* yp = y.data_ptr<scalar_t>() + begin[g] * n + c0;
-                if (std::is_same_v<scalar_t, float> && bias_g == nullptr && act_type == 0) {
-                  skinny_nt(xp, k, wp, w.stride(2), reinterpret_cast<float*>(yp), n, counts[g], k, 0, cols);
-                } else {
-                  acc.resize(counts[g] * cols);
-                  skinny_nt(xp, k, wp, w.stride(2), acc.data(), cols, counts[g], k, 0, cols);
-                  store(acc.data(), bias_g, act_type, yp, n, counts[g], cols);
-                }
+                skinny_piece(xf.const_data_ptr<float>() + begin[g] * k,
+                             w.const_data_ptr<scalar_t>() + g * w.stride(0) + c0 * w.stride(2), w.stride(2), bias_g,
+                             act_type, y.data_ptr<scalar_t>() + begin[g] * n + c0, n, counts[g], k, cols, acc);
               }
               continue;
             }

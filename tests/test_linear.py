@@ -55,29 +55,29 @@ def test_deepseek_decode_linears_and_moe(dtype):
 
 
 def test_bias_forms():
-    """2-D input with bias → addmm → linear with bias; a 3-D input with bias goes through
-    ``matmul`` + ``add`` in ATen and is left as it is; a matmul of two activations is not a
-    transposed-weight product and stays."""
+    """A biased linear on 2-D input (``addmm``) and on 3-D input (``view → addmm → view``) becomes
+    ``ascend.linear`` with the bias; an unbiased one without; a matmul whose second operand is not a
+    transpose (``h @ y``) stays an ``mm``."""
 
     class Block(nn.Module):
         def __init__(self):
             super().__init__()
-            self.a, self.b = nn.Linear(16, 12), nn.Linear(12, 8, bias=False)
+            self.a, self.b, self.c = nn.Linear(16, 12), nn.Linear(12, 8, bias=False), nn.Linear(16, 4)
 
-        def forward(self, x2d, y):
-            return self.b(self.a(x2d)) @ y
+        def forward(self, x2d, x3d, y):
+            return self.b(self.a(x2d)) @ y, self.c(x3d)
 
     model = Block().eval()
-    x, y = torch.randn(5, 16), torch.randn(8, 3)
-    out, report = _compile(model, (x, y))
+    x2d, x3d, y = torch.randn(5, 16), torch.randn(2, 3, 16), torch.randn(8, 3)
+    out, report = _compile(model, (x2d, x3d, y))
     with torch.no_grad():
-        torch.testing.assert_close(out, model(x, y), rtol=1e-5, atol=1e-5)
-    patterns = sorted(m.pattern for m in report.passes["linear"].matches)
-    assert patterns == ["linear", "linear"] and report.count("ascend.linear") == 2
-    biased = [n for n in report.graph.graph.nodes if n.target is torch.ops.ascend.linear.default
-              and len(n.args) > 2 and n.args[2] is not None]
-    assert len(biased) == 1
-    assert report.count("aten.mm") == 1  # (…) @ y
+        for got, want in zip(out, model(x2d, x3d, y)):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert [m.pattern for m in report.passes["linear"].matches] == ["linear"] * 3
+    linears = [n for n in report.graph.graph.nodes if n.target is torch.ops.ascend.linear.default]
+    biases = sorted(tuple(n.args[2].meta["val"].shape) for n in linears if len(n.args) > 2 and n.args[2] is not None)
+    assert len(linears) == 3 and biases == [(4,), (12,)]
+    assert report.count("aten.mm") == 1 and report.count("aten.addmm") == 0  # (…) @ y
 
 
 def test_runs_for_target_cpu_only():

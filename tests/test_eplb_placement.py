@@ -460,3 +460,38 @@ def test_export_rejects_uneven_devices_and_keeps_old_file(tmp_path):
         export_placement(default_placement(1, 4, 0, 2), 3, path)
     assert path.read_text() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["placement.json"]
+
+
+# issue 14 item 8: an endless or hostile file is refused with ConfigError, never read to the end
+def test_endless_placement_file_is_refused_after_the_size_cap(tmp_path):
+    with pytest.raises(ConfigError, match=r"^placement file /dev/zero: more than 64 MiB, the most "
+                                          r"read of a placement file"):
+        load_placement("/dev/zero", num_layers=2, num_logical=4, num_ranks=2)
+
+
+def test_deeply_nested_placement_file_is_a_config_error(tmp_path):
+    path = _write(tmp_path, "[" * 100_000 + "]" * 100_000)
+    with pytest.raises(ConfigError, match=r"bad.json: JSON nested 100000 levels deep; the placement "
+                                          r"format nests 6 \(object, layer_list"):
+        load_placement(path, num_layers=2, num_logical=4, num_ranks=2)
+    # brackets inside strings do not count, and the documented depth still loads
+    record = _record()
+    record["comment"] = "[[[[[[[[{{{{{{ \\" + '" ]]]'
+    assert load_placement(_write(tmp_path, record), num_layers=2, num_logical=4,
+                          num_ranks=2).shape == (2, 6)
+
+
+def test_placement_file_of_wrong_kind(tmp_path):
+    with pytest.raises(ConfigError, match=r"placement file 123: must be a path \(str or "
+                                          r"os.PathLike\), got int"):
+        load_placement(123, num_layers=2, num_logical=4, num_ranks=2)
+    with pytest.raises(ConfigError, match=r"cannot be read \(Is a directory\)"):
+        load_placement(tmp_path, num_layers=2, num_logical=4, num_ranks=2)
+    path = tmp_path / "binary.json"
+    path.write_bytes(b'{"a": "\xff"}')
+    with pytest.raises(ConfigError, match=r"binary.json: not UTF-8 text \(byte 7\)"):
+        load_placement(path, num_layers=2, num_logical=4, num_ranks=2)
+    record = _record(devices=1, slots=4)
+    record["layer_list"][0]["device_count"] = True  # a bool is not a count
+    with pytest.raises(ConfigError, match=r"layer 0: device_count is True but EP has 1 ranks"):
+        load_placement(_write(tmp_path, record), num_layers=2, num_logical=4, num_ranks=1)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,21 @@ import torch
 from ascend_passes.errors import ConfigError
 from ascend_passes.eplb.validate import validate_placement
 
-__all__ = ["export_placement", "load_placement", "placement_to_json", "placement_from_json"]
+__all__ = [
+    "MAX_PLACEMENT_FILE_BYTES",
+    "export_placement",
+    "load_placement",
+    "placement_to_json",
+    "placement_from_json",
+]
+
+# The most bytes load_placement reads.  A DeepSeek-V3 placement (61 layers, 320 devices) is ~1 MiB
+# in the exported layout; 64 MiB leaves room for any real model and stops an endless file.
+MAX_PLACEMENT_FILE_BYTES = 64 << 20
+# Nesting of the documented layout: {layer_list: [{device_list: [{device_expert: [...]}]}]}
+_MAX_DEPTH = 6
+# a JSON string (skipped whole, escapes included) or one bracket
+_BRACKETS = re.compile(r'"(?:[^"\\]|\\.)*"|[\[\]{}]')
 
 
 def placement_to_json(phy2log: torch.Tensor, num_ranks: int) -> dict[str, Any]:
@@ -97,17 +112,18 @@ def _int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def placement_from_json(
-    record: Any, *, num_layers: int, num_logical: int, num_ranks: int, source: str = "placement"
-) -> torch.Tensor:
-    """Parse and validate a placement JSON object; returns ``phy2log[L, P]`` (int64).
+class _Fail:
+    """Builds the ``ConfigError`` of one placement source: ``placement file SOURCE: WHERE problem``."""
 
-    Raises ``ConfigError`` naming ``source``, the layer and device, and what is wrong.
-    """
+    def __init__(self, source: str) -> None:
+        self.source = source
 
-    def fail(where: str, problem: str) -> ConfigError:
-        return ConfigError(f"placement file {source}: {where}{problem}")
+    def __call__(self, where: str, problem: str) -> ConfigError:
+        return ConfigError(f"placement file {self.source}: {where}{problem}")
 
+
+def _check_header(record: Any, num_layers: int, fail: _Fail) -> list[Any]:
+    """The top-level object: its keys and ``moe_layer_count``; returns ``layer_list``."""
     if not isinstance(record, dict):
         raise fail("", f"top level must be a JSON object, got {type(record).__name__}")
     for key in ("moe_layer_count", "layer_list"):
@@ -127,67 +143,157 @@ def placement_from_json(
         )
     if len(layer_list) != count:
         raise fail("", f"moe_layer_count is {count} but layer_list has {len(layer_list)} entries")
+    return layer_list
 
+
+def _parse_device(
+    device: Any, where: str, seen: dict[int, list[int]], slots: int | None, *, num_logical: int,
+    num_ranks: int, fail: _Fail
+) -> tuple[int, list[int]]:
+    """One ``device_list`` entry: ``(device_id, logical expert per local slot)``.
+
+    ``slots`` is the slot count of the first device in the file (None for the first device).
+    """
+    if not isinstance(device, dict) or not {"device_id", "device_expert"} <= device.keys():
+        raise fail(where, 'each device needs "device_id" and "device_expert"')
+    device_id, experts = device["device_id"], device["device_expert"]
+    if not _int(device_id) or not 0 <= device_id < num_ranks:
+        raise fail(where, f"device_id {device_id!r} is not in [0, {num_ranks})")
+    if device_id in seen:
+        raise fail(where, f"device_id {device_id} appears twice")
+    if not isinstance(experts, list) or not all(_int(e) for e in experts):
+        raise fail(where, f"device {device_id}: device_expert must be a list of integers")
+    if slots is None:
+        slots = len(experts)
+    if len(experts) != slots or not experts:
+        raise fail(
+            where,
+            f"device {device_id} has {len(experts)} expert slots but the first device in "
+            f"the file has {slots}; every device needs the same number of slots",
+        )
+    out_of_range = [e for e in experts if not 0 <= e < num_logical]
+    if out_of_range:
+        raise fail(
+            where,
+            f"device {device_id} lists logical expert {out_of_range[0]}, outside "
+            f"[0, {num_logical}); the model has {num_logical} routed experts",
+        )
+    return device_id, experts
+
+
+def _parse_layer(
+    layer: Any, position: int, rows: dict[int, list[int]], slots: int | None, *, num_layers: int,
+    num_logical: int, num_ranks: int, fail: _Fail
+) -> tuple[int, list[int]]:
+    """One ``layer_list`` entry: ``(layer_id, its phy2log row)`` with devices in rank order."""
+    where = f"layer_list[{position}]: "
+    if not isinstance(layer, dict):
+        raise fail(where, "each layer must be a JSON object")
+    for key in ("layer_id", "device_count", "device_list"):
+        if key not in layer:
+            raise fail(where, f'missing key "{key}"')
+    layer_id = layer["layer_id"]
+    if not _int(layer_id) or not 0 <= layer_id < num_layers:
+        raise fail(where, f"layer_id {layer_id!r} is not in [0, {num_layers})")
+    if layer_id in rows:
+        raise fail(where, f"layer_id {layer_id} appears twice")
+    where = f"layer {layer_id}: "
+    devices = layer["device_list"]
+    if not _int(layer["device_count"]) or layer["device_count"] != num_ranks:
+        raise fail(
+            where,
+            f"device_count is {layer['device_count']!r} but EP has {num_ranks} ranks; "
+            "use a placement file made for this EP size",
+        )
+    if not isinstance(devices, list) or len(devices) != num_ranks:
+        got = len(devices) if isinstance(devices, list) else type(devices).__name__
+        raise fail(where, f"device_list must list {num_ranks} devices, got {got}")
+    by_device: dict[int, list[int]] = {}
+    for device in devices:
+        device_id, experts = _parse_device(device, where, by_device, slots,
+                                           num_logical=num_logical, num_ranks=num_ranks, fail=fail)
+        slots = len(experts)
+        by_device[device_id] = experts
+    return layer_id, [e for rank in range(num_ranks) for e in by_device[rank]]
+
+
+def placement_from_json(
+    record: Any, *, num_layers: int, num_logical: int, num_ranks: int, source: str = "placement"
+) -> torch.Tensor:
+    """Parse and validate a placement JSON object; returns ``phy2log[L, P]`` (int64).
+
+    Three phases: the header (``moe_layer_count``, ``layer_list``), each layer and its devices
+    (types, ranges, equal slot counts), then the placement as a whole (``validate_placement``:
+    no logical expert lost).  Raises ``ConfigError`` naming ``source``, the layer and device, and
+    what is wrong.
+    """
+    fail = _Fail(source)
+    layer_list = _check_header(record, num_layers, fail)
     rows: dict[int, list[int]] = {}
-    slots_per_device: int | None = None
+    slots: int | None = None  # every device of every layer has the first device's slot count
     for position, layer in enumerate(layer_list):
-        where = f"layer_list[{position}]: "
-        if not isinstance(layer, dict):
-            raise fail(where, "each layer must be a JSON object")
-        for key in ("layer_id", "device_count", "device_list"):
-            if key not in layer:
-                raise fail(where, f'missing key "{key}"')
-        layer_id = layer["layer_id"]
-        if not _int(layer_id) or not 0 <= layer_id < num_layers:
-            raise fail(where, f"layer_id {layer_id!r} is not in [0, {num_layers})")
-        if layer_id in rows:
-            raise fail(where, f"layer_id {layer_id} appears twice")
-        where = f"layer {layer_id}: "
-        devices = layer["device_list"]
-        if layer["device_count"] != num_ranks:
-            raise fail(
-                where,
-                f"device_count is {layer['device_count']!r} but EP has {num_ranks} ranks; "
-                "use a placement file made for this EP size",
-            )
-        if not isinstance(devices, list) or len(devices) != num_ranks:
-            got = len(devices) if isinstance(devices, list) else type(devices).__name__
-            raise fail(where, f"device_list must list {num_ranks} devices, got {got}")
-        by_device: dict[int, list[int]] = {}
-        for device in devices:
-            if not isinstance(device, dict) or not {"device_id", "device_expert"} <= device.keys():
-                raise fail(where, 'each device needs "device_id" and "device_expert"')
-            device_id, experts = device["device_id"], device["device_expert"]
-            if not _int(device_id) or not 0 <= device_id < num_ranks:
-                raise fail(where, f"device_id {device_id!r} is not in [0, {num_ranks})")
-            if device_id in by_device:
-                raise fail(where, f"device_id {device_id} appears twice")
-            if not isinstance(experts, list) or not all(_int(e) for e in experts):
-                raise fail(where, f"device {device_id}: device_expert must be a list of integers")
-            if slots_per_device is None:
-                slots_per_device = len(experts)
-            if len(experts) != slots_per_device or not experts:
-                raise fail(
-                    where,
-                    f"device {device_id} has {len(experts)} expert slots but the first device in "
-                    f"the file has {slots_per_device}; every device needs the same number of "
-                    "slots",
-                )
-            out_of_range = [e for e in experts if not 0 <= e < num_logical]
-            if out_of_range:
-                raise fail(
-                    where,
-                    f"device {device_id} lists logical expert {out_of_range[0]}, outside "
-                    f"[0, {num_logical}); the model has {num_logical} routed experts",
-                )
-            by_device[device_id] = experts
-        rows[layer_id] = [e for rank in range(num_ranks) for e in by_device[rank]]
+        layer_id, row = _parse_layer(layer, position, rows, slots, num_layers=num_layers,
+                                     num_logical=num_logical, num_ranks=num_ranks, fail=fail)
+        rows[layer_id] = row
+        slots = len(row) // num_ranks
 
     phy2log = torch.tensor([rows[i] for i in range(num_layers)], dtype=torch.int64)
     if num_layers == 0:
         return phy2log.view(0, 0)
     validate_placement(phy2log, num_logical, num_ranks, source=f"placement file {source}")
     return phy2log
+
+
+def _read_json(path: str | os.PathLike[str]) -> Any:
+    """The JSON value in ``path``, read up to ``MAX_PLACEMENT_FILE_BYTES``; ConfigError otherwise."""
+    if not isinstance(path, (str, os.PathLike)):  # open(3) would read file descriptor 3
+        raise ConfigError(
+            f"placement file {path!r}: must be a path (str or os.PathLike), got {type(path).__name__}"
+        )
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_PLACEMENT_FILE_BYTES + 1)
+    except OSError as exc:
+        raise ConfigError(f"placement file {path}: cannot be read ({exc.strerror or exc})") from exc
+    if len(data) > MAX_PLACEMENT_FILE_BYTES:
+        raise ConfigError(
+            f"placement file {path}: more than {MAX_PLACEMENT_FILE_BYTES >> 20} MiB, the most "
+            "read of a placement file (a real one is a few KiB per layer); give the path of a "
+            "placement JSON file"
+        )
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"placement file {path}: not UTF-8 text (byte {exc.start}); give a placement JSON file"
+        ) from exc
+    depth = _max_depth(text)
+    if depth > _MAX_DEPTH:
+        raise ConfigError(
+            f"placement file {path}: JSON nested {depth} levels deep; the placement format "
+            f"nests {_MAX_DEPTH} (object, layer_list, layer, device_list, device, device_expert)"
+        )
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(
+            f"placement file {path}: not valid JSON ({exc.msg} at line {exc.lineno} "
+            f"column {exc.colno})"
+        ) from exc
+
+
+def _max_depth(text: str) -> int:
+    """The deepest ``[``/``{`` nesting in JSON ``text`` (brackets inside strings do not count),
+    found without recursion, so a hostile file cannot exhaust the stack of ``json.loads``."""
+    depth = deepest = 0
+    for token in _BRACKETS.finditer(text):
+        char = token.group()
+        if char in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif char in "]}":
+            depth -= 1
+    return deepest
 
 
 def load_placement(
@@ -198,19 +304,10 @@ def load_placement(
     ``num_layers`` counts main MoE layers and MTP layers together (see the module docstring).
     Raises ``ConfigError`` naming the file, the layer and the problem for an unreadable or
     malformed file, a wrong layer or device count, ids out of range, devices with unequal slot
-    counts, or a layer that loses a logical expert.
+    counts, or a layer that loses a logical expert.  At most ``MAX_PLACEMENT_FILE_BYTES`` are
+    read: a larger file (or an endless one such as ``/dev/zero``) is refused, not loaded.
     """
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except OSError as exc:
-        raise ConfigError(f"placement file {path}: cannot be read ({exc.strerror or exc})") from exc
-    try:
-        record = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ConfigError(
-            f"placement file {path}: not valid JSON ({exc.msg} at line {exc.lineno} "
-            f"column {exc.colno})"
-        ) from exc
+    record = _read_json(path)
     return placement_from_json(
         record,
         num_layers=num_layers,

@@ -7,7 +7,6 @@ Also the two entry points serving engines import: ``make_backend(config)`` and
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
 from typing import Any, Callable, Sequence
@@ -21,6 +20,7 @@ from .errors import ConfigError
 from .pass_manager import Pass, PassContext, PassHook, PassManager
 from .report import CompileReport, publish
 from .inspect.trace import trace_pass_graphs
+from .npu import torch_npu_available
 from .weights import record_execution_weights
 
 log = logging.getLogger("ascend_passes.backend")
@@ -29,17 +29,6 @@ Compiled = Callable[[list[Any]], Any]
 
 
 # --------------------------------------------------------------------------- environment
-@functools.cache
-def torch_npu_available() -> bool:
-    """True when torch_npu imports (it needs the CANN toolkit) and an NPU is visible."""
-    try:
-        import torch_npu  # noqa: F401
-    except Exception as exc:  # ImportError, or OSError for a missing libhccl.so
-        log.debug("torch_npu is not usable here: %s", exc)
-        return False
-    return bool(getattr(torch, "npu", None) and torch.npu.is_available())
-
-
 def resolve_target(config: AscendPassConfig, example_inputs: Sequence[Any]) -> str:
     """``target="auto"``: npu where torch_npu works, else the device of the example inputs."""
     if config.target != "auto":
@@ -185,9 +174,14 @@ def make_backend(config: AscendPassConfig | dict[str, Any] | None = None, *,
 
         def inference_compiler(aten_gm: fx.GraphModule, aten_inputs: list[Any]) -> Compiled:
             real = _real_inputs_for(aten_inputs, dynamo_inputs)
-            run_pipeline(cfg, aten_gm, aten_inputs, real_inputs=real, target=target,
-                         compiler=compiler, hooks=hooks, pipeline=pipeline)
-            return compile_downstream(compiler, aten_gm, aten_inputs, decompose=cfg.inductor_decompose)
+            report = run_pipeline(cfg, aten_gm, aten_inputs, real_inputs=real, target=target,
+                                  compiler=compiler, hooks=hooks, pipeline=pipeline)
+            compiled = compile_downstream(compiler, aten_gm, aten_inputs, decompose=cfg.inductor_decompose)
+            if report.facts.get("eplb_layers"):  # reads EPLB tables: runs under the forward lock
+                from .eplb.sync import guarded
+
+                compiled = guarded(compiled)
+            return compiled
 
         def training_compiler(aten_gm: fx.GraphModule, aten_inputs: list[Any]) -> Compiled:
             log.warning(

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import ascend_passes.ops as ops
+from _helpers import skip_unless
 from ascend_passes import kernels
 from ascend_passes.ops import reference
 
@@ -23,8 +24,8 @@ A = torch.ops.ascend
 @pytest.fixture(params=["cpp", "reference"])
 def backend(request):
     if request.param == "cpp":
-        if not kernels.available():
-            pytest.skip("C++ kernels not loaded (not built or ASCEND_PASSES_KERNELS=reference)")
+        # a failure instead of a skip under ASCEND_PASSES_CI_STRICT=1 (CI)
+        skip_unless(kernels.available(), "C++ kernels not loaded (not built or ASCEND_PASSES_KERNELS=reference)")
         yield "cpp"
         return
     with warnings.catch_warnings():
@@ -540,8 +541,9 @@ def test_moe_chain_under_inductor_with_symbolic_tokens(backend):
 def test_npu_table_covers_every_op_with_matching_argument_names():
     from ascend_passes import npu
 
-    assert set(npu.NPU_OPS) == set(ops.SCHEMAS)
-    for name, entry in npu.NPU_OPS.items():
+    assert set(npu.NPU_OPS) == set(ops.SCHEMAS) | {"mla_prolog"}  # mla_prolog: tests/test_lower.py
+    for name in ops.SCHEMAS:
+        entry = npu.NPU_OPS[name]
         assert entry.npu_name == "npu_" + name
         for arg in getattr(A, name).default._schema.arguments:
             assert arg.name in entry.doc, f"{name}: argument {arg.name} not in {entry.doc}"

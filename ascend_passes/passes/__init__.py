@@ -30,6 +30,8 @@ PASS_TABLE: dict[str, str] = {
     "shared_expert_dp": "ascend_passes.passes.shared_expert_dp:SharedExpertDpPass",
     # last: the passes above look for matmuls inside their patterns
     "linear": "ascend_passes.passes.linear:LinearPass",
+    # target npu only, after everything: ascend.* → torch.ops.npu.* (or ATen outside the NPU limits)
+    "lower": "ascend_passes.passes.lower:LowerPass",
 }
 
 

@@ -28,7 +28,9 @@ that a fused ``ascend.grouped_matmul`` reads transposed.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import operator
 from dataclasses import dataclass
 from typing import Any, Iterator, Literal, Sequence
 
@@ -155,6 +157,8 @@ def prepare(*models: nn.Module, layout: Layout = "auto") -> int:
     weights (Dynamo guards on strides); after that both layouts' graphs stay cached.  A model
     never compiled with ascend_passes has nothing marked: INFO, no-op.
     """
+    for model in models:
+        _check_module(model, "prepare()")
     if layout not in ("auto", "execution", "loadable"):
         raise ConfigError(f"layout={layout!r}: use 'auto', 'execution' or 'loadable'")
     if layout == "loadable":
@@ -179,6 +183,8 @@ def restore(*models: nn.Module) -> int:
     """Bring the weights :func:`prepare` changed back to the loadable layout (Hugging Face's,
     contiguous), in place; for the target and the MTP drafter alike.  Idempotent.  Returns how
     many parameters changed layout."""
+    for model in models:
+        _check_module(model, "restore()")
     marked = list(_marked(models))
     if not marked:
         _nothing_marked("restore", models)
@@ -200,6 +206,25 @@ def _nothing_marked(what: str, models: Sequence[nn.Module]) -> None:
 
 
 # ----------------------------------------------------------------------------- loading
+def _as_index(expert_id: Any) -> int:
+    """``expert_id`` as an int (a Python or NumPy int, a 0-d integer tensor), else
+    :class:`WeightLoadError`."""
+    try:
+        if isinstance(expert_id, bool):
+            raise TypeError
+        return operator.index(expert_id)
+    except TypeError:
+        raise WeightLoadError(f"expert_id must be an int, got {type(expert_id).__name__} {expert_id!r:.60}") from None
+
+
+def _check_index(expert_id: Any, num_experts: int) -> int:
+    """``expert_id`` as an int in ``[0, num_experts)``, else :class:`WeightLoadError`."""
+    index = _as_index(expert_id)
+    if not 0 <= index < num_experts:
+        raise WeightLoadError(f"expert_id {index} outside [0, {num_experts})")
+    return index
+
+
 def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
     """Copy a whole tensor into ``param`` (any layout); refuses a different shape."""
     if tuple(loaded_weight.shape) != tuple(param.shape):
@@ -211,8 +236,7 @@ def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor) -> N
 def expert_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor, expert_id: int) -> None:
     """Copy one expert's weight (``[2I, H]`` or ``[H, I]``, Hugging Face layout) into
     ``param[expert_id]``; refuses a bad expert id or shape before writing anything."""
-    if not 0 <= expert_id < param.shape[0]:
-        raise WeightLoadError(f"expert_id {expert_id} outside [0, {param.shape[0]})")
+    expert_id = _check_index(expert_id, param.shape[0])
     if tuple(loaded_weight.shape) != tuple(param.shape[1:]):
         raise WeightLoadError(
             f"expects one expert's weight of shape {tuple(param.shape[1:])}, got {tuple(loaded_weight.shape)}")
@@ -220,24 +244,195 @@ def expert_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor, exper
         param[expert_id].copy_(loaded_weight)
 
 
+def _check_tensor(name: str, loaded_weight: Any, target_dtype: torch.dtype) -> None:
+    """Refuse what a ``copy_`` would take silently but wrongly: a non-tensor, a tensor without data,
+    and a dtype whose cast changes the values (integer / bool / complex into floating point, ...).
+    Floating point into floating point (a bf16 checkpoint into fp32 weights) is a cast, allowed."""
+    if not isinstance(loaded_weight, torch.Tensor):
+        raise WeightLoadError(f"cannot load a {type(loaded_weight).__name__} into {name!r}: loaded_weight must "
+                              "be a torch.Tensor (convert it with torch.as_tensor); the old weights are kept")
+    if loaded_weight.is_meta:
+        raise WeightLoadError(f"cannot load a meta tensor (no data) into {name!r}; the old weights are kept")
+    have = loaded_weight.dtype
+    if have == target_dtype or (have.is_floating_point and target_dtype.is_floating_point) or (
+            have.is_complex and target_dtype.is_complex):
+        return
+    kind = ("floating-point" if target_dtype.is_floating_point else
+            "complex" if target_dtype.is_complex else f"{target_dtype}")
+    raise WeightLoadError(
+        f"cannot load a {have} tensor into {name!r} ({target_dtype}): a {kind} parameter takes "
+        f"{kind} tensors only, a cast would change the values silently; convert the tensor first "
+        f"(e.g. tensor.to({target_dtype})) if that is meant; the old weights are kept")
+
+
+def _check_module(model: Any, what: str) -> None:
+    if not isinstance(model, nn.Module):
+        raise WeightLoadError(f"{what} takes models (torch.nn.Module: a target and its MTP drafter), "
+                              f"got {type(model).__name__} {model!r:.60}")
+
+
 def load_weight(model: nn.Module, name: str, loaded_weight: torch.Tensor, *args: Any, **kwargs: Any) -> None:
     """Load ``loaded_weight`` into parameter ``name`` of ``model`` through its ``weight_loader``
     attribute (``weight_loader(param, loaded_weight, *args, **kwargs)``, vLLM's convention),
     or :func:`default_weight_loader` when it has none.
 
-    A tensor that does not fit (wrong shape, bad expert id) raises :class:`WeightLoadError`
-    naming the parameter and leaves its weights as they were: the loaders here check before
-    they write, and ``Tensor.copy_`` refuses a mismatched shape before writing (a framework's
-    own loader must do the same; no backup copy is taken, it would cost a copy per update).
+    On an EPLB-attached model (``ascend_passes.eplb.attach``) the expert weights keep their
+    logical names: ``"<...>.experts.gate_up_proj"`` / ``"<...>.experts.down_proj"`` with a
+    logical ``expert_id`` (first extra argument, or ``expert_id=``) writes that expert into every
+    physical slot holding a replica of it — under expert parallelism the replicas this rank holds
+    (every rank is given the update; a rank holding none writes nothing) — and without an expert id
+    a whole logical tensor ``[E, ...]`` is scattered to every (local) slot.  The parameter's own
+    ``weight_loader`` writes each slot (it gets the local slot index as the expert id).  The
+    physical names (``eplb_gate_up_proj``) take whole physical tensors only: one slot written on
+    its own would leave the expert's other replicas stale.  Weight updates and
+    ``EplbState.rebalance()`` exclude each other when the state has a lock.
+
+    A tensor that does not fit (wrong shape or dtype, bad expert id, not a tensor) raises
+    :class:`WeightLoadError` naming the parameter and leaves its weights as they were: the
+    loaders here check before they write, and ``Tensor.copy_`` refuses a mismatched shape before
+    writing (a framework's own loader must do the same; no backup copy is taken, it would cost a
+    copy per update — except for the few replica slots of one EPLB expert, restored if a
+    framework's loader fails on a later replica).
     """
+    _check_module(model, "load_weight()")
+    if not isinstance(name, str):
+        raise WeightLoadError(f"load_weight() takes the parameter's name as a str, got {type(name).__name__} "
+                              f"{name!r:.60}")
     params = dict(model.named_parameters())
     if name not in params:
+        eplb = _eplb_target(model, name)
+        if eplb is not None:
+            _load_eplb(name, *eplb, loaded_weight, args, kwargs)
+            return
         raise WeightLoadError(f"{type(model).__name__} has no parameter {name!r}")
     param = params[name]
+    _check_tensor(name, loaded_weight, param.dtype)
+    if args or "expert_id" in kwargs:
+        _refuse_one_replica(model, name, param)
     loader = getattr(param, "weight_loader", default_weight_loader)
     try:
+        if "expert_id" in kwargs:
+            _as_index(kwargs["expert_id"])  # a str / float / bool id raises here, whatever the loader
         loader(param, loaded_weight, *args, **kwargs)
-    except (RuntimeError, ValueError, IndexError) as exc:
+    except (RuntimeError, ValueError, IndexError, TypeError) as exc:
         raise WeightLoadError(
             f"cannot load a tensor of shape {tuple(loaded_weight.shape)} into {name!r} "
             f"(shape {tuple(param.shape)}): {exc}; the old weights are kept") from exc
+
+
+# ----------------------------------------------------------------------------- EPLB-attached experts
+def _eplb_target(model: nn.Module, name: str) -> tuple[Any, Any, nn.Parameter] | None:
+    """``(layer, state, physical parameter)`` when ``name`` is the logical name of an expert weight
+    of an EPLB-attached MoE block of ``model`` (``state`` None when ``model`` does not hold it)."""
+    from ascend_passes.eplb import state as eplb_state
+
+    prefix, _, attr = name.rpartition(".")
+    physical = dict(eplb_state._WEIGHTS).get(attr)
+    if physical is None:
+        return None
+    try:
+        experts = model.get_submodule(prefix)
+    except AttributeError:
+        return None
+    layer = experts.__dict__.get(eplb_state._STATE_ATTR)
+    if not isinstance(layer, eplb_state.EplbLayer):
+        return None
+    state = next((s for m in model.modules() if (s := eplb_state.state_of(m)) is not None
+                  and any(lay.experts is experts for lay in s.layers)), None)
+    return layer, state, experts._parameters[physical]
+
+
+def _refuse_one_replica(model: nn.Module, name: str, param: nn.Parameter) -> None:
+    """A per-slot write into an EPLB physical weight would update one replica of an expert."""
+    from ascend_passes.eplb import state as eplb_state
+
+    prefix, _, attr = name.rpartition(".")
+    logical = {phy: log for log, phy in eplb_state._WEIGHTS}.get(attr)
+    if logical is None:
+        return
+    experts = model.get_submodule(prefix)
+    if isinstance(experts.__dict__.get(eplb_state._STATE_ATTR), eplb_state.EplbLayer):
+        raise WeightLoadError(
+            f"{name!r} holds the physical slots of EPLB-attached experts (a redundant expert has several); "
+            f"load expert weights through the logical name {f'{prefix}.{logical}'!r} with the logical "
+            "expert id (every replica is updated); the old weights are kept")
+
+
+def _state_lock(state: Any) -> Any:
+    """The lock ``EplbState`` re-balancing holds, when it has one (weight updates take it too)."""
+    lock = getattr(state, "lock", None) if state is not None else None
+    return lock if lock is not None else contextlib.nullcontext()
+
+
+def _load_eplb(name: str, layer: Any, state: Any, param: nn.Parameter, loaded_weight: Any,
+               args: tuple, kwargs: dict) -> None:
+    """:func:`load_weight` of a logical expert weight of an EPLB-attached block (see there)."""
+    _check_tensor(name, loaded_weight, param.dtype)
+    args, kwargs = list(args), dict(kwargs)
+    by_keyword = "expert_id" in kwargs
+    expert_id = kwargs.pop("expert_id") if by_keyword else (args.pop(0) if args else None)
+    with _state_lock(state):
+        phy2log = layer.phy2log.detach().cpu()
+        num_logical = layer.log2phy.shape[0]
+        if state is not None:
+            local = state.local_slots
+        elif param.shape[0] == phy2log.numel():
+            local = range(phy2log.numel())
+        else:
+            raise WeightLoadError(
+                f"cannot load {name!r}: this process holds {param.shape[0]} of {phy2log.numel()} physical "
+                "slots (expert parallelism) and the model passed is not the one eplb.attach() was called "
+                "on; pass that model (or one containing it)")
+        loader = getattr(param, "weight_loader", None)
+        one = tuple(param.shape[1:])
+        try:
+            if expert_id is None:  # a whole logical tensor [E, ...]: every local slot gets its expert
+                want = (num_logical, *one)
+                if tuple(loaded_weight.shape) != want:
+                    raise WeightLoadError(f"expects the logical shape {want} (or one expert's weight {one} "
+                                          f"with an expert id), got {tuple(loaded_weight.shape)}")
+                slots = torch.arange(local.start, local.stop)
+                physical = loaded_weight.index_select(0, phy2log[slots].to(loaded_weight.device))
+                (loader or default_weight_loader)(param, physical, *args, **kwargs)
+                written = len(slots)
+            else:
+                expert = _check_index(expert_id, num_logical)
+                if tuple(loaded_weight.shape) != one:
+                    raise WeightLoadError(f"expects one expert's weight of shape {one}, got "
+                                          f"{tuple(loaded_weight.shape)}")
+                count = int(layer.replica_count[expert])
+                slots = [s - local.start for s in layer.log2phy[expert, :count].cpu().tolist() if s in local]
+                written = _write_replicas(param, loaded_weight, slots, loader, args, kwargs, by_keyword)
+        except WeightLoadError as exc:
+            raise WeightLoadError(f"cannot load a tensor of shape {tuple(loaded_weight.shape)} into {name!r}: "
+                                  f"{exc}; the old weights are kept") from None
+        except (RuntimeError, ValueError, IndexError, TypeError) as exc:
+            raise WeightLoadError(f"cannot load a tensor of shape {tuple(loaded_weight.shape)} into {name!r} "
+                                  f"(EPLB physical slots {tuple(param.shape)}): {exc}; the old weights are "
+                                  "kept") from exc
+    log.debug("load_weight %s%s: %d physical slots written", name,
+              "" if expert_id is None else f" expert {expert_id}", written)
+
+
+def _write_replicas(param: nn.Parameter, loaded_weight: torch.Tensor, slots: list[int], loader: Any,
+                    args: list, kwargs: dict, by_keyword: bool) -> int:
+    """Write one expert's weight into the local ``slots`` of ``param`` (all of them or none)."""
+    if not slots:
+        return 0
+    index = torch.tensor(slots, device=param.device)
+    if loader is None:
+        with torch.no_grad():
+            param.index_copy_(0, index, loaded_weight.to(param.device, param.dtype).unsqueeze(0).expand(len(slots), *param.shape[1:]))
+        return len(slots)
+    backup = param.detach().index_select(0, index)  # one expert's replicas: small
+    try:
+        for slot in slots:
+            if by_keyword:
+                loader(param, loaded_weight, *args, **kwargs, expert_id=slot)
+            else:
+                loader(param, loaded_weight, slot, *args, **kwargs)
+    except BaseException:
+        with torch.no_grad():
+            param.index_copy_(0, index, backup)
+        raise
+    return len(slots)

@@ -7,6 +7,8 @@ import dataclasses
 import hashlib
 import json
 import logging
+import math
+import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
@@ -23,6 +25,9 @@ TARGETS = ("auto", "cpu", "cuda", "npu")
 # tools/bench_model.py; the MoE routing / grouped matmul and gating ops stay C++ kernels)
 INDUCTOR_DECOMPOSE: tuple[str, ...] = ("rms_norm", "add_rms_norm", "swiglu", "mla_prolog")
 COMPILERS = ("auto", "eager", "inductor", "torchair", "npugraph_ex")
+# eplb.num_redundant_experts above this is refused at config time, before attach() sizes tables
+# and weights by it (num_experts + num_redundant physical slots per layer)
+MAX_REDUNDANT_EXPERTS = 4096
 
 
 @dataclass(frozen=True)
@@ -53,6 +58,27 @@ class EplbConfig:
     # of the partial outputs) or "sharded" (each rank its own tokens, e.g. sequence parallel:
     # all_gather → local experts → reduce_scatter)
     ep_tokens: str = "replicated"
+
+    def __post_init__(self) -> None:
+        # checked here, not only in AscendPassConfig: attach() takes an EplbConfig directly
+        _typed("eplb.num_redundant_experts", self.num_redundant_experts, int)
+        if self.num_redundant_experts < 0:
+            raise ConfigError(
+                f"option 'eplb.num_redundant_experts'={self.num_redundant_experts} is "
+                "negative; use 0 or more redundant experts"
+            )
+        if self.num_redundant_experts > MAX_REDUNDANT_EXPERTS:
+            raise ConfigError(
+                f"option 'eplb.num_redundant_experts'={self.num_redundant_experts} is more "
+                f"than {MAX_REDUNDANT_EXPERTS}: each redundant expert is one more physical slot "
+                "holding a full copy of an expert's weights (a few hot experts per EP rank is "
+                "typical); use a count of the order of the routed experts"
+            )
+        if self.placement_file is not None and (
+                not isinstance(self.placement_file, (str, os.PathLike))
+                or not str(self.placement_file).strip()):
+            raise ConfigError(f"option 'eplb.placement_file'={self.placement_file!r} must be "
+                              "the path of a placement JSON file (str or os.PathLike), or None")
 
 
 @dataclass(frozen=True)
@@ -92,10 +118,15 @@ class AscendPassConfig:
         for name in ("verify_rtol", "verify_atol"):
             value = getattr(self, name)
             _typed(name, value, (int, float))
-            if value < 0:
-                raise ConfigError(f"option '{name}'={value!r} is negative; use a tolerance >= 0")
+            if not math.isfinite(value) or value < 0:  # NaN compares false: it would pass any check
+                raise ConfigError(f"option '{name}'={value!r} is not a tolerance; use a finite "
+                                  "number >= 0 (e.g. 1e-4)")
         if self.dump_dir is not None:
             _typed("dump_dir", self.dump_dir, str)
+            if not self.dump_dir.strip():
+                raise ConfigError(f"option 'dump_dir'={self.dump_dir!r} names no folder; give a "
+                                  "folder to write the graphs to, or leave dump_dir unset (None) "
+                                  "for no dump")
         object.__setattr__(self, "inductor_decompose", _op_list("inductor_decompose", self.inductor_decompose))
         _typed("sequence_parallel", self.sequence_parallel, SequenceParallelConfig)
         _typed("eplb", self.eplb, EplbConfig)
@@ -109,16 +140,11 @@ class AscendPassConfig:
         if self.sequence_parallel.enabled:
             from .passes.sequence_parallel import resolve_tp_group
 
+            _known_group("sequence_parallel.tp_group", self.sequence_parallel.tp_group)
             resolve_tp_group(self.sequence_parallel.tp_group)  # ConfigError with the fix
         _typed("eplb.enabled", self.eplb.enabled, bool)
         _typed("eplb.record_load", self.eplb.record_load, bool)
-        _typed("eplb.num_redundant_experts", self.eplb.num_redundant_experts, int)
         _typed("eplb.ep_size", self.eplb.ep_size, int)
-        if self.eplb.num_redundant_experts < 0:
-            raise ConfigError(
-                f"option 'eplb.num_redundant_experts'={self.eplb.num_redundant_experts} is "
-                "negative; use 0 or more redundant experts"
-            )
         if self.eplb.ep_size < 1:
             raise ConfigError(f"option 'eplb.ep_size'={self.eplb.ep_size} must be 1 or more")
         if self.eplb.ep_group is not None and not (
@@ -126,6 +152,8 @@ class AscendPassConfig:
             raise ConfigError(f"option 'eplb.ep_group'={self.eplb.ep_group!r} must be a "
                               "torch.distributed ProcessGroup, a group name or None (the world group)")
         _choice("eplb.ep_tokens", self.eplb.ep_tokens, ("replicated", "sharded"))
+        if self.eplb.ep_size > 1:
+            _known_group("eplb.ep_group", self.eplb.ep_group)
 
     # ----------------------------------------------------------------------------- building
     @classmethod
@@ -205,6 +233,17 @@ class AscendPassConfig:
 
 
 _SECTIONS = {"sequence_parallel": SequenceParallelConfig, "eplb": EplbConfig}
+
+
+def _known_group(name: str, group: Any) -> None:
+    """A group given by name must name a process group, checked once ``torch.distributed`` runs
+    (before that nothing can be named; the passes then raise their own ConfigError)."""
+    import torch.distributed as dist
+
+    if isinstance(group, str) and dist.is_available() and dist.is_initialized():
+        from .process_group import resolve_group
+
+        resolve_group(group, f"option '{name}'")
 
 
 def _unknown(key: str, valid: list[str]) -> str:

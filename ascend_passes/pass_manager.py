@@ -4,20 +4,22 @@ breaks the graph is rolled back, or raises ``PassError`` in strict mode."""
 
 from __future__ import annotations
 
+import ast
 import contextlib
+import functools
 import hashlib
-import importlib
-import inspect
+import importlib.util
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, Iterator, Sequence
+from pathlib import Path
+from typing import Any, Callable, ClassVar, Iterator, Mapping, Sequence
 
 import torch
 import torch.fx as fx
 
 from .config import AscendPassConfig
-from .errors import PassError, VerificationError
+from .errors import ConfigError, PassError, VerificationError
 
 log = logging.getLogger("ascend_passes.pass_manager")
 
@@ -103,12 +105,28 @@ class PassContext:
 class Pass:
     """Base class: a pass has a ``name``, a one-line ``summary`` ("A → B becomes A' → B'") and
     ``run(gm, ctx) -> PassResult``.  It may change ``gm`` in place; the manager owns ordering,
-    checks, timing, logging and rollback."""
+    checks, timing, logging and rollback.
+
+    What a pass needs from the pipeline is declared, and checked before anything runs
+    (``check_pipeline``; table in docs/architecture.md, "Passes"):
+
+    - ``must_run_after``: passes that, when they are in the pipeline too, must come earlier
+      (this pass would break or miss what they match, or they leave something it reads);
+    - ``requires``: passes that must be in the pipeline, earlier, whenever this pass is switched
+      on (``enabled_by``, the config option that turns it on; None: always on);
+    - ``reasons``: why, per pass named above (the error quotes it; a pass's ``followed_because``
+      is the default reason for the passes that must follow it);
+    - ``provides``: the ``ctx.facts`` keys and node tags it writes for later passes.
+    """
 
     name: ClassVar[str] = ""
     summary: ClassVar[str] = ""
-    # modules (besides the pass's own) whose source decides what the pass does: enter uuid()
-    uuid_modules: ClassVar[tuple[str, ...]] = ()
+    must_run_after: ClassVar[tuple[str, ...]] = ()
+    requires: ClassVar[tuple[str, ...]] = ()
+    reasons: ClassVar[Mapping[str, str]] = {}
+    followed_because: ClassVar[str] = ""
+    enabled_by: ClassVar[str | None] = None
+    provides: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, config: AscendPassConfig) -> None:
         self.config = config
@@ -120,25 +138,220 @@ class Pass:
         """Whether this pass has work to do under this config/target (else it is skipped)."""
         return True
 
+    def switched_on(self) -> bool:
+        """Whether the config asks for this pass: the value of the ``enabled_by`` option."""
+        if self.enabled_by is None:
+            return True
+        value: Any = self.config
+        for part in self.enabled_by.split("."):
+            value = getattr(value, part)
+        return bool(value)
+
     def config_key(self) -> Any:
         """The part of the config this pass depends on (enters ``uuid()``)."""
         return None
 
+    def dependencies(self) -> tuple[str, ...]:
+        """The modules this pass is made of: those of its classes (a pattern pass adds its
+        pattern module).  ``uuid()`` hashes them and everything they import."""
+        return tuple(dict.fromkeys(cls.__module__ for cls in type(self).__mro__ if cls is not object))
+
     def uuid(self) -> str:
-        """Changes when the pass's code or its config changes; stable across processes."""
+        """Changes when the code the pass's output depends on or its config key changes; equal
+        for equal sources and configs in any process.  The code is every ``ascend_passes``
+        module ``dependencies()`` import, directly or not (any import statement, also inside a
+        function), and all of ``ascend_passes.ops`` and ``ascend_passes.patterns``: see
+        ``source_digest``."""
         h = hashlib.sha256()
-        h.update(self.name.encode())
-        for cls in type(self).__mro__:
-            if cls is object or cls is Pass:
-                continue
-            try:
-                h.update(inspect.getsource(inspect.getmodule(cls)).encode())
-            except (OSError, TypeError):
-                h.update(cls.__qualname__.encode())
-        for module in self.uuid_modules:
-            h.update(inspect.getsource(importlib.import_module(module)).encode())
+        h.update(f"{self.name}\0{type(self).__module__}.{type(self).__qualname__}\0".encode())
+        h.update(source_digest(self.dependencies()).encode())
         h.update(repr(self.config_key()).encode())
         return h.hexdigest()
+
+
+# --------------------------------------------------------------------------------- uuid
+# op schemas and the pattern library enter every pass's uuid: a pass can reach them by name at
+# run time (``PatternPass.patterns``), not only through an import statement
+_ALWAYS_HASHED = ("ascend_passes.ops", "ascend_passes.patterns")
+_PACKAGE = "ascend_passes"
+
+
+def source_digest(modules: Sequence[str]) -> str:
+    """sha256 over the names and sources of ``modules``, of every ``ascend_passes`` module they
+    import transitively (read from the import statements of the source, so lazy imports inside
+    functions count and nothing depends on what this process happened to import), and of every
+    module of ``ascend_passes.ops`` and ``ascend_passes.patterns``.  Computed once per process.
+
+    A package is not hashed because one of its submodules is imported (``from .. import
+    kernels`` hashes ``kernels``, not ``ascend_passes/__init__.py``).  The C++ kernels are not
+    hashed: they do not change the rewritten graph, which calls the ops by name."""
+    return _source_digest(tuple(modules))
+
+
+@functools.lru_cache(maxsize=None)
+def _source_digest(modules: tuple[str, ...]) -> str:
+    h = hashlib.sha256()
+    for name in modules:
+        h.update(name.encode() + b"\0")
+    for name, path in sorted(module_sources(modules).items()):
+        h.update(name.encode() + b"\0" + Path(path).read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def module_sources(modules: Sequence[str]) -> dict[str, str]:
+    """``{module name: source file}`` of what ``source_digest(modules)`` hashes."""
+    found: dict[str, str] = {}
+    todo = list(modules)
+    for package in _ALWAYS_HASHED:
+        todo += _package_modules(package)
+    while todo:
+        name = todo.pop()
+        if name in found:
+            continue
+        path = _module_file(name)
+        if path is None:
+            continue
+        found[name] = path
+        todo += _imports(name, path)
+    return found
+
+
+@functools.lru_cache(maxsize=None)
+def _module_file(name: str) -> str | None:
+    """The ``.py`` file of module ``name``, or None (not a module: an attribute imported by
+    name, a module without source, ``__main__``)."""
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError, AttributeError):
+        return None
+    origin = getattr(spec, "origin", None)
+    return origin if origin and origin.endswith(".py") else None
+
+
+def _package_modules(package: str) -> list[str]:
+    try:
+        spec = importlib.util.find_spec(package)
+    except (ImportError, ValueError):
+        return []
+    out = [package]
+    for location in (spec.submodule_search_locations or []) if spec is not None else []:
+        out += [f"{package}.{f.stem}" for f in sorted(Path(location).glob("*.py")) if f.stem != "__init__"]
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _imports(name: str, path: str) -> tuple[str, ...]:
+    """The ``ascend_passes`` modules the source of ``name`` imports (``from X import y`` gives
+    ``X.y`` when that is a module, else ``X``); none when it does not parse (its bytes are still
+    hashed)."""
+    package = name if path.endswith("__init__.py") else name.rpartition(".")[0]
+    try:
+        tree = ast.parse(Path(path).read_bytes(), path)
+    except SyntaxError:
+        return ()
+    out: list[str] = []
+    for node in _import_statements(tree.body):
+        if isinstance(node, ast.Import):
+            out += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            try:
+                base = importlib.util.resolve_name("." * node.level + (node.module or ""), package)
+            except (ImportError, ValueError):
+                continue
+            if not _in_package(base):
+                continue
+            for alias in node.names:
+                sub = f"{base}.{alias.name}"
+                out.append(sub if _module_file(sub) is not None else base)
+    return tuple(m for m in out if _in_package(m))
+
+
+def _import_statements(body: list[ast.stmt]) -> Iterator[ast.Import | ast.ImportFrom]:
+    """The import statements of ``body`` and of the blocks nested in it (functions, classes,
+    if/try/with/loops), without walking expressions."""
+    for stmt in body:
+        if isinstance(stmt, (ast.Import, ast.ImportFrom)):
+            yield stmt
+            continue
+        for block in ("body", "orelse", "finalbody", "handlers", "cases"):
+            nested = getattr(stmt, block, None)
+            if isinstance(nested, list):
+                yield from _import_statements(nested)
+
+
+def _in_package(name: str) -> bool:
+    return name == _PACKAGE or name.startswith(_PACKAGE + ".")
+
+
+# --------------------------------------------------------------------------------- ordering
+def check_pipeline(passes: Sequence[Pass], config: AscendPassConfig) -> None:
+    """Raise ``ConfigError`` naming both passes when ``passes`` (in order) breaks what a pass
+    declares: a pass it ``must_run_after`` or ``requires`` comes later, or a pass it
+    ``requires`` is missing while it is switched on.  Nothing has run yet when this raises."""
+    names = [p.name for p in passes]
+    position = {n: i for i, n in reversed(list(enumerate(names)))}
+    classes: dict[str, type[Pass]] = {p.name: type(p) for p in passes}
+    for i, p in enumerate(passes):
+        for earlier in dict.fromkeys((*p.requires, *p.must_run_after)):
+            if position.get(earlier, -1) > i:
+                raise ConfigError(
+                    f"pass '{earlier}' must run before '{p.name}' ({_reason(type(p), earlier, classes)}); "
+                    f"use passes='{','.join(_ordered(names, classes))}' or the default order"
+                )
+    for i, p in enumerate(passes):
+        if not p.switched_on():
+            continue
+        for needed in p.requires:
+            if needed in position:
+                continue
+            message = (f"pass '{p.name}' needs '{needed}' before it ({_reason(type(p), needed, classes)}), "
+                       f"and the pipeline {','.join(names)} has no '{needed}'")
+            if needed in config.disable:
+                fix = f"remove '{needed}' from disable"
+            else:
+                with_needed = [*names[:i], needed, *names[i:]]
+                fix = f"use passes='{','.join(_ordered(with_needed, classes))}' or the default order"
+            if p.enabled_by is not None:
+                fix += f", or set {p.enabled_by}=False"
+            raise ConfigError(f"{message}; {fix}")
+
+
+def _pass_class(name: str, classes: dict[str, type[Pass]]) -> type[Pass] | None:
+    if name not in classes:
+        from .passes import PASS_TABLE, pass_class
+
+        if name not in PASS_TABLE:
+            return None
+        classes[name] = pass_class(name)
+    return classes[name]
+
+
+def _reason(later: type[Pass], earlier: str, classes: dict[str, type[Pass]]) -> str:
+    if earlier in later.reasons:
+        return later.reasons[earlier]
+    first = _pass_class(earlier, classes)
+    if first is not None and first.followed_because:
+        return first.followed_because
+    return f"{later.name} works on the graph {earlier} leaves"
+
+
+def _ordered(names: Sequence[str], classes: dict[str, type[Pass]]) -> list[str]:
+    """``names`` in an order every declaration accepts, moving as little as possible (stable
+    topological sort); a pass that cannot be placed (a cycle of declarations) stays where it
+    was."""
+    left = list(names)
+    out: list[str] = []
+    while left:
+        for name in left:
+            cls = _pass_class(name, classes)
+            before = set((*cls.requires, *cls.must_run_after)) if cls is not None else set()
+            if not before & (set(left) - {name}):
+                break
+        else:
+            name = left[0]
+        left.remove(name)
+        out.append(name)
+    return out
 
 
 # --------------------------------------------------------------------------------- hooks
@@ -161,6 +374,7 @@ class PassManager:
 
         self.config = config
         self.passes: list[Pass] = list(passes) if passes is not None else build_passes(config)
+        check_pipeline(self.passes, config)
 
     def uuid(self) -> str:
         h = hashlib.sha256(self.config.hash().encode())

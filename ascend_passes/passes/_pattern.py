@@ -19,7 +19,6 @@ bookkeeping lives on them), so a target model and its MTP drafter can compile in
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import importlib
 import inspect
 import logging
@@ -180,10 +179,8 @@ class PatternPass(Pass):
     def rewrites(self, ctx: PassContext) -> Sequence[Rewrite]:
         return self.patterns_module().REWRITES
 
-    def uuid(self) -> str:
-        h = hashlib.sha256(super().uuid().encode())
-        h.update(inspect.getsource(self.patterns_module()).encode())
-        return h.hexdigest()
+    def dependencies(self) -> tuple[str, ...]:
+        return (*super().dependencies(), self.patterns)
 
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         result = PassResult(self.name)

@@ -12,6 +12,8 @@ from ._pattern import PatternPass
 
 class ActivationPass(PatternPass):
     name = "activation"
+    must_run_after = ("cleanup", "mtp", "moe")
+    reasons = {"moe": "activation would fuse the experts' silu·up"}
     summary = "silu(gate) · up  becomes  ascend.swiglu([gate | up])"
     patterns = "ascend_passes.patterns.activation"
 

@@ -31,6 +31,7 @@ _MAX_CONSTANT_NODES = 256
 
 class AttentionPass(PatternPass):
     name = "attention"
+    must_run_after = ("cleanup", "mtp")
     summary = ("softmax(q·kᵀ·s + mask)·v on SDPA's math path  becomes  "
                "flash_attention_for_cpu(q, k, pad(v)) (is_causal when the mask is provably causal)")
     patterns = "ascend_passes.patterns.attention"

@@ -63,6 +63,7 @@ def _noop_kind(node: fx.Node) -> str | None:
 
 class CleanupPass(Pass):
     name = "cleanup"
+    followed_because = "the patterns expect cleanup's canonical graph (no-op views, clones and casts removed)"
     summary = "x → no-op view/clone/cast/slice → f  becomes  x → f; dead nodes removed"
 
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:

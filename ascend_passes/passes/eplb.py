@@ -68,6 +68,11 @@ def _anchor(node: Any) -> fx.Node | None:
 
 class EplbPass(Pass):
     name = "eplb"
+    requires = ("moe",)
+    must_run_after = ("cleanup", "mtp")
+    reasons = {"moe": "eplb indirects the experts of the MoE layers moe fused"}
+    enabled_by = "eplb.enabled"
+    provides = ("eplb_layers",)
     summary = ("ids → init_routing(E) → grouped_matmul(W[E])  becomes  ids → eplb_map → "
                "eplb_record_load → init_routing(P, this rank's slots) → grouped_matmul(W[P])")
 

@@ -81,20 +81,10 @@ def _eps(norm_nodes: list[fx.Node], default: float = 1e-6) -> float:
 
 class MlaPass(Pass):
     name = "mla"
+    must_run_after = ("cleanup", "mtp")
+    provides = ("mla_layers",)
     summary = ("q_a_proj → rms_norm → q_b_proj → split → RoPE, kv_a_proj → split → rms_norm, RoPE  "
                "becomes  ascend.mla_prolog")
-
-    def uuid(self) -> str:
-        """Also changes when the pattern module or the op module changes."""
-        import hashlib
-        import inspect
-
-        from ..ops import mla as op_module
-
-        h = hashlib.sha256(super().uuid().encode())
-        for module in (patterns, op_module):
-            h.update(inspect.getsource(module).encode())
-        return h.hexdigest()
 
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         import ascend_passes.ops.mla  # noqa: F401  (registers ascend.mla_prolog)

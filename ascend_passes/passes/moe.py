@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import operator
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -188,7 +189,8 @@ def _stamp(graph: fx.Graph, before: set[fx.Node], match: pm.Match) -> list[fx.No
 # ----------------------------------------------------------------------------- the pass
 class MoePass(Pass):
     name = "moe"
-    uuid_modules = ("ascend_passes.patterns.moe_router", "ascend_passes.patterns.moe_experts")
+    must_run_after = ("cleanup", "mtp")
+    provides = ("moe_layers",)
     summary = ("router → experts(sort/grouped_mm|bmm/silu·up) → sum  becomes  moe_gating_top_k → "
                "init_routing_v2 → grouped_matmul → swiglu → grouped_matmul → finalize_routing")
 
@@ -317,22 +319,20 @@ class MoePass(Pass):
                             layers: dict[str | None, MoeLayer]) -> None:
         """A router whose ids leave the graph without reaching fused experts: the block was split
         by a graph break (Hugging Face's default "eager" experts loop does that)."""
-        output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
-        outputs = set(output.all_input_nodes)
         for entry in layers.values():
             if entry.router is None or entry.init_routing is not None or entry.unsupported:
                 continue
             gating = next((n for n in gm.graph.nodes if n.name == entry.gating), None)
-            reaches_output = gating is not None and _reaches(gating, outputs)
+            reaches_output = gating is not None and _leaves_graph(gating)
+            # the experts_implementation advice only where the experts are in another graph: in
+            # this graph they are in a form the expert patterns do not know, whatever it is set to
             why = ("its router outputs leave this graph, so the experts run in another graph "
-                   "(a Dynamo graph break, e.g. Hugging Face's default 'eager' experts loop)"
-                   if reaches_output or gating is None else "no expert computation matched")
-            result.near_miss(
-                "moe_block",
-                f"MoE block not fused: {why}; set config._experts_implementation = 'grouped_mm' "
-                "or 'batched_mm' to get one graph",
-                layer=entry.layer,
-            )
+                   "(a Dynamo graph break, e.g. Hugging Face's default 'eager' experts loop); set "
+                   "config._experts_implementation = 'grouped_mm' or 'batched_mm' to get one graph"
+                   if reaches_output or gating is None else
+                   "the experts are in this graph but no expert pattern matched them (was part of "
+                   "them rewritten by a pass before moe, or are they in a form the patterns do not know?)")
+            result.near_miss("moe_block", f"MoE block not fused: {why}", layer=entry.layer)
 
 
 def _replace(match: pm.Match, fn: Callable[..., Any], args: list[Any], trace: Callable[..., Any],
@@ -376,16 +376,17 @@ def _deepseek_gating_unsupported(c: RouterConstants, first_topk: fx.Node | None)
     return None
 
 
-def _reaches(node: fx.Node, targets: set[fx.Node], limit: int = 64) -> bool:
+def _leaves_graph(node: fx.Node) -> bool:
+    """Whether a value of ``node`` is a graph output itself (through getitem and views only): a
+    router whose experts run in another graph, not one whose experts' result reaches the output."""
     frontier, seen = [node], set()
-    while frontier and len(seen) < limit:
-        n = frontier.pop()
-        if n in targets:
-            return True
-        seen.add(n)
-        frontier.extend(u for u in n.users if u not in seen and u.op != "output")
-        if any(u.op == "output" for u in n.users):
-            return True
+    while frontier:
+        for user in frontier.pop().users:
+            if user.op == "output":
+                return True
+            if user not in seen and (user.target is operator.getitem or user.target in VIEWS):
+                seen.add(user)
+                frontier.append(user)
     return False
 
 

@@ -228,6 +228,10 @@ def _norm_nodes(out: fx.Node, x: fx.Node) -> list[fx.Node]:
 # ----------------------------------------------------------------------------- the pass
 class MtpPass(Pass):
     name = "mtp"
+    must_run_after = ("cleanup",)
+    provides = ("mtp_layers", "meta['ascend_mtp_layer']")
+    followed_because = ("mtp tags the MTP layers' nodes and every rewrite copies the tag onto what it makes; "
+                        "rewritten before, an MTP layer's ops are named, balanced and split as the main model's")
     summary = ("cat([rms_norm(embedding), rms_norm(hidden)]) → eh_proj → decoder block → norm  "
                "tagged as MTP layer i (meta['ascend_mtp_layer'] = i)")
 

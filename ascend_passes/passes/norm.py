@@ -115,6 +115,7 @@ def diagnose_rsqrt(rsqrt: fx.Node) -> str | None:
 
 class NormPass(PatternPass):
     name = "norm"
+    must_run_after = ("cleanup", "mtp")
     summary = ("x → rms(x)·w  becomes  ascend.rms_norm(x, w, eps); a + b → rms_norm  becomes  "
                "ascend.add_rms_norm(a, b, w, eps) (sum reused as residual)")
     patterns = "ascend_passes.patterns.norm"

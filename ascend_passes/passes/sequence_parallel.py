@@ -293,6 +293,10 @@ def _token_free(value: Any) -> bool:
 # ------------------------------------------------------------------------------------- pass
 class SequenceParallelPass(Pass):
     name = "sequence_parallel"
+    must_run_after = ("cleanup", "mtp", "norm")
+    reasons = {"norm": "sequence_parallel splits the tokens at the ascend.rms_norm / add_rms_norm ops norm makes"}
+    enabled_by = "sequence_parallel.enabled"
+    provides = ("sequence_parallel",)
     summary = ("all_reduce → [add_]rms_norm  becomes  reduce_scatter → [add_]rms_norm on this rank's "
                "tokens → all_gather")
 

@@ -100,6 +100,11 @@ def _last_dim(node: fx.Node, dim: Any) -> bool:
 
 class SharedExpertDpPass(Pass):
     name = "shared_expert_dp"
+    requires = ("sequence_parallel", "moe")
+    must_run_after = ("cleanup", "mtp")
+    reasons = {"sequence_parallel": "shared_expert_dp runs the shared expert on the token shards sequence_parallel makes",
+               "moe": "shared_expert_dp finds the shared expert beside the router moe fused"}
+    enabled_by = "shared_expert_dp"
     summary = ("all_gather(norm) → shared_expert → slice(rank rows) → add  becomes  "
                "shared_expert(norm shard) → add")
 

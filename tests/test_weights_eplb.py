@@ -265,3 +265,47 @@ def test_bad_argument_types_and_dtypes_are_weight_load_errors() -> None:
     assert torch.equal(norm, torch.full((64,), 0.5))
     weights.load_weight(model, f"{EXPERTS}.down_proj", torch.zeros(64, 32), torch.tensor(3))
     assert int(torch.count_nonzero(experts[3])) == 0 and torch.equal(experts[4], kept[1][4])
+
+
+# ----------------------------------------------------------------------------- item 3, expert parallelism
+def _ep_rank(rank: int, world_size: int) -> dict:  # a spawned rank (gloo)
+    base, inputs = models.deepseek_v3("grouped_mm", num_layers=2)  # same seed on every rank
+    eager = copy.deepcopy(base)
+    for name, param in eager.named_parameters():
+        if name.rsplit(".", 1)[-1] in EXPERT_WEIGHTS:
+            param.weight_loader = vllm_style_loader
+    model = copy.deepcopy(base)
+    eplb = {"num_redundant_experts": REDUNDANT, "ep_size": world_size}
+    state = attach(model, eplb)
+    torch._dynamo.reset()
+    options = {**EPLB, "eplb": {"enabled": True, **eplb}}
+    rounds = []
+    gen = torch.Generator().manual_seed(11)  # every rank gets the same updates, as from a trainer's broadcast
+    with torch.no_grad(), ap.capture() as reports:
+        compiled = torch.compile(model, backend="ascend_passes", options=options)
+        previous = compiled(*inputs)
+        for update in range(3):
+            if update == 2:
+                state.rebalance(_zipf(state.num_layers, seed=3))  # collective: replicas move between ranks
+            replicated = _update(model, eager, state, gen, whole=update == 1)
+            layer = state.layers[0]
+            spans = [sorted({s // state.slots_per_rank for s in layer.log2phy[e, :int(layer.replica_count[e])].tolist()})
+                     for e in replicated]
+            out = compiled(*inputs)
+            rounds.append({"vs_eager": rel_diff(out, eager(*inputs)), "changed": rel_diff(out, previous),
+                           "slots_ok": _slots_hold_logical(state, eager), "spans": spans})
+            previous = out
+    return {"rank": rank, "rounds": rounds, "compiles": len(reports),
+            "slots": tuple(layer.experts.eplb_gate_up_proj.shape[0] for layer in state.layers)}
+
+
+def test_expert_parallel_updates_reach_the_replicas_on_every_rank() -> None:
+    results = run_on_ranks(_ep_rank, 2, timeout_s=240.0)
+    per_rank = (NUM_EXPERTS + REDUNDANT) // 2
+    for r in results:
+        assert r["slots"] == (per_rank,) and r["compiles"] == 1, r
+        for update, one in enumerate(r["rounds"]):
+            assert one["slots_ok"], (r["rank"], update)
+            assert one["vs_eager"] <= 1e-5 and one["changed"] > 1e-3, (r["rank"], update, one)
+    # some updated experts had replicas on both ranks: each rank wrote its own
+    assert any(span == [0, 1] for one in results[0]["rounds"] for span in one["spans"])

@@ -307,9 +307,14 @@ def load_weight(model: nn.Module, name: str, loaded_weight: torch.Tensor, *args:
         raise WeightLoadError(f"{type(model).__name__} has no parameter {name!r}")
     param = params[name]
     _check_tensor(name, loaded_weight, param.dtype)
-    if args or "expert_id" in kwargs:
-        _refuse_one_replica(model, name, param)
+    physical = _refuse_one_replica(model, name, param, one_slot=bool(args) or "expert_id" in kwargs)
     loader = getattr(param, "weight_loader", default_weight_loader)
+    with _expert_update_lock() if physical else contextlib.nullcontext():
+        _call_loader(name, param, loader, loaded_weight, args, kwargs)
+
+
+def _call_loader(name: str, param: nn.Parameter, loader: Any, loaded_weight: torch.Tensor, args: tuple,
+                 kwargs: dict) -> None:
     try:
         if "expert_id" in kwargs:
             _as_index(kwargs["expert_id"])  # a str / float / bool id raises here, whatever the loader
@@ -342,26 +347,36 @@ def _eplb_target(model: nn.Module, name: str) -> tuple[Any, Any, nn.Parameter] |
     return layer, state, experts._parameters[physical]
 
 
-def _refuse_one_replica(model: nn.Module, name: str, param: nn.Parameter) -> None:
-    """A per-slot write into an EPLB physical weight would update one replica of an expert."""
+def _refuse_one_replica(model: nn.Module, name: str, param: nn.Parameter, *, one_slot: bool) -> bool:
+    """Whether ``name`` is an EPLB physical expert weight; a per-slot write into one
+    (``one_slot``) would update one replica of an expert: refused."""
     from ascend_passes.eplb import state as eplb_state
 
     prefix, _, attr = name.rpartition(".")
     logical = {phy: log for log, phy in eplb_state._WEIGHTS}.get(attr)
     if logical is None:
-        return
-    experts = model.get_submodule(prefix)
-    if isinstance(experts.__dict__.get(eplb_state._STATE_ATTR), eplb_state.EplbLayer):
+        return False
+    experts = model.get_submodule(prefix) if prefix else model
+    if not isinstance(experts.__dict__.get(eplb_state._STATE_ATTR), eplb_state.EplbLayer):
+        return False
+    if one_slot:
         raise WeightLoadError(
             f"{name!r} holds the physical slots of EPLB-attached experts (a redundant expert has several); "
             f"load expert weights through the logical name {f'{prefix}.{logical}'!r} with the logical "
             "expert id (every replica is updated); the old weights are kept")
+    return True
 
 
-def _state_lock(state: Any) -> Any:
-    """The lock ``EplbState`` re-balancing holds, when it has one (weight updates take it too)."""
-    lock = getattr(state, "lock", None) if state is not None else None
-    return lock if lock is not None else contextlib.nullcontext()
+def _expert_update_lock() -> Any:
+    """Held while EPLB expert weights are written: the process-wide lock that keeps forwards and
+    ``EplbState.rebalance()`` apart (``eplb/sync.py``), on its exclusive side — no forward reads
+    half-updated experts, and no re-balancing copies a slot between the tables read here and the
+    writes (it would carry the old weights into a new replica)."""
+    try:
+        from ascend_passes.eplb.sync import FORWARD_LOCK
+    except ImportError:  # an ascend_passes without the forward lock
+        return contextlib.nullcontext()
+    return FORWARD_LOCK.writing(what="load EPLB expert weights")
 
 
 def _load_eplb(name: str, layer: Any, state: Any, param: nn.Parameter, loaded_weight: Any,
@@ -371,7 +386,7 @@ def _load_eplb(name: str, layer: Any, state: Any, param: nn.Parameter, loaded_we
     args, kwargs = list(args), dict(kwargs)
     by_keyword = "expert_id" in kwargs
     expert_id = kwargs.pop("expert_id") if by_keyword else (args.pop(0) if args else None)
-    with _state_lock(state):
+    with _expert_update_lock():
         phy2log = layer.phy2log.detach().cpu()
         num_logical = layer.log2phy.shape[0]
         if state is not None:

@@ -18,6 +18,10 @@ A serving loop for RL::
         weights.prepare(target, drafter)                 # execution layout
         compiled(x)                                      # reads the new weights, no recompile
 
+On a model attached to EPLB (``ascend_passes.eplb.attach``) the loop is the same and the expert
+weights keep their logical names (``...experts.gate_up_proj``, logical expert id): ``load_weight``
+writes every replica of the expert (see there).
+
 Nothing is ever replaced: ``prepare`` and ``restore`` assign ``param.data`` in place, so every
 parameter keeps its identity, its Python attributes (``weight_loader`` and whatever else a
 framework hung on it) and ``requires_grad``, and compiled graphs — which read parameters as

@@ -287,3 +287,94 @@ def test_two_differently_shaped_models_in_one_process():
         assert (out - ref).abs().max().item() <= 1e-4
     assert len(reports) == 2  # the third call reused the first compile
     assert [r.count("ascend.moe_init_routing_v2") for r in reports] == [2, 1]
+
+
+# ----------------------------------------------------------------------------- uuid (issue 14 item 14)
+def test_pass_uuid_covers_the_shared_modules_its_output_depends_on():
+    """One rule for every pass: its modules, every ascend_passes module they import (lazy imports in a
+    function too, other passes' modules too), all op schemas and all patterns."""
+    from ascend_passes.pass_manager import module_sources
+    from ascend_passes.passes import build_passes
+
+    passes = {p.name: p for p in build_passes(ap.AscendPassConfig())}
+    shared = {"ascend_passes.pass_manager", "ascend_passes.config", "ascend_passes.ops", "ascend_passes.ops.fake",
+              "ascend_passes.patterns.norm", "ascend_passes.patterns.moe_router", "ascend_passes.patterns.mla"}
+    expected = {
+        "norm": {"ascend_passes.passes.norm", "ascend_passes.passes._pattern", "ascend_passes.passes.layers"},
+        "moe": {"ascend_passes.passes.moe", "ascend_passes.passes._nodes", "ascend_passes.passes._pattern"},
+        "mla": {"ascend_passes.passes.mla", "ascend_passes.passes.mtp", "ascend_passes.ops.mla"},
+        "shared_expert_dp": {"ascend_passes.passes.shared_expert_dp", "ascend_passes.passes.moe"},
+    }
+    for name, modules in expected.items():
+        sources = module_sources(passes[name].dependencies())
+        assert modules | shared <= set(sources), (name, sorted(modules | shared - set(sources)))
+        assert not {"ascend_passes", "ascend_passes.cli", "ascend_passes.backend"} & set(sources)
+    # the single definition: no pass (or pattern pass) overrides it any more
+    for p in passes.values():
+        assert type(p).uuid is ap.Pass.uuid, p.name
+        assert not hasattr(p, "uuid_modules") or p.name == "lower", p.name
+
+
+_UUIDS = """
+import json, ascend_passes as ap
+from ascend_passes.passes import build_passes
+out = {p.name: p.uuid() for p in build_passes(ap.AscendPassConfig())}
+out["inductor_pass"] = ap.inductor_pass(compiler="inductor").uuid()
+print(json.dumps(out))
+"""
+
+
+def _copy_package(root):
+    """ascend_passes as installed (patterns/ and kernels/ mapped into it), copied under ``root``."""
+    import shutil
+    from pathlib import Path
+
+    import ascend_passes.kernels
+    import ascend_passes.patterns
+
+    ignore = shutil.ignore_patterns("__pycache__", "*.so")
+    package = root / "ascend_passes"
+    shutil.copytree(Path(ap.__file__).parent, package, ignore=ignore)
+    for sub in (ascend_passes.patterns, ascend_passes.kernels):
+        target = package / sub.__name__.rpartition(".")[2]
+        shutil.rmtree(target, ignore_errors=True)
+        shutil.copytree(Path(sub.__file__).parent, target, ignore=shutil.ignore_patterns("__pycache__", "*.so",
+                                                                                       "*.cpp", "*.h"))
+    return package
+
+
+def _uuids_of_copy(root):
+    import json
+    import os
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ASCEND_PASSES")}
+    env.update(PYTHONPATH=str(root), ASCEND_PASSES_KERNELS="reference")  # uuids need no kernel
+    out = subprocess.run([sys.executable, "-c", _UUIDS], cwd=root, env=env, check=True, capture_output=True,
+                         text=True)
+    return json.loads(out.stdout)
+
+
+def test_uuid_changes_when_a_shared_helper_changes_and_is_equal_for_equal_sources(tmp_path):
+    """A change to passes/_nodes.py (shared, not any pass's own module) changes the uuid of every pass
+    that imports it and of the Inductor pass, so Inductor's FX-graph cache cannot hand back a graph
+    rewritten by the old code; the same sources at another path, in another process, give the same uuids."""
+    from ascend_passes.pass_manager import module_sources
+    from ascend_passes.passes import build_passes
+
+    package = _copy_package(tmp_path)
+    here = {p.name: p.uuid() for p in build_passes(ap.AscendPassConfig())}
+    before = _uuids_of_copy(tmp_path)
+    assert {k: v for k, v in before.items() if k != "inductor_pass"} == here
+    assert before["inductor_pass"] == ap.inductor_pass(compiler="inductor").uuid()
+
+    helper = package / "passes" / "_nodes.py"
+    helper.write_text(helper.read_text() + "\n_CHANGED_HELPER = True\n")
+    after = _uuids_of_copy(tmp_path)
+    users = {p.name for p in build_passes(ap.AscendPassConfig())
+             if "ascend_passes.passes._nodes" in module_sources(p.dependencies())}
+    assert {"moe", "mtp", "eplb", "sequence_parallel", "shared_expert_dp"} <= users
+    for name in before:
+        if name in users or name == "inductor_pass":
+            assert after[name] != before[name], name
+        else:
+            assert after[name] == before[name], name

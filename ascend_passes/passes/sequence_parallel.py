@@ -293,8 +293,9 @@ def _token_free(value: Any) -> bool:
 # ------------------------------------------------------------------------------------- pass
 class SequenceParallelPass(Pass):
     name = "sequence_parallel"
-    must_run_after = ("cleanup", "mtp", "norm")
-    reasons = {"norm": "sequence_parallel splits the tokens at the ascend.rms_norm / add_rms_norm ops norm makes"}
+    must_run_after = ("cleanup", "mtp", "norm", "eplb")
+    reasons = {"norm": "sequence_parallel splits the tokens at the ascend.rms_norm / add_rms_norm ops norm makes",
+               "eplb": "sequence_parallel turns eplb's expert-parallel all_reduce into a reduce_scatter like the TP ones"}
     enabled_by = "sequence_parallel.enabled"
     provides = ("sequence_parallel",)
     summary = ("all_reduce → [add_]rms_norm  becomes  reduce_scatter → [add_]rms_norm on this rank's "

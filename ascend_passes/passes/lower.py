@@ -332,7 +332,6 @@ class LowerPass(Pass):
                       "sequence_parallel", "shared_expert_dp", "linear")
     reasons = {p: "lower runs last: it turns every ascend op the other passes emit into torch_npu's"
                for p in must_run_after}
-    uuid_modules = ("ascend_passes.npu",)
 
     def enabled(self, ctx: PassContext) -> bool:
         return ctx.target == "npu"

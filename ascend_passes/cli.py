@@ -14,6 +14,7 @@ import contextlib
 import importlib
 import logging
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,13 +42,23 @@ def _console() -> Any:
 
 # --------------------------------------------------------------------------- targets
 def load_target(spec: str) -> tuple[torch.nn.Module, tuple[Any, ...]]:
-    """``MODULE:FACTORY`` (a function returning ``(model, example_inputs)``) or a bundled name."""
+    """``MODULE:FACTORY`` (a function returning ``(model, example_inputs)``) or a bundled name.
+
+    Raises ``AscendPassesError`` (one line for the CLI) for a spec that names nothing, a factory
+    that is not callable or raises, and a result that is not ``(nn.Module, tuple/list of inputs)``.
+    """
     if ":" in spec:
         module_name, _, attr = spec.partition(":")
+        if not module_name or not attr:
+            raise AscendPassesError(f"target {spec!r} names no factory; give MODULE:FACTORY "
+                                    "(e.g. my_models:build) or a bundled model name")
         try:
             factory = getattr(importlib.import_module(module_name), attr)
-        except (ImportError, AttributeError) as exc:
+        except (ImportError, AttributeError, ValueError) as exc:
             raise AscendPassesError(f"cannot load factory {spec!r}: {exc}") from exc
+        if not callable(factory):
+            raise AscendPassesError(f"factory {spec!r} is not callable (type {type(factory).__name__}); "
+                                    "give a function returning (model, example_inputs)")
     else:
         from . import models
 
@@ -57,8 +68,37 @@ def load_target(spec: str) -> tuple[torch.nn.Module, tuple[Any, ...]]:
                 "(or give MODULE:FACTORY)"
             )
         factory = models.BUNDLED[spec]
-    model, inputs = factory()
+    try:
+        result = factory()
+    except Exception as exc:  # the user's code: one line that names it (the traceback is theirs)
+        raise AscendPassesError(f"factory {spec!r} raised {type(exc).__name__}: {exc}") from exc
+    if not (isinstance(result, (tuple, list)) and len(result) == 2):
+        got = (f"a {len(result)}-tuple" if isinstance(result, (tuple, list))
+               else "None" if result is None else f"a {type(result).__name__} object")
+        raise AscendPassesError(f"factory {spec!r} returned {got}; it must return "
+                                "(model, example_inputs), e.g. return model, (x,)")
+    model, inputs = result
+    if not isinstance(model, torch.nn.Module):
+        raise AscendPassesError(f"factory {spec!r} returned a {type(model).__name__} as the model; "
+                                "it must return (torch.nn.Module, example_inputs)")
+    if not isinstance(inputs, (tuple, list)):
+        raise AscendPassesError(f"factory {spec!r} returned a {type(inputs).__name__} as "
+                                "example_inputs; return a tuple of the model's inputs, e.g. (x,)")
     return model, tuple(inputs)
+
+
+def check_out_dir(out: Path) -> None:
+    """Create ``out`` and check a file can be written in it, before anything is compiled."""
+    if out.exists() and not out.is_dir():
+        raise AscendPassesError(f"--out {out} is an existing file; give a folder (it is created "
+                                "if missing)")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as exc:
+        raise AscendPassesError(f"--out {out} cannot be written ({exc.strerror or exc}); give a "
+                                "folder you can write to") from exc
 
 
 @dataclass
@@ -214,6 +254,7 @@ def _progress(args: argparse.Namespace, names: Sequence[str], hooks: list[Any]) 
 def cmd_dump(args: argparse.Namespace) -> int:
     from . import models_tp
 
+    check_out_dir(Path(args.out))
     if args.target in models_tp.BUNDLED_TP:
         return _dump_tp(args)
     model, inputs = load_target(args.target)

@@ -6,6 +6,7 @@ import os
 import subprocess
 
 import pytest
+import torch
 
 
 def run(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
@@ -88,3 +89,87 @@ def test_dump_of_a_tensor_parallel_model_shows_sequence_parallelism(tmp_path):
     assert "_c10d_functional.all_reduce.default" in diff and "reduce_scatter_tensor" in diff and "all_gather_into_tensor" in diff
     assert "shared_expert_on_shard" in out.stdout and "reduce_scatter" in out.stdout
     assert "max |compiled - eager|" in out.stdout
+
+
+# ----------------------------------------------------------------- issue 14 item 11: user errors
+# Every user error is one line "ascend-passes: error: ..." on stderr with exit status 2, found before
+# anything is compiled.  Run in-process (main(argv)) so that a compile can be forbidden.
+def _returns_none():
+    return None
+
+
+def _returns_three():
+    return torch.nn.Linear(2, 2), (torch.ones(1, 2),), "extra"
+
+
+def _returns_a_string_model():
+    return "model", (torch.ones(1, 2),)
+
+
+def _returns_a_tensor_as_inputs():
+    return torch.nn.Linear(2, 2), torch.ones(1, 2)
+
+
+def _raises():
+    raise ValueError("no weights found")
+
+
+NOT_CALLABLE = 3
+
+
+@pytest.fixture
+def no_compile(monkeypatch):
+    """Fail the test if the CLI gets as far as compiling."""
+    from ascend_passes import cli
+
+    def compile_and_compare(*args, **kwargs):
+        raise AssertionError("compiled before the user error was reported")
+
+    monkeypatch.setattr(cli, "compile_and_compare", compile_and_compare)
+    return cli
+
+
+def _user_error(cli, capsys, *argv: str) -> str:
+    rc = cli.main(list(argv))
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    lines = err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ascend-passes: error: "), err
+    return lines[0][len("ascend-passes: error: "):]
+
+
+@pytest.mark.parametrize("target, message", [
+    (":", "target ':' names no factory; give MODULE:FACTORY (e.g. my_models:build) or a bundled "
+          "model name"),
+    ("test_cli:", "target 'test_cli:' names no factory; give MODULE:FACTORY (e.g. my_models:build) "
+                  "or a bundled model name"),
+    ("test_cli:NOT_CALLABLE", "factory 'test_cli:NOT_CALLABLE' is not callable (type int); give "
+                              "a function returning (model, example_inputs)"),
+    ("test_cli:_returns_none", "factory 'test_cli:_returns_none' returned None; it must return "
+                               "(model, example_inputs), e.g. return model, (x,)"),
+    ("test_cli:_returns_three", "factory 'test_cli:_returns_three' returned a 3-tuple; it must "
+                                "return (model, example_inputs), e.g. return model, (x,)"),
+    ("test_cli:_returns_a_string_model", "factory 'test_cli:_returns_a_string_model' returned a str "
+                                         "as the model; it must return (torch.nn.Module, "
+                                         "example_inputs)"),
+    ("test_cli:_returns_a_tensor_as_inputs", "factory 'test_cli:_returns_a_tensor_as_inputs' "
+                                             "returned a Tensor as example_inputs; return a tuple "
+                                             "of the model's inputs, e.g. (x,)"),
+    ("test_cli:_raises", "factory 'test_cli:_raises' raised ValueError: no weights found"),
+])
+def test_bad_factory_is_one_line_and_status_2(no_compile, capsys, tmp_path, target, message):
+    assert _user_error(no_compile, capsys, "dump", target, "--out", str(tmp_path)) == message
+
+
+def test_dump_out_that_is_a_file_or_unwritable_fails_before_compiling(no_compile, capsys, tmp_path):
+    existing = tmp_path / "summary.txt"
+    existing.write_text("keep me")
+    assert _user_error(no_compile, capsys, "dump", "llama_dense", "--out", str(existing)) == (
+        f"--out {existing} is an existing file; give a folder (it is created if missing)")
+    assert existing.read_text() == "keep me"
+    under_a_file = existing / "graphs"
+    assert _user_error(no_compile, capsys, "dump", "llama_dense", "--out", str(under_a_file)) == (
+        f"--out {under_a_file} cannot be written (Not a directory); give a folder you can write to")
+    # the tensor-parallel models are checked before their ranks are spawned
+    assert _user_error(no_compile, capsys, "dump", "deepseek_v3_tp2", "--out", str(existing)) == (
+        f"--out {existing} is an existing file; give a folder (it is created if missing)")

@@ -441,7 +441,8 @@ def _write_replicas(param: nn.Parameter, loaded_weight: torch.Tensor, slots: lis
     index = torch.tensor(slots, device=param.device)
     if loader is None:
         with torch.no_grad():
-            param.index_copy_(0, index, loaded_weight.to(param.device, param.dtype).unsqueeze(0).expand(len(slots), *param.shape[1:]))
+            rows = loaded_weight.to(param.device, param.dtype).unsqueeze(0).expand(len(slots), *param.shape[1:])
+            param.index_copy_(0, index, rows)
         return len(slots)
     backup = param.detach().index_select(0, index)  # one expert's replicas: small
     try:

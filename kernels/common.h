@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <sstream>
 #include <string>
 
@@ -187,6 +188,11 @@ inline void dispatch_float(at::ScalarType t, F&& f) {
   }
 }
 
-ASCEND_INLINE float silu_f(float a) { return a / (1.0f + fast_exp(-a)); }
+// silu(a) = a * sigmoid(a) as torch computes it, a / (1 + exp(-a)): NaN at a = -Inf (-Inf / Inf), which
+// fast_exp's clamp would turn into -Inf; the select vectorises to a blend.
+ASCEND_INLINE float silu_f(float a) {
+  const float s = a / (1.0f + fast_exp(-a));
+  return a == -std::numeric_limits<float>::infinity() ? std::numeric_limits<float>::quiet_NaN() : s;
+}
 
 }  // namespace ascend_kernels

@@ -67,7 +67,7 @@ ASCEND_INLINE void stream_rows_nk(const T* x, int64_t x_stride, const T* w, int6
 
 ASCEND_INLINE float activate(float v, int64_t act_type) {
   switch (act_type) {
-    case 1: return v > 0.f ? v : 0.f;
+    case 1: return v < 0.f ? 0.f : v;  // NaN stays NaN, as torch.relu
     case 2: {  // GELU, tanh approximation
       const float u = 0.7978845608028654f * (v + 0.044715f * v * v * v);
       return 0.5f * v * (1.f + std::tanh(u));
@@ -200,17 +200,34 @@ void matmul_piece(const at::Tensor& x, const at::Tensor& w, const T* bias, int64
   }
 }
 
-std::vector<int64_t> group_counts(const at::Tensor& group_list, int64_t group_list_type) {
+// The decimal digits of a 128-bit integer (a total of int64 counts, which may not fit in int64).
+std::string int128_str(__int128 v) {
+  if (v == 0) return "0";
+  const bool negative = v < 0;
+  std::string digits;
+  for (; v != 0; v /= 10) digits.push_back(static_cast<char>('0' + (negative ? -(v % 10) : v % 10)));
+  if (negative) digits.push_back('-');
+  return std::string(digits.rbegin(), digits.rend());
+}
+
+// The rows of each group from group_list (type 0: a cumsum, type 1: counts), checked without int64
+// overflow (ascend_passes/ops/checks.py group_counts, same messages): every count >= 0 and all of
+// them together at most `rows`, the rows of x[0]. Counts near 2**62 must not wrap past the check.
+std::vector<int64_t> group_counts(const at::Tensor& group_list, int64_t group_list_type, int64_t rows) {
   auto gl = group_list.to(at::kCPU).contiguous();
   const int64_t* p = gl.const_data_ptr<int64_t>();
   std::vector<int64_t> counts(gl.numel());
   int64_t prev = 0;
+  __int128 total = 0;
   for (int64_t g = 0; g < gl.numel(); ++g) {
+    // type 0: p[g] >= prev >= 0, so the difference cannot overflow
+    ASCEND_CHECK(group_list_type == 1 ? p[g] >= 0 : p[g] >= prev, kGmm,
+                 "group_list must be non-negative counts (type 1) or a non-decreasing cumsum (type 0)");
     counts[g] = group_list_type == 1 ? p[g] : p[g] - prev;
     prev = p[g];
-    ASCEND_CHECK(counts[g] >= 0, kGmm,
-                 "group_list must be non-negative counts (type 1) or a non-decreasing cumsum (type 0)");
+    total += counts[g];
   }
+  ASCEND_CHECK(total <= rows, kGmm, "group_list covers ", int128_str(total), " rows but x[0] has only ", rows);
   return counts;
 }
 
@@ -299,14 +316,13 @@ std::vector<at::Tensor> grouped_matmul(at::TensorList x, at::TensorList weight, 
     check_same_dtype(kGmm, "bias[0]", (*bias)[0], "x[0]", x[0]);
     bias_c = (*bias)[0].contiguous();
   }
-  const auto counts = group_counts(gl, group_list_type);
+  auto x0 = x[0].contiguous();
+  const int64_t m = x0.size(0), n = w.size(2), k = w.size(1);
+  const auto counts = group_counts(gl, group_list_type, m);  // checked: they sum to at most m
   const int64_t num_groups = static_cast<int64_t>(counts.size());
   std::vector<int64_t> begin(num_groups + 1, 0);
   for (int64_t g = 0; g < num_groups; ++g) begin[g + 1] = begin[g] + counts[g];
   const int64_t total = begin[num_groups];
-  auto x0 = x[0].contiguous();
-  const int64_t m = x0.size(0), n = w.size(2), k = w.size(1);
-  ASCEND_CHECK(total <= m, kGmm, "group_list covers ", total, " rows but x[0] has only ", m);
   auto y = empty_output({m, n}, x0.options());
   if (total < m) y.narrow(0, total, m - total).zero_();  // rows no group owns (e.g. dropped by EP)
 

@@ -3,6 +3,8 @@
 #include "common.h"
 #include "kernels.h"
 
+#include <limits>
+
 namespace ascend_kernels {
 namespace {
 
@@ -82,6 +84,10 @@ ASCEND_NORM_ENTRY(c10::BFloat16)
 ASCEND_NORM_ENTRY(c10::Half)
 #undef ASCEND_NORM_ENTRY
 
+// rstd of rows with no elements (gamma.numel() == 0): NaN, the mean of nothing, as torch's own
+// aten::_fused_rms_norm and the reference (rsqrt(mean([]) + eps)) give; y is empty anyway.
+at::Tensor empty_norm_rstd(at::Tensor& rstd) { return rstd.fill_(std::numeric_limits<float>::quiet_NaN()); }
+
 int64_t grain_rows(int64_t row_elems) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(1, row_elems)); }
 
 }  // namespace
@@ -96,6 +102,7 @@ std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& self, const at::Te
   const int64_t rows = d == 0 ? 0 : x.numel() / d;
   auto y = empty_output(x.sizes(), x.options());
   auto rstd = at::empty(rstd_shape(x, g), x.options().dtype(at::kFloat));
+  if (d == 0) return {y, empty_norm_rstd(rstd)};
   const float eps = static_cast<float>(epsilon);
   dispatch_float(x.scalar_type(), [&](auto tag) {
     using scalar_t = decltype(tag);
@@ -126,6 +133,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x1
   auto y = empty_output(x1.sizes(), x1.options());
   auto sum = empty_output(x1.sizes(), x1.options());
   auto rstd = at::empty(rstd_shape(x1, g), x1.options().dtype(at::kFloat));
+  if (d == 0) return {y, empty_norm_rstd(rstd), sum};
   const float eps = static_cast<float>(epsilon);
   dispatch_float(x1.scalar_type(), [&](auto tag) {
     using scalar_t = decltype(tag);

@@ -102,32 +102,52 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_init_routing_v2(
   int64_t max_id = -1;
   for (int64_t i = 0; i < total; ++i) {
     const int64_t e = ids[i];
-    ASCEND_CHECK(e >= 0 && (expert_num <= 0 || e < expert_num), kInit, "expert id ", e,
-                 " out of range [0, expert_num=", expert_num, ")");
+    if (expert_num > 0) {
+      ASCEND_CHECK(e >= 0 && e < expert_num, kInit, "expert id ", e, " out of range [0, expert_num=", expert_num,
+                   ")");
+    } else {
+      ASCEND_CHECK(e >= 0, kInit, "expert id ", e, " must be >= 0 (expert_num=", expert_num, " sets no upper bound)");
+    }
     max_id = std::max(max_id, e);
   }
   if (expert_num <= 0) end = max_id + 1;
   const int64_t local = std::max<int64_t>(end - start, 0);
-
-  // Counting sort, stable in the flattened (token, k) index; ids outside [start, end) are dropped.
-  std::vector<int64_t> counts(local + 1, 0);
-  for (int64_t i = 0; i < total; ++i) {
+  // The sort key of pair i: its expert's offset in [start, end), or `local` (sorts last, dropped).
+  auto bucket = [&](int64_t i) -> int64_t {
     const int64_t e = ids[i];
-    counts[(e >= start && e < end) ? e - start : local] += 1;
+    return (e >= start && e < end) ? e - start : local;
+  };
+
+  // Stable sort of the flattened (token, k) index by bucket. A counting sort while the buckets are
+  // few next to the pairs; otherwise (a large expert_num or expert id, e.g. 2**31-1 with
+  // expert_num=-1) a comparison sort, so time and memory follow the input, never the id values.
+  std::vector<int64_t> sorted_src(total);
+  int64_t available = 0;
+  if (local <= std::max<int64_t>(total, int64_t(1) << 16)) {
+    std::vector<int64_t> next(local + 1, 0);
+    for (int64_t i = 0; i < total; ++i) {
+      const int64_t b = bucket(i);
+      if (b < local) next[b + 1] += 1;
+    }
+    for (int64_t b = 1; b <= local; ++b) next[b] += next[b - 1];  // next[b]: first slot of bucket b
+    available = next[local];
+    int64_t dropped = available;
+    for (int64_t i = 0; i < total; ++i) {
+      const int64_t b = bucket(i);
+      sorted_src[b < local ? next[b]++ : dropped++] = i;
+    }
+  } else {
+    for (int64_t i = 0; i < total; ++i) {
+      sorted_src[i] = i;
+      available += bucket(i) < local;
+    }
+    std::stable_sort(sorted_src.begin(), sorted_src.end(),
+                     [&](int64_t a, int64_t b) { return bucket(a) < bucket(b); });
   }
-  std::vector<int64_t> next(local + 1, 0);
-  for (int64_t e = 1; e <= local; ++e) next[e] = next[e - 1] + counts[e - 1];
-  const int64_t available = next[local];
   const int64_t kept_rows = std::min(available, out_rows);
 
   auto expanded_row_idx = at::empty({total}, x.options().dtype(at::kInt));
   int32_t* row_idx = expanded_row_idx.data_ptr<int32_t>();
-  std::vector<int64_t> sorted_src(total);
-  for (int64_t i = 0; i < total; ++i) {
-    const int64_t e = ids[i];
-    const int64_t bucket = (e >= start && e < end) ? e - start : local;
-    sorted_src[next[bucket]++] = i;
-  }
   if (row_idx_type == 0) {
     for (int64_t dst = 0; dst < total; ++dst) {
       row_idx[sorted_src[dst]] = dst < kept_rows ? static_cast<int32_t>(dst) : -1;
@@ -151,6 +171,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_init_routing_v2(
                      }
                    });
 
+  // Tokens per active expert, from the sorted pairs (the first `available` are in range, by expert);
+  // expert_num > 0 here, and the output has one entry per expert, as requested.
   at::Tensor expert_tokens;
   auto long_opts = x.options().dtype(at::kLong);
   if (!expert_tokens_num_flag) {
@@ -158,21 +180,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_init_routing_v2(
   } else if (expert_tokens_num_type == 2) {
     expert_tokens = at::zeros({expert_num, 2}, long_opts);
     int64_t* kv = expert_tokens.data_ptr<int64_t>();
-    int64_t slot = 0;
-    for (int64_t e = 0; e < local; ++e) {
-      if (counts[e] > 0) {
-        kv[2 * slot] = start + e;
-        kv[2 * slot + 1] = counts[e];
-        ++slot;
+    int64_t slot = -1, last = -1;
+    for (int64_t dst = 0; dst < available; ++dst) {
+      const int64_t e = ids[sorted_src[dst]];
+      if (e != last) {
+        last = e;
+        kv[2 * ++slot] = e;
       }
+      kv[2 * slot + 1] += 1;
     }
   } else {
-    expert_tokens = at::empty({local}, long_opts);
+    expert_tokens = at::zeros({local}, long_opts);
     int64_t* out = expert_tokens.data_ptr<int64_t>();
-    int64_t running = 0;
-    for (int64_t e = 0; e < local; ++e) {
-      running += counts[e];
-      out[e] = expert_tokens_num_type == 0 ? running : counts[e];
+    for (int64_t dst = 0; dst < available; ++dst) out[bucket(sorted_src[dst])] += 1;
+    if (expert_tokens_num_type == 0) {
+      for (int64_t e = 1; e < local; ++e) out[e] += out[e - 1];
     }
   }
 

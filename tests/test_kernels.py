@@ -15,10 +15,12 @@ import pytest
 import torch
 
 import ascend_passes.ops as ops
+from _helpers import run_with_memory_cap, skip_unless
 from ascend_passes import kernels
 from ascend_passes.ops import reference
 
-pytestmark = pytest.mark.skipif(not kernels.available(), reason="C++ kernels not built or disabled")
+# a failure instead of a skip under ASCEND_PASSES_CI_STRICT=1 (CI)
+skip_unless(kernels.available(), "C++ kernels not built or disabled", allow_module_level=True)
 
 K = torch.ops.ascend_kernels if kernels.available() else None
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -78,6 +80,57 @@ def test_init_routing_is_bitwise_equal(dtype, rng, count_type, row_idx_type):
     truncated = dict(kw, active_num=1000)  # fewer output rows than pairs
     for g, e in zip(K.moe_init_routing_v2(x, ids, **truncated), reference.moe_init_routing_v2(x, ids, **truncated)):
         assert torch.equal(g, e)
+
+
+# Issue 14 items 5 and 6, run in a child process capped at 4 GiB of address space: before the fixes,
+# the C++ kernels allocated 16 B x (largest expert id + 1) (2**31-1: 32 GB, the machine's OOM killer)
+# and looped allocating work items for group counts whose int64 sum wrapped past the row check.
+HUGE_VALUES_SCRIPT = textwrap.dedent(
+    """
+    import time, torch
+    import ascend_passes.ops
+    from ascend_passes.ops import reference
+    K = torch.ops.ascend_kernels
+
+    def outcome(f):
+        try:
+            return f()
+        except ValueError as exc:
+            return str(exc)
+
+    start = time.perf_counter()
+    x = torch.randn(3, 8)
+    ids = torch.tensor([[2**31 - 1, 0], [5, 2**31 - 1], [7, 7]], dtype=torch.int32)
+    for kw in (dict(), dict(row_idx_type=1, active_num=4), dict(expert_num=2**40),
+               dict(expert_num=2**40, active_expert_range=[5, 2**40]), dict(expert_num=2**31, active_num=5)):
+        got, expected = K.moe_init_routing_v2(x, ids, **kw), reference.moe_init_routing_v2(x, ids, **kw)
+        assert all(torch.equal(g, e) for g, e in zip(got, expected)), kw
+    expected = reference.moe_init_routing_v2(x, ids)[1]
+    assert expected.tolist() == [4, 0, 1, 5, 2, 3], expected  # sorted by expert id: 0, 5, 7, 7, 2**31-1 x2
+    negative = torch.tensor([[3, -2]], dtype=torch.int32)
+    for impl in (K, reference):
+        assert outcome(lambda: impl.moe_init_routing_v2(x[:1], negative)) == (
+            "ascend.moe_init_routing_v2: expert id -2 must be >= 0 (expert_num=-1 sets no upper bound)")
+
+    x, w = torch.randn(4, 8), torch.randn(4, 8, 3)
+    for group_list, gl_type, total in (([2**62] * 4, 1, 2**64), ([2**63 - 1, 2**63 - 1, 3, 0], 1, 2**64 + 1),
+                                       ([2**62, -2**62, 2, 2], 1, None), ([2, 2**63 - 1, 2**63 - 1, 4], 0, None)):
+        for impl in (K, reference):
+            message = outcome(lambda: impl.grouped_matmul([x], [w], group_list=torch.tensor(group_list),
+                                                          group_type=0, group_list_type=gl_type))
+            if total is None:
+                assert "must be non-negative counts (type 1) or a non-decreasing cumsum (type 0)" in message
+            else:
+                assert message == f"ascend.grouped_matmul: group_list covers {total} rows but x[0] has only 4"
+    print(f"bounded-ok {time.perf_counter() - start:.2f}")
+    """
+)
+
+
+def test_huge_expert_ids_and_group_counts_stay_bounded_and_match_the_reference():
+    run = run_with_memory_cap(HUGE_VALUES_SCRIPT, 4 << 30, timeout=120)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    assert "bounded-ok" in run.stdout
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

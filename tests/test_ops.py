@@ -87,6 +87,23 @@ def test_add_rms_norm_returns_rounded_residual(backend, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("x_shape,gamma_shape", [((3, 0), (0,)), ((2, 4, 0), (4, 0)), ((0,), (0,))])
+def test_norms_of_empty_rows_give_nan_rstd_like_torch(backend, dtype, x_shape, gamma_shape):
+    """Issue 14 item 7: a hidden size of 0 gave uninitialised memory as rstd in the C++ kernels.
+    Defined as torch's own aten._fused_rms_norm (and the reference) give it: NaN, the mean of nothing."""
+    x, gamma = torch.randn(x_shape).to(dtype), torch.randn(gamma_shape).to(dtype)
+    _, torch_rstd = torch.ops.aten._fused_rms_norm(x.float(), list(gamma_shape), gamma.float(), 1e-6)
+    for _ in range(3):  # fresh buffers each time: garbage would not be NaN every time
+        y, rstd = A.rms_norm(x, gamma, 1e-6)
+        y2, rstd2, x_sum = A.add_rms_norm(x, x, gamma, 1e-6)
+        for out in (y, y2, x_sum):
+            assert out.shape == x.shape and out.dtype == dtype
+        for r in (rstd, rstd2):
+            assert r.shape == torch_rstd.shape and r.dtype == torch.float32
+            assert r.isnan().all() and torch_rstd.isnan().all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("dim", [-1, 0, 1])
 def test_swiglu_halves(backend, dtype, dim):
     x = torch.randn(4, 6, 10).to(dtype)
@@ -423,6 +440,13 @@ BAD_INPUTS = [
      lambda: A.grouped_matmul([torch.randn(4, 8)], [torch.randn(2, 8, 3)], group_list=torch.tensor([3, 2]),
                               group_type=0, group_list_type=1),
      r"group_list covers 5 rows but x\[0\] has only 4"),
+    ("gmm cumsum past the rows",
+     lambda: A.grouped_matmul([torch.randn(4, 8)], [torch.randn(2, 8, 3)], group_list=torch.tensor([2, 2**63 - 1]),
+                              group_type=0, group_list_type=0),
+     r"group_list covers 9223372036854775807 rows but x\[0\] has only 4"),
+    ("init_routing negative id without expert_num",
+     lambda: A.moe_init_routing_v2(torch.randn(2, 4), torch.tensor([[1], [-1]], dtype=torch.int32)),
+     r"expert id -1 must be >= 0 \(expert_num=-1 sets no upper bound\)"),
     ("gmm group_list not monotone",
      lambda: A.grouped_matmul([torch.randn(4, 8)], [torch.randn(2, 8, 3)], group_list=torch.tensor([3, 2]),
                               group_type=0, group_list_type=0),
@@ -513,6 +537,31 @@ def sample_calls():
 @pytest.mark.parametrize("name,args,kwargs", sample_calls(), ids=[c[0] for c in sample_calls()])
 def test_opcheck(backend, name, args, kwargs):
     torch.library.opcheck(getattr(A, name).default, args, kwargs)
+
+
+def non_contiguous(value):
+    """``value`` with every tensor re-laid out non-contiguously (same values): matrices and up
+    transposed in memory, vectors strided by 2; lists element by element."""
+    if isinstance(value, (list, tuple)):
+        return type(value)(non_contiguous(v) for v in value)
+    if not isinstance(value, torch.Tensor) or value.dim() == 0:
+        return value
+    if value.dim() == 1:
+        return torch.stack([value, torch.zeros_like(value)], -1)[:, 0]
+    return value.transpose(-1, -2).contiguous().transpose(-1, -2)
+
+
+@pytest.mark.parametrize("name,args,kwargs", sample_calls(), ids=[c[0] for c in sample_calls()])
+def test_opcheck_non_contiguous_inputs(backend, name, args, kwargs):
+    """The fake promises the strides the kernel returns (contiguous) whatever the inputs'
+    strides, and the values do not depend on them (a q/k norm after ``transpose(1, 2)``)."""
+    args, kwargs = non_contiguous(args), non_contiguous(kwargs)
+    assert any(not t.is_contiguous() for t in torch.utils._pytree.tree_leaves((args, kwargs))
+               if isinstance(t, torch.Tensor))
+    op = getattr(A, name).default
+    torch.library.opcheck(op, args, kwargs)
+    for out in torch.utils._pytree.tree_leaves(op(*args, **kwargs)):
+        assert out.is_contiguous()
 
 
 @pytest.mark.parametrize("name,args,kwargs", sample_calls(), ids=[c[0] for c in sample_calls()])

@@ -3,7 +3,8 @@
 Every check raises ``ValueError`` whose message names the argument, what it got and what is
 allowed; the C++ kernels (kernels/*.cpp) raise the same messages through ``TORCH_CHECK_VALUE``.
 Checks here look at attributes, ranks and dtypes only, so they also run under FakeTensor with
-symbolic sizes; checks on tensor *values* (expert ids in range) live in the reference code.
+symbolic sizes; checks on tensor *values* (expert ids in range) live in the reference code, except
+``group_counts``, which takes the values of ``group_list`` as Python ints.
 """
 
 from __future__ import annotations
@@ -235,6 +236,22 @@ def check_grouped_matmul(
                     fail(op, f"bias[{i}] must have shape [{w.shape[1]}], got {tuple(b.shape)}")
                 check_same_dtype(op, f"bias[{i}]", b, "x[0]", x[0])
     return grouped
+
+
+def group_counts(group_list: Sequence[int], group_list_type: int, rows: int) -> list[int]:
+    """The rows of each group from the *values* of ``group_list`` (type 0: a cumsum, type 1: counts),
+    checked in exact integers (no int64 wrap-around: counts near 2**62 cannot sum past the check):
+    every count >= 0 and all of them together at most ``rows``, the rows of ``x[0]``.  A value
+    check, run by the reference; the C++ kernel raises the same messages."""
+    op = "grouped_matmul"
+    values = [int(v) for v in group_list]
+    counts = values if group_list_type == 1 else [b - a for a, b in zip([0, *values[:-1]], values)]
+    if any(c < 0 for c in counts):
+        fail(op, "group_list must be non-negative counts (type 1) or a non-decreasing cumsum (type 0)")
+    total = sum(counts)
+    if total > rows:
+        fail(op, f"group_list covers {total} rows but x[0] has only {rows}")
+    return counts
 
 
 def check_finalize_routing(

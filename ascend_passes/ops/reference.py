@@ -1,7 +1,8 @@
 """Reference implementations of the ``torch.ops.ascend`` ops in plain PyTorch (any device).
 
 They define the semantics the C++ kernels and the torch_npu operators must match; math runs in
-float32 and is rounded once to the output dtype.  Ties in top-k go to the lower expert index.
+float32 and is rounded once to the output dtype.  Outputs are contiguous whatever the inputs'
+strides (the contract the fakes promise and the C++ kernels keep).  Ties in top-k go to the lower expert index.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ def rms_norm(x: torch.Tensor, gamma: torch.Tensor, epsilon: float = 1e-6) -> tup
     xf = x.float()
     rstd = torch.rsqrt(xf.pow(2).mean(dim=dims, keepdim=True) + epsilon)
     y = (xf * rstd * gamma.float()).to(x.dtype)
-    return y, rstd
+    return y.contiguous(), rstd.contiguous()
 
 
 def add_rms_norm(
@@ -32,7 +33,7 @@ def add_rms_norm(
     checks.check_norm("add_rms_norm", x1, gamma)
     # The residual sum is rounded to the input dtype before it is normalised, as the unfused
     # model code (``h = x1 + x2; rms_norm(h)``) does.
-    x_sum = (x1.float() + x2.float()).to(x1.dtype)
+    x_sum = (x1.float() + x2.float()).to(x1.dtype).contiguous()
     y, rstd = rms_norm(x_sum, gamma, epsilon)
     return y, rstd, x_sum
 
@@ -40,7 +41,7 @@ def add_rms_norm(
 def swiglu(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     dim = checks.check_swiglu(x, dim)
     a, b = x.float().chunk(2, dim=dim)
-    return (F.silu(a) * b).to(x.dtype)
+    return (F.silu(a) * b).to(x.dtype).contiguous()
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -106,7 +107,7 @@ def moe_gating_top_k(
     if norm_type == 1:
         y = y / (y.sum(dim=-1, keepdim=True) + eps)
     y = y * routed_scaling_factor
-    return y.to(x.dtype).contiguous(), expert_idx.to(torch.int32).contiguous(), scores
+    return y.to(x.dtype).contiguous(), expert_idx.to(torch.int32).contiguous(), scores.contiguous()
 
 
 def moe_init_routing_v2(
@@ -138,7 +139,9 @@ def moe_init_routing_v2(
         bad_ids |= flat >= expert_num
     if bad_ids.any():
         bad = flat[bad_ids][0].item()
-        checks.fail("moe_init_routing_v2", f"expert id {bad} out of range [0, expert_num={expert_num})")
+        if expert_num > 0:
+            checks.fail("moe_init_routing_v2", f"expert id {bad} out of range [0, expert_num={expert_num})")
+        checks.fail("moe_init_routing_v2", f"expert id {bad} must be >= 0 (expert_num={expert_num} sets no upper bound)")
     end_key = end if end > 0 else (int(flat.max().item()) + 1 if total else 1)
     valid = (flat >= start) & (flat < end_key)
     # Stable sort by expert; ids outside the active range sort last and are dropped.
@@ -222,16 +225,11 @@ def grouped_matmul(
         return outs
 
     x0, w = x[0], weight[0]
-    counts = group_list if group_list_type == 1 else torch.diff(group_list, prepend=group_list.new_zeros(1))
-    if (counts < 0).any():
-        checks.fail("grouped_matmul",
-                    "group_list must be non-negative counts (type 1) or a non-decreasing cumsum (type 0)")
-    total = int(counts.sum().item())
-    if total > x0.shape[0]:
-        checks.fail("grouped_matmul", f"group_list covers {total} rows but x[0] has only {x0.shape[0]}")
+    counts = checks.group_counts(group_list.tolist(), group_list_type, x0.shape[0])
+    total = sum(counts)
     y = x0.new_zeros(x0.shape[0], w.shape[2], dtype=torch.float32)
     begin = 0
-    for g, n in enumerate(counts.tolist()):
+    for g, n in enumerate(counts):
         if n:
             yg = x0[begin:begin + n].float() @ w[g].float()
             if bias is not None:
@@ -274,8 +272,8 @@ def moe_finalize_routing(
                         f"export_for_source_row has an expert id out of range [0, {bias.shape[0]})")
         picked = picked + bias.float().index_select(0, experts.reshape(-1)).view(num_rows, top_k, hidden)
     weights = scales.float() if scales is not None else torch.ones(num_rows, top_k, device=rows.device)
-    weights = weights * kept
-    out = (picked * weights.unsqueeze(-1)).sum(dim=1)
+    # a dropped pair adds nothing (a masked select, not a zero weight: 0 * Inf in the row it reads is NaN)
+    out = torch.where(kept.unsqueeze(-1), picked * weights.unsqueeze(-1), 0.0).sum(dim=1)
     if skip1 is not None:
         out = out + skip1.float()
     if skip2 is not None:

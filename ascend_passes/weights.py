@@ -302,19 +302,31 @@ def load_weight(model: nn.Module, name: str, loaded_weight: torch.Tensor, *args:
     if not isinstance(name, str):
         raise WeightLoadError(f"load_weight() takes the parameter's name as a str, got {type(name).__name__} "
                               f"{name!r:.60}")
-    params = dict(model.named_parameters())
-    if name not in params:
+    param = _parameter(model, name)
+    if param is None:
         eplb = _eplb_target(model, name)
         if eplb is not None:
             _load_eplb(name, *eplb, loaded_weight, args, kwargs)
             return
         raise WeightLoadError(f"{type(model).__name__} has no parameter {name!r}")
-    param = params[name]
     _check_tensor(name, loaded_weight, param.dtype)
     physical = _refuse_one_replica(model, name, param, one_slot=bool(args) or "expert_id" in kwargs)
     loader = getattr(param, "weight_loader", default_weight_loader)
     with _expert_update_lock() if physical else contextlib.nullcontext():
         _call_loader(name, param, loader, loaded_weight, args, kwargs)
+
+
+def _parameter(model: nn.Module, name: str) -> nn.Parameter | None:
+    """``model``'s parameter ``name`` (a path of registered parameters, as ``named_parameters``
+    names it), or None; looked up along the path, not by listing every parameter, and without
+    reading attributes (an EPLB-attached experts module computes ``gate_up_proj``)."""
+    prefix, _, attr = name.rpartition(".")
+    try:
+        module = model.get_submodule(prefix)
+    except AttributeError:
+        return None
+    param = module._parameters.get(attr)
+    return param if isinstance(param, nn.Parameter) else None
 
 
 def _call_loader(name: str, param: nn.Parameter, loader: Any, loaded_weight: torch.Tensor, args: tuple,
@@ -346,8 +358,10 @@ def _eplb_target(model: nn.Module, name: str) -> tuple[Any, Any, nn.Parameter] |
     layer = experts.__dict__.get(eplb_state._STATE_ATTR)
     if not isinstance(layer, eplb_state.EplbLayer):
         return None
-    state = next((s for m in model.modules() if (s := eplb_state.state_of(m)) is not None
-                  and any(lay.experts is experts for lay in s.layers)), None)
+    parts = prefix.split(".") if prefix else []
+    ancestors = (model.get_submodule(".".join(parts[:i])) for i in range(len(parts) + 1))
+    state = next((s for m in ancestors if (s := eplb_state.state_of(m)) is not None
+                  and any(lay is layer for lay in s.layers)), None)
     return layer, state, experts._parameters[physical]
 
 

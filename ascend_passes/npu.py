@@ -258,7 +258,7 @@ NPU_OPS: dict[str, NpuOp] = {
         "torch_npu.npu_mla_prolog_v3_functional(token_x, weight_dq, weight_uq_qr, weight_uk, weight_dkv_kr, "
         "rmsnorm_gamma_cq, rmsnorm_gamma_ckv, rope_sin, rope_cos, kv_cache, kr_cache, *, cache_index=None, "
         "..., rmsnorm_epsilon_cq=1e-05, rmsnorm_epsilon_ckv=1e-05, cache_mode='PA_BSND', ...) "
-        "-> (query, query_rope, kv_cache, kr_cache, dequant_scale_q_nope, query_norm, dequant_scale_q_norm)",
+        "-> (query, query_rope, dequant_scale_q_nope, query_norm, dequant_scale_q_norm, kv_cache, kr_cache)",
         note="the graph has no kv cache: lower allocates one cache row per token (BlockNum=T, BlockSize=1, "
         "Nkv=1) with cache_index=arange(T), so the returned caches are exactly our kv / k_rope.",
         limits=(

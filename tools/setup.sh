@@ -16,3 +16,13 @@ fi
 "$PY" -m pip install -q --disable-pip-version-check "torch==2.13.0"
 "$PY" -m pip install -q --disable-pip-version-check -r requirements-dev.txt
 "$PY" -m pip install -q --disable-pip-version-check --no-build-isolation -e .
+# The torch_npu wheel, as *data* (never installed: without the CANN toolkit an installed torch_npu
+# breaks `import torch`): its op schemas, meta kernels and torchair converters check the `lower`
+# pass on CPU (ascend_passes/npu_schemas.py; ASCEND_PASSES_TORCH_NPU_WHEEL overrides the path).
+NPU_WHEEL_DIR="${XDG_CACHE_HOME:-$HOME/.cache}/ascend_passes"
+if ! ls "$NPU_WHEEL_DIR"/torch_npu-2.13.0-*.whl >/dev/null 2>&1; then
+  mkdir -p "$NPU_WHEEL_DIR"
+  "$PY" -m pip download -q --disable-pip-version-check --no-deps --only-binary=:all: \
+      -d "$NPU_WHEEL_DIR" "torch-npu==2.13.0" ||
+    echo "setup: could not download the torch_npu 2.13.0 wheel; the NPU lowering tests (tests/test_lower.py) will be skipped (they fail under ASCEND_PASSES_CI_STRICT=1)" >&2
+fi

@@ -64,9 +64,20 @@ def _vals(bound: dict[str, Any]) -> dict[str, Any]:
     return {k: fx.node.map_arg(v, lambda n: n.meta.get("val")) for k, v in bound.items()}
 
 
-def _call(graph: fx.Graph, target: Any, *args: Any, **kwargs: Any) -> fx.Node:
+def _call(graph: fx.Graph, target: Any, *args: Any, fake_like: Any = None, **kwargs: Any) -> fx.Node:
+    """A new node with its ``meta["val"]``; a factory (no tensor input) computes it under the fake
+    mode of ``fake_like``."""
     node = graph.call_function(target, args, kwargs)
-    set_val(node)
+    if fake_like is None:
+        set_val(node)
+        return node
+    from torch._guards import detect_fake_mode
+
+    mode = detect_fake_mode([fake_like])
+    vargs, vkwargs = fx.node.map_arg((args, kwargs), lambda n: n.meta.get("val"))
+    if mode is not None:
+        with mode:
+            node.meta["val"] = target(*vargs, **vkwargs)
     return node
 
 
@@ -97,10 +108,9 @@ def order_for(op: torch._ops.OpOverload, kwargs: dict[str, Any]) -> tuple[tuple[
 # per ascend op: (graph, adapted kwargs, ascend fake args) -> kwargs, nodes inserted before the call
 def _finalize_graph(graph: fx.Graph, kw: dict[str, Any], vals: dict[str, Any]) -> dict[str, Any]:
     if kw.get("drop_pad_mode") == 2:  # token-major r*K+j → the documented mode 0's j*N+r
-        num_rows, k = vals["export_for_source_row"].shape if vals["export_for_source_row"] is not None \
-            else (vals["scales"].shape[0], kw["k"])
+        k = vals["scales"].shape[1] if vals["scales"] is not None else kw["k"]
         idx = kw["expanded_src_to_dst_row"]
-        view = _call(graph, aten.view.default, idx, [num_rows, k])
+        view = _call(graph, aten.view.default, idx, [-1, k])  # k is static (the model's top-k)
         t = _call(graph, aten.permute.default, view, [1, 0])
         kw["expanded_src_to_dst_row"] = _call(graph, aten.clone.default, t, memory_format=torch.contiguous_format)
         kw["expanded_src_to_dst_row"] = _call(graph, aten.view.default, kw["expanded_src_to_dst_row"], [-1])
@@ -128,9 +138,10 @@ def _mla_graph(graph: fx.Graph, kw: dict[str, Any], vals: dict[str, Any]) -> dic
         tokens = size if tokens == 1 else _call(graph, operator.mul, tokens, size)
     hckv, dr = vals["rmsnorm_gamma_ckv"].shape[0], vals["rope_sin"].shape[-1]
     opts = {"dtype": xv.dtype, "device": xv.device}
-    kw["kv_cache"] = _call(graph, aten.zeros.default, [tokens, 1, 1, hckv], **opts)
-    kw["kr_cache"] = _call(graph, aten.zeros.default, [tokens, 1, 1, dr], **opts)
-    kw["cache_index"] = _call(graph, aten.arange.default, tokens, dtype=torch.int64, device=xv.device)
+    kw["kv_cache"] = _call(graph, aten.zeros.default, [tokens, 1, 1, hckv], fake_like=xv, **opts)
+    kw["kr_cache"] = _call(graph, aten.zeros.default, [tokens, 1, 1, dr], fake_like=xv, **opts)
+    kw["cache_index"] = _call(graph, aten.arange.default, tokens, fake_like=xv, dtype=torch.int64,
+                              device=xv.device)
     kw["cache_mode"] = "PA_BSND"
     for drop in ("head_num", "rope_interleave"):
         kw.pop(drop)
@@ -161,8 +172,10 @@ def _outputs(name: str, graph: fx.Graph, call: fx.Node, bound: dict[str, Any], v
         lead = list(xv.shape[:-1])
         lead_args = [l if isinstance(l, int) else _call(graph, aten.sym_size.int, bound["token_x"], i)
                      for i, l in enumerate(lead)]
-        kv = _call(graph, aten.view.default, outs[2], [*lead_args, vals["rmsnorm_gamma_ckv"].shape[0]])
-        kr = _call(graph, aten.view.default, outs[3], [*lead_args, vals["rope_sin"].shape[-1]])
+        # outputs: query, query_rope, dequant_scale_q_nope, query_norm, dequant_scale_q_norm,
+        # kv_cache, kr_cache (_op_plugin_docs.py example and the meta kernel; the caches are last)
+        kv = _call(graph, aten.view.default, outs[5], [*lead_args, vals["rmsnorm_gamma_ckv"].shape[0]])
+        kr = _call(graph, aten.view.default, outs[6], [*lead_args, vals["rope_sin"].shape[-1]])
         return [outs[0], outs[1], kv, kr]
     return outs
 
@@ -257,6 +270,15 @@ def decompose(gm: fx.GraphModule, node: fx.Node, name: str) -> None:
 
 
 def _replace(graph: fx.Graph, node: fx.Node, out: Any) -> None:
+    # the ascend node's value stays on its replacement ("ascend_val"): dumps show it, and the tests
+    # check the NPU meta kernels give exactly these shapes and dtypes
+    old_val = node.meta.get("val")
+    if isinstance(out, (list, tuple)) and isinstance(old_val, (list, tuple)):
+        for new, val in zip(out, old_val):
+            if isinstance(new, fx.Node):
+                new.meta["ascend_val"] = val
+    elif isinstance(out, fx.Node):
+        out.meta["ascend_val"] = old_val
     if isinstance(out, (list, tuple)):
         for user in list(node.users):
             if user.target is operator.getitem:

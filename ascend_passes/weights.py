@@ -172,7 +172,7 @@ def prepare(*models: nn.Module, layout: Layout = "auto") -> int:
         _nothing_marked("prepare", models)
         return 0
     changed = 0
-    with torch.no_grad():
+    with _layout_lock(models), torch.no_grad():
         for _, param, how in marked:
             if _is_execution(param, how) or (layout == "auto" and not execution_layout_pays(param)):
                 continue
@@ -194,13 +194,23 @@ def restore(*models: nn.Module) -> int:
         _nothing_marked("restore", models)
         return 0
     changed = 0
-    with torch.no_grad():
+    with _layout_lock(models), torch.no_grad():
         for _, param, _how in marked:
             if not param.is_contiguous():
                 param.data = param.data.contiguous()
                 changed += 1
     log.info("restore: %d of %d marked weights put back in the loadable layout", changed, len(marked))
     return changed
+
+
+def _layout_lock(models: Sequence[nn.Module]) -> Any:
+    """The EPLB forward lock's exclusive side when one of ``models`` is EPLB-attached: a layout
+    change of physical expert weights must not race a forward or a ``rebalance()``."""
+    from ascend_passes.eplb.state import state_of
+
+    if any(state_of(m) is not None for m in models):
+        return _expert_update_lock()
+    return contextlib.nullcontext()
 
 
 def _nothing_marked(what: str, models: Sequence[nn.Module]) -> None:

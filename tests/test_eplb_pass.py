@@ -213,3 +213,77 @@ def test_mtp_layers_mapped_and_counted_apart_from_target(num_mtp):
         assert not torch.equal(target.expert_load(), draft.expert_load())
     else:
         assert int(target.physical_load().sum()) == 0  # the target did not run: nothing recorded
+
+
+# --------------------------------------------------------------------------------- issue 14 item 9
+@pytest.mark.parametrize("shape", [(16,), (2, 20), (3, 16), (1, 16)])
+def test_rebalance_with_a_load_of_the_wrong_shape_names_both_shapes(deepseek, shape):
+    _, runs = deepseek
+    state = runs[4][1]
+    before = state.phy2log
+    message = (f"expert load must have shape [2, 16] (one row per MoE layer of this model, one "
+               f"column per logical expert), got shape {list(shape)}")
+    for call in (state.rebalance, state.rank_balance):
+        with pytest.raises(ConfigError) as err:
+            call(torch.ones(shape))
+        assert str(err.value) == message
+    assert torch.equal(state.phy2log, before)
+
+
+def test_export_placement_to_a_directory_names_the_path_and_leaves_no_temp_file(deepseek, tmp_path):
+    _, runs = deepseek
+    state = runs[4][1]
+    with pytest.raises(ConfigError) as err:
+        state.export_placement(tmp_path)
+    assert str(err.value) == (f"export_placement: {tmp_path} is a directory; pass a file path, "
+                              f"e.g. {tmp_path / 'placement.json'}")
+    missing = tmp_path / "nowhere" / "placement.json"
+    with pytest.raises(ConfigError) as err:
+        state.export_placement(missing)
+    assert str(err.value) == (f"export_placement: cannot write {missing}: its directory "
+                              f"{tmp_path / 'nowhere'} does not exist; create it first")
+    assert list(tmp_path.iterdir()) == []  # no temporary file left behind
+    state.export_placement(tmp_path / "placement.json")
+    assert [p.name for p in tmp_path.iterdir()] == ["placement.json"]
+
+
+@pytest.mark.parametrize("field, value, attached", [
+    ("num_redundant_experts", 8, 4), ("ep_size", 2, 4), ("record_load", False, True),
+    ("placement_file", "placement.json", None)])
+def test_compile_options_contradicting_attach_are_config_errors(deepseek, field, value, attached):
+    _, runs = deepseek
+    state, base_report = runs[4][1], runs["base"][4][0]
+    tables = [layer.expert_load for layer in state.layers]
+    cfg = AscendPassConfig.from_options({"eplb": {"enabled": True, field: value}})
+    ctx = PassContext(cfg, real_inputs=tables, facts=dict(base_report.facts))
+    with pytest.raises(ConfigError) as err:
+        EplbPass(cfg).enabled(ctx)
+    assert str(err.value) == (
+        f"eplb.{field}={value!r} in the compile options, but attach() set this model up with "
+        f"{field}={attached!r}; the compiled graph follows the attached state, so leave "
+        f"eplb.{field} unset or set it to {attached!r} (attach again to change it)")
+    # the attached values, or the options left unset, are accepted
+    for options in ({field: attached} if attached is not None else {}, {}):
+        cfg = AscendPassConfig.from_options({"eplb": {"enabled": True, **options}})
+        assert EplbPass(cfg).enabled(PassContext(cfg, real_inputs=tables, facts=dict(base_report.facts)))
+
+
+def test_contradicting_redundancy_is_found_from_the_graph_without_real_inputs(deepseek, monkeypatch):
+    """The Inductor-pass route has no real inputs: the redundancy is read off the table shapes
+    (in run(), so strict mode raises it; otherwise the pass is rolled back with that WARNING)."""
+    import ascend_passes.backend as backend
+
+    inputs, runs = deepseek
+    model = runs[4][0]
+    monkeypatch.setattr(backend, "_real_inputs_for", lambda *args: None)
+    torch._dynamo.reset()
+    options = {"compiler": "eager", "strict": True, "eplb": {"enabled": True, "num_redundant_experts": 8}}
+    with torch.no_grad(), pytest.raises(Exception) as err:
+        torch.compile(model, backend="ascend_passes", options=options)(*inputs)
+    inner = getattr(err.value, "inner_exception", err.value)
+    assert isinstance(inner, ap.PassError), repr(err.value)
+    assert str(inner) == (
+        "pass 'eplb' failed: ConfigError: eplb.num_redundant_experts=8 in the compile options, but "
+        "attach() set this model up with num_redundant_experts=4; the compiled graph follows the "
+        "attached state, so leave eplb.num_redundant_experts unset or set it to 4 (attach again to "
+        "change it)")

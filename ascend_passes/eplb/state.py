@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -61,7 +62,8 @@ from ascend_passes.eplb.placement import (
     rebalance_experts,
 )
 from ascend_passes.eplb.placement_file import export_placement, load_placement
-from ascend_passes.eplb.validate import check_redundancy, validate_placement
+from ascend_passes.eplb.sync import FORWARD_LOCK
+from ascend_passes.eplb.validate import check_expert_load, check_redundancy, validate_placement
 
 log = logging.getLogger("ascend_passes.eplb")
 
@@ -69,6 +71,7 @@ __all__ = ["EplbLayer", "EplbState", "attach", "find_moe_blocks", "state_of"]
 
 _STATE_ATTR = "_ascend_eplb_state"
 _TABLE_MARK = "_ascend_eplb_table"
+_STATE_REF = "_ascend_eplb_state_ref"  # on each layer's eplb_load: a weakref to its EplbState
 _WEIGHTS = (("gate_up_proj", "eplb_gate_up_proj"), ("down_proj", "eplb_down_proj"))
 
 
@@ -170,7 +173,7 @@ class EplbState:
 
     def __init__(self, layers: list[EplbLayer], num_logical: int, num_redundant: int, ep_size: int,
                  *, first_layer: int = 0, total_layers: int | None = None, rank: int = 0,
-                 group: Any = None) -> None:
+                 group: Any = None, config: Any = None) -> None:
         self.layers = layers
         self.num_logical = num_logical
         self.num_redundant = num_redundant
@@ -180,6 +183,8 @@ class EplbState:
         self.rank = rank
         # the EP process group when this rank holds only its own slots, else None
         self.group = group
+        # the EplbConfig attach() used (the eplb pass checks compile options against it)
+        self.config = config
 
     @property
     def expert_parallel(self) -> bool:
@@ -215,8 +220,9 @@ class EplbState:
     # ----------------------------------------------------------------------------- placement
     @property
     def phy2log(self) -> torch.Tensor:
-        """``[L, P]`` current placement (a copy)."""
-        return torch.stack([layer.phy2log.clone() for layer in self.layers])
+        """``[L, P]`` current placement (a copy; every row as published, never half-copied)."""
+        with FORWARD_LOCK.reading(forward=False):
+            return torch.stack([layer.phy2log.clone() for layer in self.layers])
 
     def placement(self) -> Placement:
         return Placement.from_phy2log(self.phy2log, self.num_logical, self.ep_size)
@@ -238,35 +244,62 @@ class EplbState:
         if self.expert_parallel:
             return self._apply_placement_ep(phy2log)
         moved = 0
-        with torch.no_grad():
+        # thread safety (eplb/sync.py): everything a layer needs is prepared while forwards run
+        # (reading the current tables and weights is safe: only an update writes them, and
+        # updating() admits one at a time), then published under writing(): forwards wait for
+        # one layer's in-place copies at most, and every forward sees each layer whole, old or new
+        with FORWARD_LOCK.updating(), torch.no_grad():
             for layer, new in zip(self.layers, phy2log):
                 old = layer.phy2log
                 changed = (new != old.cpu()).nonzero().flatten()
+                staged = []
                 if changed.numel():
                     # the source of each changed slot: the old first replica of its new expert
                     source_slot = layer.log2phy[:, 0].cpu()[new[changed]]
-                    for weight in layer.weights():
-                        idx = changed.to(weight.device)
-                        weight.index_copy_(0, idx, weight.index_select(0, source_slot.to(weight.device)))
+                    staged = [(weight, changed.to(weight.device),
+                               weight.index_select(0, source_slot.to(weight.device)))
+                              for weight in layer.weights()]
                     moved += changed.numel()
-                log2phy, count = _tables(new, self.num_logical, layer.log2phy.shape[1])
-                layer.log2phy.copy_(log2phy)
-                layer.replica_count.copy_(count)
-                layer.phy2log.copy_(new)
-                layer.expert_load.zero_()
+                self._publish(layer, new, staged)
         log.info("eplb: new placement for %d layers, %d expert slots moved", self.num_layers, moved)
         return moved
+
+    def _publish(self, layer: EplbLayer, new: torch.Tensor,
+                 staged: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], *,
+                 wait: bool = True) -> None:
+        """Write one layer's new weights (``staged``: weight, slots, their new rows) and tables
+        ``new`` (its phy2log row) in place, with no forward running."""
+        log2phy, count = _tables(new, self.num_logical, layer.log2phy.shape[1])
+        with FORWARD_LOCK.writing(what="apply an EPLB placement", wait=wait):
+            for weight, slots, rows in staged:
+                weight.index_copy_(0, slots, rows)
+            layer.log2phy.copy_(log2phy)
+            layer.replica_count.copy_(count)
+            layer.phy2log.copy_(new)
+            layer.expert_load.zero_()
 
     def _apply_placement_ep(self, phy2log: torch.Tensor) -> int:
         """``apply_placement`` under expert parallelism (collective: every rank, same placement).
         A changed slot gets its new expert's weights from the slot holding that expert's old
         first replica — a local copy, or a send/recv between the two ranks; only changed slots
-        move.  Returns the number of slots moved on all ranks."""
+        move.  Returns the number of slots moved on all ranks.
+
+        It must run between forwards in the thread that runs them (the forwards' collectives and
+        these send/recvs share the EP group, and every rank must switch at the same forward):
+        called from another thread, or while a forward runs, it raises ``ConfigError``."""
+        import threading
+
         import torch.distributed as dist
 
+        last = FORWARD_LOCK.last_reader
+        if last is not None and last != threading.get_ident():
+            raise ConfigError(
+                "under expert parallelism rebalance() / apply_placement() are collective: call "
+                "them on every rank between forwards, from the thread that runs the forwards "
+                "(this process's forwards run in another thread)")
         per_rank, me = self.slots_per_rank, self.rank
         moved = 0
-        with torch.no_grad():
+        with FORWARD_LOCK.updating(), torch.no_grad():
             for layer, new in zip(self.layers, phy2log):
                 old = layer.phy2log.cpu()
                 changed = (new != old).nonzero().flatten().tolist()
@@ -292,14 +325,13 @@ class EplbState:
                 if ops:
                     for work in dist.batch_isend_irecv(ops):
                         work.wait()
-                for local, bufs in incoming:  # written after every read of the old weights
-                    for w, b in zip(weights, bufs):
-                        w[local].copy_(b)
-                log2phy, count = _tables(new, self.num_logical, layer.log2phy.shape[1])
-                layer.log2phy.copy_(log2phy)
-                layer.replica_count.copy_(count)
-                layer.phy2log.copy_(new)
-                layer.expert_load.zero_()
+                # written after every read of the old weights
+                staged = []
+                if incoming:
+                    slots = torch.tensor([local for local, _ in incoming], dtype=torch.int64)
+                    staged = [(w, slots.to(w.device), torch.stack([bufs[i] for _, bufs in incoming]))
+                              for i, w in enumerate(weights)]
+                self._publish(layer, new, staged, wait=False)
         log.info("eplb: rank %d: new placement for %d layers, %d expert slots moved", me,
                  self.num_layers, moved)
         return moved
@@ -313,8 +345,19 @@ class EplbState:
 
     def export_placement(self, path: str | Path, *, after: "EplbState | None" = None) -> None:
         """Write the placement (this model's layers, then ``after``'s — e.g. a drafter's)."""
+        target = Path(path)
+        if target.is_dir():
+            raise ConfigError(f"export_placement: {path} is a directory; pass a file path, "
+                              f"e.g. {target / 'placement.json'}")
+        if not target.parent.is_dir():
+            raise ConfigError(f"export_placement: cannot write {path}: its directory "
+                              f"{target.parent} does not exist; create it first")
         rows = [self.phy2log] + ([after.phy2log] if after is not None else [])
-        export_placement(torch.cat(rows), self.ep_size, path)
+        try:
+            export_placement(torch.cat(rows), self.ep_size, path)
+        except OSError as exc:
+            raise ConfigError(f"export_placement: cannot write {path} "
+                              f"({exc.strerror or type(exc).__name__})") from None
 
     # ----------------------------------------------------------------------------- load
     def physical_load(self) -> torch.Tensor:
@@ -355,17 +398,36 @@ class EplbState:
     def rank_balance(self, weight: torch.Tensor | None = None) -> torch.Tensor:
         """``[L]`` max/mean per-rank load of the current placement for loads ``weight[L, E]``
         (default: the recorded load, summed over the EP ranks — collective under EP)."""
-        weight = self.global_expert_load() if weight is None else weight
+        if weight is None:
+            weight = self.global_expert_load()
+        else:
+            self._check_load(weight)
         return balance_ratio(rank_loads(self.phy2log, weight, self.ep_size))
 
     # ----------------------------------------------------------------------------- rebalance
+    def _check_load(self, weight: Any) -> None:
+        """A user's load ``[L, E]``: one row per MoE layer of this model, one column per logical
+        expert (``ConfigError`` naming the expected and the given shape)."""
+        if not isinstance(weight, torch.Tensor):
+            raise ConfigError(f"expert load must be a tensor of shape [{self.num_layers}, "
+                              f"{self.num_logical}], got {type(weight).__name__}")
+        if tuple(weight.shape) != (self.num_layers, self.num_logical):
+            raise ConfigError(
+                f"expert load must have shape [{self.num_layers}, {self.num_logical}] (one row "
+                f"per MoE layer of this model, one column per logical expert), got shape "
+                f"{list(weight.shape)}")
+        check_expert_load(weight, self.num_logical)
+
     def rebalance(self, weight: torch.Tensor | None = None, *, num_groups: int = 1,
                   num_nodes: int = 1) -> Placement:
         """Compute a placement from the recorded load (or ``weight[L, E]``), move the expert
         weights that change and update the maps in place; returns the new placement.  Under
         expert parallelism it is collective: the load is summed over the EP ranks first (every
         rank then computes the same placement) and weights move between ranks."""
-        weight = self.global_expert_load() if weight is None else weight
+        if weight is None:
+            weight = self.global_expert_load()
+        else:
+            self._check_load(weight)
         phy2log, _, _ = rebalance_experts(weight, self.num_physical, num_groups, num_nodes,
                                           self.ep_size)
         self.apply_placement(phy2log, source="rebalance")
@@ -471,8 +533,10 @@ def attach(model: nn.Module, config: Any = None, *, main: EplbState | None = Non
         layers.append(EplbLayer(path, experts))
         experts.__dict__[_STATE_ATTR] = layers[-1]
     state = EplbState(layers, num_logical, num_redundant, ep_size, first_layer=first_layer,
-                      total_layers=total, rank=rank, group=group)
+                      total_layers=total, rank=rank, group=group, config=cfg)
     model.__dict__[_STATE_ATTR] = state
+    for layer in layers:  # lets the eplb pass check compile options against this state
+        setattr(layer.expert_load, _STATE_REF, weakref.ref(state))
     log.info("eplb: attached %d MoE layers (%d experts + %d redundant, ep_size %d%s)", len(layers),
              num_logical, num_redundant, ep_size,
              f", rank {rank} holds slots [{local.start}, {local.stop})" if group is not None else "")

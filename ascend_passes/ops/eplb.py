@@ -36,6 +36,8 @@ the replica table, ``T`` tokens, ``K`` top-k)::
         ``phy_weight`` directly and this node is dead code.  Under expert parallelism a rank
         holds only its slots (``phy_weight.shape[0] < expert_load.shape[0]``): there is no logical
         view then (the fake impl still gives its shape, for tracing), and running it is an error.
+        It reads the tables and the weights under the EPLB forward lock (``eplb/sync.py``), so a
+        ``rebalance()`` in another thread never shows it a half-moved expert.
 
 CPU path: the reference implementations below (one gather / scatter-add each), registered for
 every backend (``CompositeExplicitAutograd``); a C++ kernel would gain nothing on ops this small.
@@ -45,6 +47,8 @@ from __future__ import annotations
 
 import torch
 from torch.library import Library
+
+from ascend_passes.eplb.sync import FORWARD_LOCK
 
 from ._define import NAMESPACE, define_ops
 from .checks import check_dim, fail
@@ -132,7 +136,10 @@ def eplb_logical_weight(phy_weight: torch.Tensor, log2phy: torch.Tensor, replica
              "(expert parallelism across processes): the logical expert weights are not all here, so "
              "the attached model runs only compiled, with eplb enabled (torch.compile(model, "
              "backend='ascend_passes', options={'eplb': {...}}))")
-    return phy_weight.index_select(0, log2phy[:, 0])
+    # the eager attached model's read of tables + weights: one consistent gather even while
+    # rebalance() runs in another thread (re-entrant inside a compiled forward, which holds it)
+    with FORWARD_LOCK.reading():
+        return phy_weight.index_select(0, log2phy[:, 0])
 
 
 # ------------------------------------------------------------------------------------ fake

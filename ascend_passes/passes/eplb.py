@@ -48,6 +48,7 @@ aten = torch.ops.aten
 _WALK = {aten.transpose.int, aten.permute.default, aten.view.default, aten.reshape.default,
          aten._unsafe_view.default, aten.clone.default, aten.alias.default}
 _TABLE_MARK = "_ascend_eplb_table"
+_STATE_REF = "_ascend_eplb_state_ref"  # eplb/state.py: a weakref to the layer's EplbState
 
 ATTACH_HINT = ("call ascend_passes.eplb.attach(model, config.eplb) on the model (and, separately, "
                "on its MTP drafter) before torch.compile")
@@ -84,7 +85,31 @@ class EplbPass(Pass):
                 isinstance(x, torch.Tensor) and getattr(x, _TABLE_MARK, False) for x in ctx.real_inputs):
             # checked here, where the manager lets it through: a user error, not a failed rewrite
             raise ConfigError(f"eplb is enabled but this model has no EPLB state; {ATTACH_HINT}")
+        for x in ctx.real_inputs or ():
+            ref = getattr(x, _STATE_REF, None) if isinstance(x, torch.Tensor) else None
+            state = ref() if ref is not None else None
+            if state is not None:
+                self._check_against(state.num_redundant, state.ep_size, state.config)
         return True
+
+    def _check_against(self, num_redundant: int, ep_size: int | None, attached: Any = None) -> None:
+        """Compile options that contradict what ``attach()`` set up raise ``ConfigError``.  The
+        graph follows the attached state (its tables and weights), so an option left at its
+        default means "as attached"; a set one must agree."""
+        e, default = self.config.eplb, type(self.config.eplb)()
+        pairs = [("num_redundant_experts", e.num_redundant_experts, num_redundant)]
+        if ep_size is not None:
+            pairs.append(("ep_size", e.ep_size, ep_size))
+        if attached is not None:
+            pairs += [("placement_file", e.placement_file, attached.placement_file),
+                      ("record_load", e.record_load, attached.record_load)]
+        for field, compiled, was in pairs:
+            if compiled != getattr(default, field) and compiled != was:
+                raise ConfigError(
+                    f"eplb.{field}={compiled!r} in the compile options, but attach() set this "
+                    f"model up with {field}={was!r}; the compiled graph follows the attached "
+                    f"state, so leave eplb.{field} unset or set it to {was!r} (attach again to "
+                    "change it)")
 
     def config_key(self) -> Any:
         e = self.config.eplb
@@ -115,6 +140,8 @@ class EplbPass(Pass):
                     f"(no ascend.eplb_logical_weight feeds its grouped matmuls); {ATTACH_HINT}")
             phy_weight, log2phy, replica_count, expert_load, record = anchors[0].args
             num_physical = int(expert_load.meta["val"].shape[0])
+            # the shapes tell the redundancy even without real inputs (inductor_pass)
+            self._check_against(num_physical - int(log2phy.meta["val"].shape[0]), None)
             per_rank = int(phy_weight.meta["val"].shape[0])  # the slots this process holds
             rank, group_name = 0, None
             if per_rank != num_physical:

@@ -51,6 +51,20 @@ c10d = torch.ops._c10d_functional
 _KEEP_META = ("stack_trace", "nn_module_stack")
 
 
+@dataclass
+class SequenceParallelFacts:
+    """What the pass hands to later passes (``ctx.facts["sequence_parallel"]``), as nodes of the
+    rewritten graph: ``sliced`` maps a slice of this rank's rows to the full value it cuts them from,
+    ``gathered`` an all-gathered full value to the shard it came from.  A later pass that erases one of
+    these nodes leaves it erased here: readers skip nodes not alive in their graph."""
+
+    world_size: int
+    rank: int
+    group_name: str
+    sliced: dict[fx.Node, fx.Node] = field(default_factory=dict)
+    gathered: dict[fx.Node, fx.Node] = field(default_factory=dict)
+
+
 class _Refuse(Exception):
     def __init__(self, reason: str, node: fx.Node | None = None) -> None:
         super().__init__(reason)
@@ -323,18 +337,15 @@ class SequenceParallelPass(Pass):
             if any(is_tp_all_reduce(n, group_name) for n in gm.graph.nodes):
                 log.warning("sequence_parallel: graph left unchanged: %s", why)
             return result
-        facts = _rewrite(gm, the_plan, world_size, rank, group_name, result)
-        facts.update(world_size=world_size, rank=rank, group_name=group_name)
-        ctx.facts["sequence_parallel"] = facts
+        ctx.facts["sequence_parallel"] = _rewrite(gm, the_plan, world_size, rank, group_name, result)
         return result
 
 
 def _rewrite(gm: fx.GraphModule, p: Plan, world_size: int, rank: int, group_name: str,
-             result: PassResult) -> dict[str, Any]:
-    """Apply the plan; returns the facts later passes read: ``sliced`` (slice node → the full value it
-    cuts this rank's rows from) and ``gathered`` (all-gathered full value → the shard it came from)."""
+             result: PassResult) -> SequenceParallelFacts:
+    """Apply the plan; returns the facts later passes read (``SequenceParallelFacts``)."""
     graph = gm.graph
-    facts: dict[str, Any] = {"sliced": {}, "gathered": {}}
+    facts = SequenceParallelFacts(world_size, rank, group_name)
     b = _Builder(gm)
     shard: dict[fx.Node, fx.Node] = {}  # original sharded value -> its shard node
     tokens: dict[fx.Node, _Tokens] = {}  # original sharded value -> its token handles
@@ -387,7 +398,7 @@ def _rewrite(gm: fx.GraphModule, p: Plan, world_size: int, rank: int, group_name
                     flat = rows(a, t, op)
                     end = b.arith(operator.add, t.start, t.chunk, like=op)
                     args[i] = b.call(aten.slice.Tensor, (flat, 0, t.start, end), like=op)
-                    facts["sliced"][args[i].name] = a.name
+                    facts.sliced[args[i]] = a
         with graph.inserting_before(op):
             new = b.call(op.target, tuple(args), dict(op.kwargs), like=op)
         new.meta.update({k: v for k, v in op.meta.items() if k != "val"})
@@ -420,7 +431,7 @@ def _rewrite(gm: fx.GraphModule, p: Plan, world_size: int, rank: int, group_name
             full = b.call(aten.view.default, (gathered, list(t.shape)), like=value)
         for user in foreign:
             user.replace_input_with(value, full)
-        facts["gathered"][full.name] = part.name
+        facts.gathered[full] = part
         result.match("all_gather", layer=where(value), nodes=[value], world_size=world_size)
 
     # 4. the replaced nodes are dead now (collectives are never dead code to fx: erase them by hand)

@@ -113,13 +113,13 @@ class SharedExpertDpPass(Pass):
 
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         result = PassResult(self.name)
-        sp = ctx.facts.get("sequence_parallel")
-        if not sp:
+        sp = ctx.facts.get("sequence_parallel")  # a SequenceParallelFacts
+        if sp is None:
             result.near_miss("shared_expert_dp", "sequence parallelism did not rewrite this graph, so there "
                              "are no token shards to run the shared expert on")
             return result
         by_name = {n.name: n for n in gm.graph.nodes}
-        gathered = {by_name[f]: by_name[s] for f, s in sp["gathered"].items() if f in by_name and s in by_name}
+        gathered = {full: part for full, part in sp.gathered.items() if _alive(full, gm) and _alive(part, gm)}
         # the all-gathered values that feed a fused MoE router: the MoE blocks' inputs
         moe_inputs = set()
         for entry in ctx.facts.get("moe_layers", []):
@@ -128,9 +128,8 @@ class SharedExpertDpPass(Pass):
             if source is not None:
                 moe_inputs.add(source)
         moved: set[str] = set()
-        for slice_name, full_name in sp["sliced"].items():
-            cut, full = by_name.get(slice_name), by_name.get(full_name)
-            if cut is None or full is None or not has_matmul_producer(full):
+        for cut, full in sp.sliced.items():
+            if not (_alive(cut, gm) and _alive(full, gm)) or not has_matmul_producer(full):
                 continue
             source = _source(full, gathered)
             if source not in moe_inputs:
@@ -146,7 +145,7 @@ class SharedExpertDpPass(Pass):
             cut.replace_all_uses_with(out)
             moved.add(layer or full.name)
             result.match("shared_expert_on_shard", layer=layer, nodes=[full], tokens="T/W",
-                         world_size=sp["world_size"])
+                         world_size=sp.world_size)
         gm.graph.eliminate_dead_code()
         for entry in ctx.facts.get("moe_layers", []):
             if entry.shared_expert_add and entry.shared_expert_add in by_name and entry.layer not in moved:
@@ -157,6 +156,11 @@ class SharedExpertDpPass(Pass):
                     "shared expert (e.g. ascend_passes.models_tp.deepseek_v3_tp(..., shared_expert='replicated'))",
                     layer=entry.layer, node=by_name[entry.shared_expert_add])
         return result
+
+
+def _alive(node: fx.Node, gm: fx.GraphModule) -> bool:
+    """Whether ``node`` (from an earlier pass's facts) is still a node of ``gm``'s graph."""
+    return node.graph is gm.graph and not node._erased
 
 
 def _source(node: fx.Node, gathered: dict[fx.Node, fx.Node], limit: int = 64) -> fx.Node | None:

@@ -20,6 +20,7 @@ import torch.fx as fx
 
 from .config import AscendPassConfig
 from .errors import ConfigError, PassError, VerificationError
+from .fake_values import check_fake_values, node_inputs
 
 log = logging.getLogger("ascend_passes.pass_manager")
 
@@ -472,6 +473,7 @@ class _Snapshot:
         self.buffers = dict(gm._buffers)
         self.attrs = set(gm.__dict__)
         self.outputs = _output_signature(gm.graph)
+        self.node_inputs = node_inputs(gm.graph)
 
     def restore(self, gm: fx.GraphModule) -> None:
         for name in set(gm.__dict__) - self.attrs:
@@ -522,9 +524,11 @@ def _output_signature(graph: fx.Graph) -> list[tuple[Any, Any] | None]:
 
 
 def _check_graph(gm: fx.GraphModule, snapshot: _Snapshot) -> None:
-    """Lint, regenerate code, and check the outputs kept their shapes and dtypes."""
+    """Lint, regenerate code, check the outputs kept their shapes and dtypes, and re-run on fake
+    values what the pass changed (a view of strides a replacement no longer gives fails here)."""
     gm.graph.lint()
     gm.recompile()
+    check_fake_values(gm, snapshot.node_inputs)
     after = _output_signature(gm.graph)
     before = snapshot.outputs
     if len(after) != len(before):

@@ -1,5 +1,11 @@
 """Fake (meta) implementations of the ``torch.ops.ascend`` ops: output shapes and dtypes only.
 
+Every output is promised contiguous, whatever the inputs' strides: the C++ kernels and the
+reference implementations return contiguous tensors, and a fake that promised another layout
+(``empty_like`` of a transposed input) let the traced graph rely on strides the kernel does not
+produce (a later ``view`` fails at run time).  Passes that need another layout permute around the
+op (``ascend_passes.patterns._layout``).
+
 Every output size is a function of the input sizes (no data-dependent shapes), so they trace
 under ``torch.compile(dynamic=True)`` with symbolic token counts.  Shapes mirror torch_npu's
 ``op_plugin/meta/_meta_registrations.py``.
@@ -16,7 +22,7 @@ from . import checks
 
 def rms_norm(x: torch.Tensor, gamma: torch.Tensor, epsilon: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
     checks.check_norm("rms_norm", x, gamma)
-    return torch.empty_like(x), x.new_empty(checks.rstd_shape(x, gamma), dtype=torch.float32)
+    return x.new_empty(x.shape), x.new_empty(checks.rstd_shape(x, gamma), dtype=torch.float32)
 
 
 def add_rms_norm(
@@ -27,7 +33,7 @@ def add_rms_norm(
     if x1.shape != x2.shape:
         checks.fail("add_rms_norm", f"x1 shape {tuple(x1.shape)} and x2 shape {tuple(x2.shape)} differ")
     rstd = x1.new_empty(checks.rstd_shape(x1, gamma), dtype=torch.float32)
-    return torch.empty_like(x1), rstd, torch.empty_like(x1)
+    return x1.new_empty(x1.shape), rstd, x1.new_empty(x1.shape)
 
 
 def swiglu(x: torch.Tensor, dim: int = -1) -> torch.Tensor:

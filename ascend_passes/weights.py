@@ -400,11 +400,9 @@ def _expert_update_lock() -> Any:
     ``EplbState.rebalance()`` apart (``eplb/sync.py``), on its exclusive side — no forward reads
     half-updated experts, and no re-balancing copies a slot between the tables read here and the
     writes (it would carry the old weights into a new replica)."""
-    try:
-        from ascend_passes.eplb.sync import FORWARD_LOCK
-    except ImportError:  # an ascend_passes without the forward lock
-        return contextlib.nullcontext()
-    return FORWARD_LOCK.writing(what="load EPLB expert weights")
+    from ascend_passes.eplb.sync import FORWARD_LOCK
+
+    return FORWARD_LOCK.writing(what="load EPLB expert weights or change their layout")
 
 
 def _load_eplb(name: str, layer: Any, state: Any, param: nn.Parameter, loaded_weight: Any,

@@ -289,8 +289,8 @@ def _ep_rank(rank: int, world_size: int) -> dict:  # a spawned rank (gloo)
                 state.rebalance(_zipf(state.num_layers, seed=3))  # collective: replicas move between ranks
             replicated = _update(model, eager, state, gen, whole=update == 1)
             layer = state.layers[0]
-            spans = [sorted({s // state.slots_per_rank for s in layer.log2phy[e, :int(layer.replica_count[e])].tolist()})
-                     for e in replicated]
+            spans = [sorted({s // state.slots_per_rank
+                             for s in layer.log2phy[e, :int(layer.replica_count[e])].tolist()}) for e in replicated]
             out = compiled(*inputs)
             rounds.append({"vs_eager": rel_diff(out, eager(*inputs)), "changed": rel_diff(out, previous),
                            "slots_ok": _slots_hold_logical(state, eager), "spans": spans})
@@ -309,3 +309,65 @@ def test_expert_parallel_updates_reach_the_replicas_on_every_rank() -> None:
             assert one["vs_eager"] <= 1e-5 and one["changed"] > 1e-3, (r["rank"], update, one)
     # some updated experts had replicas on both ranks: each rank wrote its own
     assert any(span == [0, 1] for one in results[0]["rounds"] for span in one["spans"])
+
+
+# ----------------------------------------------------------------------------- thread safety
+def _waits_for_a_forward(action: Any) -> tuple[bool, bool]:
+    """Run ``action`` in a thread while another thread is inside a forward (holds the forward lock's
+    reading side): ``(finished while the forward ran, finished after it)``."""
+    import threading
+
+    from ascend_passes.eplb.sync import FORWARD_LOCK
+
+    in_forward, leave_forward, done = threading.Event(), threading.Event(), threading.Event()
+
+    def forward() -> None:
+        with FORWARD_LOCK.reading():
+            in_forward.set()
+            leave_forward.wait(30)
+
+    def act() -> None:
+        action()
+        done.set()
+
+    reader = threading.Thread(target=forward)
+    reader.start()
+    assert in_forward.wait(30)
+    writer = threading.Thread(target=act)
+    writer.start()
+    try:
+        early = done.wait(0.5)
+    finally:
+        leave_forward.set()
+        reader.join(30)
+    writer.join(30)
+    return early, done.is_set()
+
+
+def test_expert_updates_and_layout_changes_wait_for_forwards_in_flight(attached: Any) -> None:
+    """Weight updates and layout changes of EPLB expert weights take the lock re-balancing takes
+    (eplb/sync.py), on its exclusive side: they wait for a forward in flight in another thread, and
+    none starts while they write."""
+    from ascend_passes.eplb.sync import FORWARD_LOCK
+
+    model, state = attached
+    layer = state.layers[0]
+    expert = next(e for e, c in enumerate(layer.replica_count.tolist()) if c > 1)
+    slots = layer.log2phy[expert, :2].tolist()
+    param = layer.experts.eplb_down_proj
+    new = torch.randn(param.shape[1:])
+    assert _waits_for_a_forward(lambda: weights.load_weight(model, f"{EXPERTS}.down_proj", new, expert)) \
+        == (False, True)
+    assert all(torch.equal(param[s], new) for s in slots)  # landed after the forward, in every replica
+    with FORWARD_LOCK.reading(), pytest.raises(ap.ConfigError, match="from inside a forward"):
+        weights.load_weight(model, f"{EXPERTS}.down_proj", new, expert)
+
+    param.__dict__[weights.LAYOUT_ATTR] = weights.WeightLayout((1, 2))  # as a compiled graph marks it
+    try:
+        assert _waits_for_a_forward(lambda: weights.prepare(model, layout="execution")) == (False, True)
+        assert param.transpose(1, 2).is_contiguous() and not param.is_contiguous()
+        assert _waits_for_a_forward(lambda: weights.restore(model)) == (False, True)
+        assert param.is_contiguous()
+    finally:
+        weights.restore(model)
+        del param.__dict__[weights.LAYOUT_ATTR]

@@ -50,10 +50,10 @@ class CMakeBuild(build_ext):
             )
 
     def _cmake_build(self, ext: CMakeExtension) -> None:
-        import torch  # the build needs the torch it will run with (no build isolation)
-
         if shutil.which("cmake") is None:
             raise RuntimeError("cmake not found")
+        import torch  # the build needs the torch it will run with (no build isolation)
+
         target = Path(self.get_ext_fullpath(ext.name)).resolve()
         build_dir = ROOT / "build" / "kernels"  # persistent: re-installs rebuild incrementally
         build_dir.mkdir(parents=True, exist_ok=True)

@@ -16,13 +16,11 @@ runaway allocation (issue 14: a 23 GB one took the machine) fails this test inst
 from __future__ import annotations
 
 import json
-import math
 import random
 import sys
 import time
 import traceback
 
-import pytest
 import torch
 
 NAN, INF = float("nan"), float("inf")

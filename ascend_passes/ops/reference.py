@@ -141,7 +141,8 @@ def moe_init_routing_v2(
         bad = flat[bad_ids][0].item()
         if expert_num > 0:
             checks.fail("moe_init_routing_v2", f"expert id {bad} out of range [0, expert_num={expert_num})")
-        checks.fail("moe_init_routing_v2", f"expert id {bad} must be >= 0 (expert_num={expert_num} sets no upper bound)")
+        checks.fail("moe_init_routing_v2",
+                    f"expert id {bad} must be >= 0 (expert_num={expert_num} sets no upper bound)")
     end_key = end if end > 0 else (int(flat.max().item()) + 1 if total else 1)
     valid = (flat >= start) & (flat < end_key)
     # Stable sort by expert; ids outside the active range sort last and are dropped.

@@ -92,18 +92,35 @@ def compile_downstream(compiler: str, gm: fx.GraphModule, example_inputs: Sequen
         # Inductor's own FX-graph cache keys on the decomposed graph and stays on
         with torch._functorch.config.patch(enable_autograd_cache=False):
             return _boxed(compile_fx(gm, list(example_inputs), decompositions=table))
+    if compiler in ("torchair", "npugraph_ex"):
+        _ensure_lowered(gm)
     if compiler == "torchair":
-        import torch_npu  # noqa: F401  (registers the NPU device and torchair)
+        import torch_npu  # noqa: F401  (registers the NPU device, torch.ops.npu and torchair)
         import torchair
 
         cfg = torchair.CompilerConfig()
-        cfg.mode = "max-autotune"  # GE graph mode; ascend ops were lowered to npu ops
+        cfg.mode = "max-autotune"  # GE graph mode: every op needs a GE converter (the npu.* ops have them)
+        # the graph is already AOT-traced ATen: hand it to the compiler that
+        # torchair.get_npu_backend(compiler_config=cfg) runs after its own AOT step
         return _boxed(torchair.get_compiler(compiler_config=cfg)(gm, list(example_inputs)))
     if compiler == "npugraph_ex":
         import torch_npu  # noqa: F401
 
         return _boxed(torch.npu.npugraph_ex.compile_fx(gm, list(example_inputs)))
     raise ConfigError(f"unknown compiler {compiler!r}")
+
+
+def _ensure_lowered(gm: fx.GraphModule) -> None:
+    """The NPU compilers know torch.ops.npu.*, not ascend.*: lower what the pipeline left (the
+    ``lower`` pass normally ran last; this covers a pipeline without it)."""
+    if not any(n.op == "call_function" and getattr(n.target, "namespace", None) == "ascend"
+               for n in gm.graph.nodes):
+        return
+    from .passes.lower import LowerPass
+
+    cfg = AscendPassConfig()
+    log.info("the graph still holds ascend ops: lowering them to torch_npu ops before the NPU compiler")
+    LowerPass(cfg).run(gm, PassContext(cfg, target="npu"))
 
 
 # --------------------------------------------------------------------------- pipeline

@@ -140,13 +140,18 @@ def compile_and_compare(name: str, model: torch.nn.Module, inputs: Sequence[Any]
     """Compile ``model`` with ``config`` (``hooks`` see every pass; ``pipeline`` replaces the
     configured pass objects), run it once, and compare with the uncompiled model."""
     from .backend import make_backend
+    from .npu import torch_npu_available
+    from .passes.lower import npu_inspection_backend
 
     torch._dynamo.reset()
     with torch.no_grad():
         expected = _flat_tensors(model(*inputs))
         with capture() as reports:
             t0 = time.perf_counter()
-            compiled = torch.compile(model, backend=make_backend(config, hooks=hooks, pipeline=pipeline))
+            backend = make_backend(config, hooks=hooks, pipeline=pipeline)
+            if config.target == "npu" and not torch_npu_available():  # lowered for inspection, run on CPU
+                backend = npu_inspection_backend(config, hooks=hooks, pipeline=pipeline)
+            compiled = torch.compile(model, backend=backend)
             try:
                 got = _flat_tensors(compiled(*inputs))
             except Exception as exc:
@@ -176,6 +181,13 @@ def print_run(run: CompileRun, console: Any) -> None:
             table.add_row(r.name, r.status, str(r.num_matches), str(len(r.near_misses)),
                           f"{r.nodes_before}→{r.nodes_after}", f"{r.seconds * 1e3:.1f}", counts)
         console.print(table)
+        lower = report.passes.get("lower")
+        if lower is not None and lower.status == "ok":
+            decomposed = sum(1 for m in lower.matches if m.pattern.endswith("->aten"))
+            console.print(f"  lowered to torch_npu: {lower.num_matches - decomposed} npu ops, {decomposed} "
+                          "ascend ops decomposed to ATen (outside the NPU limits: see the near-misses)")
+        else:
+            console.print(f"  not lowered to torch_npu (target {report.target}: the ascend ops stay)")
         ops = report.rewritten_ops()
         if ops:
             console.print("  fused ops in the final graph: "
@@ -192,6 +204,8 @@ def print_run(run: CompileRun, console: Any) -> None:
 # --------------------------------------------------------------------------- commands
 def _config(args: argparse.Namespace, **extra: Any) -> AscendPassConfig:
     options: dict[str, Any] = {"compiler": args.compiler, **extra}
+    if getattr(args, "device_target", None):
+        options["target"] = args.device_target
     if getattr(args, "passes", None):
         options["passes"] = args.passes
     return AscendPassConfig.from_options(options)
@@ -379,6 +393,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="run the graph after every pass and compare with the original")
     dump.add_argument("--strict", action="store_true",
                       help="stop at the first failing pass (error, exit status 2) instead of rolling it back")
+    dump.add_argument("--target", dest="device_target", choices=["auto", "cpu", "npu"], default=None,
+                      help="npu: also lower to torch_npu ops (works on CPU with the torch_npu wheel as data; "
+                           "the compiled model then runs the graph before lowering)")
     dump.add_argument("--format", choices=["txt", "html"], default="txt",
                       help="txt: .py/.diff/summary.txt per graph; html: those and OUT/report.html "
                            "(passes, per-layer rewrites, near-misses, before/after pictures)")

@@ -378,4 +378,38 @@ class LowerPass(Pass):
         return result
 
 
-__all__ = ["LowerPass", "LoweringError", "bind", "decompose", "lower_node", "order_for"]
+
+
+def npu_inspection_backend(config: Any = None, *, hooks: Any = (), pipeline: Any = None) -> Callable[..., Any]:
+    """A Dynamo backend that runs the pipeline for target ``npu`` on a machine without an NPU
+    (``ascend-passes dump NAME --target npu``): the graph is rewritten and lowered exactly as
+    torchair would receive it (reports, dumps and hooks see it), and the compiled model runs the
+    graph as ``lower`` received it on CPU — the lowered one needs an NPU.  The passes' numeric
+    verification is off here (the lowered graph cannot run)."""
+    import copy
+
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.aot_autograd import make_boxed_func
+
+    from ..backend import run_pipeline
+    from ..config import AscendPassConfig
+
+    cfg = AscendPassConfig.from_options(config)
+
+    def backend(gm: fx.GraphModule, example_inputs: list[Any]) -> Any:
+        def inference(agm: fx.GraphModule, aten_inputs: list[Any]) -> Any:
+            saved: dict[str, fx.GraphModule] = {}
+
+            def keep(pass_name: str, stage: str, g: fx.GraphModule, result: Any) -> None:
+                if pass_name == LowerPass.name and stage == "before":
+                    saved["graph"] = copy.deepcopy(g)
+
+            run_pipeline(cfg, agm, aten_inputs, target="npu", compiler="torchair (not run here)",
+                         hooks=[*hooks, keep], pipeline=pipeline)
+            return make_boxed_func(saved.get("graph", agm).forward)
+
+        return aot_autograd(fw_compiler=inference, inference_compiler=inference)(gm, example_inputs)
+
+    return backend
+
+__all__ = ["LowerPass", "LoweringError", "bind", "decompose", "lower_node", "npu_inspection_backend", "order_for"]

@@ -371,3 +371,47 @@ def test_expert_updates_and_layout_changes_wait_for_forwards_in_flight(attached:
     finally:
         weights.restore(model)
         del param.__dict__[weights.LAYOUT_ATTR]
+
+
+def test_updates_racing_a_rebalance_thread_leave_no_stale_replica() -> None:
+    """A re-balancing thread (serving engines rebalance in the background) and a weight-update
+    thread for a bounded time: afterwards every slot holds its expert's latest weights."""
+    import threading
+    import time
+
+    from ascend_passes.eplb.sync import FORWARD_LOCK
+
+    model, _ = models.deepseek_v3("grouped_mm", num_layers=2)
+    state = attach(model, {"num_redundant_experts": REDUNDANT})
+    layer = state.layers[0]
+    latest = layer.experts.eplb_down_proj.detach()[layer.log2phy[:, 0]].clone()  # [E, H, I] logical
+    stop = time.monotonic() + 2.0
+    errors: list[BaseException] = []
+
+    def rebalance() -> None:
+        seed = 0
+        try:
+            while time.monotonic() < stop:
+                seed += 1
+                state.rebalance(_zipf(1, seed))
+        except BaseException as exc:  # noqa: BLE001 - reported by the test
+            errors.append(exc)
+
+    thread = threading.Thread(target=rebalance)
+    thread.start()
+    physical = layer.experts.eplb_down_proj.detach()
+
+    def stale() -> list[int]:  # between updates, with no rebalance half-done
+        with FORWARD_LOCK.writing():
+            return [s for s, e in enumerate(layer.phy2log.tolist()) if not torch.equal(physical[s], latest[e])]
+
+    gen, updates, seen = torch.Generator().manual_seed(5), 0, []
+    while time.monotonic() < stop:
+        expert = int(torch.randint(NUM_EXPERTS, (1,), generator=gen))
+        latest[expert] = torch.randn(latest.shape[1:], generator=gen)
+        weights.load_weight(model, f"{EXPERTS}.down_proj", latest[expert], expert)
+        updates += 1
+        seen += stale()
+    thread.join(30)
+    assert not errors and updates > 50
+    assert seen == [] and stale() == [], f"{len(seen)} stale slots seen in {updates} updates"

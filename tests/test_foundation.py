@@ -17,7 +17,7 @@ from ascend_passes.pass_manager import Pass, PassContext, PassResult
 
 
 # every pass of the default pipeline runs, except those that need a switch turned on
-OFF_BY_DEFAULT = {"eplb", "sequence_parallel", "shared_expert_dp"}
+OFF_BY_DEFAULT = {"eplb", "sequence_parallel", "shared_expert_dp", "lower"}  # lower: target npu only
 RUNS_BY_DEFAULT = [p for p in DEFAULT_PIPELINE if p not in OFF_BY_DEFAULT]
 
 

@@ -57,10 +57,15 @@ def deepseek_router(logits: torch.Tensor, bias: torch.Tensor, *, num_groups: int
     return topk_weights, topk_indices
 
 
-def deepseek_router_fused(logits: torch.Tensor, bias: torch.Tensor, c: RouterConstants
-                          ) -> tuple[torch.Tensor, torch.Tensor]:
+def deepseek_router_fused(logits: torch.Tensor, bias: torch.Tensor, scale: torch.Tensor | None = None, *,
+                          c: RouterConstants) -> tuple[torch.Tensor, torch.Tensor]:
     """The same routing as one ``moe_gating_top_k`` (sigmoid scores, group mode 1 = top-2 sum).
     The bias is cast to the logits' dtype, as the model's ``scores + bias`` promotes it.
+
+    ``scale``: the routed scaling factor when the graph holds it as a 0-d tensor input (a float
+    attribute under ``torch.compile(dynamic=True)``; the op's ``float`` argument cannot take a graph
+    value): the op scales by ``c.routed_scaling_factor`` (1.0) and the weights are multiplied by
+    ``scale`` after it, the last step of the op's own computation, so the result is the same.
 
     The op always renormalises sigmoid weights; a router without renormalisation is not
     rewritten (``renormalize`` must be True).
@@ -70,6 +75,8 @@ def deepseek_router_fused(logits: torch.Tensor, bias: torch.Tensor, c: RouterCon
         group_select_mode=1, renorm=0, norm_type=1, out_flag=False,
         routed_scaling_factor=c.routed_scaling_factor, eps=c.eps,
     )
+    if scale is not None:
+        weights = weights * scale
     return weights, ids.to(torch.int64)
 
 

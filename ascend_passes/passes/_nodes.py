@@ -1,5 +1,6 @@
-"""Small helpers for passes that insert nodes: the view ops that only reshape, and ``meta["val"]`` of a
-new node computed from its inputs' fake values."""
+"""Small helpers for passes that insert nodes: the view ops that only reshape, ``meta["val"]`` of a
+new node computed from its inputs' fake values, and the one way passes read a constant off a node
+(``const_float`` / ``const_int``: None unless it is a plain Python number, never a default)."""
 
 from __future__ import annotations
 
@@ -30,3 +31,66 @@ def set_val(node: fx.Node) -> None:
         return
     with mode:
         node.meta["val"] = node.target(*args, **kwargs)
+
+
+# ----------------------------------------------------------------------------- constants
+# What a user can do when a constant a rewrite needs arrived as a graph input.
+DYNAMIC_HINT = ("under torch.compile(dynamic=True) Dynamo turns float attributes into graph inputs: "
+                "mark only the token dimension dynamic (torch._dynamo.mark_dynamic(input_ids, 1) "
+                "instead of dynamic=True) or set torch._dynamo.config.specialize_float = True")
+
+_CASTS = frozenset({aten._to_copy.default, torch.ops.prims.convert_element_type.default})
+
+
+def const_float(value: object) -> float | None:
+    """``value`` as a float when it is a plain Python number (``int`` or ``float``), else None: a
+    graph node (e.g. a float attribute that ``dynamic=True`` made a graph input, a computed
+    tensor), a ``SymFloat`` / ``SymInt``, a bool, a tensor.  A rewrite that needs the number
+    turns None into a near-miss (``not_constant``); it never substitutes a default."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value)
+
+
+def const_int(value: object) -> int | None:
+    """``value`` when it is a plain Python ``int`` (not a bool, a ``SymInt``, a node), else None.
+    Calling ``int()`` on a ``SymInt`` would specialise the compiled graph to one size."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        return None
+    return value
+
+
+def const_ints(values: object) -> list[int] | None:
+    """A list/tuple of plain ints (``const_int`` each), else None."""
+    if not isinstance(values, (list, tuple)):
+        return None
+    out = [const_int(v) for v in values]
+    return None if any(v is None for v in out) else out  # type: ignore[misc]
+
+
+def graph_input_of(value: object) -> fx.Node | None:
+    """The placeholder ``value`` is (through dtype casts), or None."""
+    while isinstance(value, fx.Node) and value.op == "call_function" and value.target in _CASTS:
+        value = value.args[0]
+    return value if isinstance(value, fx.Node) and value.op == "placeholder" else None
+
+
+def is_scalar_tensor(value: object) -> bool:
+    """``value`` is a node holding a 0-d floating tensor (how a float that ``dynamic=True`` made a
+    graph input reaches ATen ops: a float64 scalar tensor input, cast to the computation dtype)."""
+    val = value.meta.get("val") if isinstance(value, fx.Node) else None
+    return isinstance(val, torch.Tensor) and val.dim() == 0 and val.is_floating_point()
+
+
+def not_constant(what: str, value: object) -> str:
+    """The near-miss reason for a constant ``what`` that is not a plain number in the graph."""
+    source = graph_input_of(value)
+    if source is not None:
+        return f"{what} is not a constant: it is the graph input {source.name}; {DYNAMIC_HINT}"
+    if isinstance(value, fx.Node):
+        return f"{what} is not a constant: it is computed in the graph ({value.name})"
+    if isinstance(value, torch.SymFloat):
+        return f"{what} is not a constant: it is the symbolic float {value}; {DYNAMIC_HINT}"
+    if isinstance(value, torch.SymInt):
+        return f"{what} is not a constant: it is the symbolic size {value} (a dynamic shape)"
+    return f"{what} is not a constant: {value!r}"

@@ -22,6 +22,7 @@ from torch._inductor import pattern_matcher as pm
 
 from ..pass_manager import Pass, PassContext, PassResult
 from ..patterns import mla as patterns
+from ._nodes import const_float, const_int, const_ints, not_constant
 from .layers import layer_of, where
 from .mtp import MTP_TAG
 
@@ -30,6 +31,7 @@ aten = torch.ops.aten
 
 _IGNORED = (int, float, list, torch.device, torch.dtype)
 _INF = 2**63 - 1
+_SCHEMA_EPS = 1e-6  # ascend.rms_norm's default epsilon
 
 
 def _trace_fn(decompositions: str) -> Callable[..., fx.GraphModule]:
@@ -72,11 +74,18 @@ def _val(node: Any) -> Any:
     return node.meta.get("val") if isinstance(node, fx.Node) else None
 
 
-def _eps(norm_nodes: list[fx.Node], default: float = 1e-6) -> float:
-    node = norm_nodes[0]
-    if node.target is torch.ops.ascend.rms_norm.default:
-        return float(node.args[2]) if len(node.args) > 2 else float(node.kwargs.get("epsilon", default))
-    return float(node.args[1])  # inline: add(mean, eps)
+def _eps(norm: fx.Node, what: str) -> tuple[float | None, str | None]:
+    """``(epsilon, None)`` of one RMSNorm of the match (``ascend.rms_norm`` or Hugging Face's inline
+    ``add(mean(x²), eps)``), or ``(None, reason)`` when it is not a constant: under
+    ``dynamic=True`` the norm's ``eps`` attribute is a graph input, and ``mla_prolog`` takes a
+    ``float`` (no graph value), so that prolog is left as it is."""
+    if norm.target is torch.ops.ascend.rms_norm.default:
+        # without an epsilon argument the op's schema default applies (1e-6), as it did in the graph
+        arg = norm.args[2] if len(norm.args) > 2 else norm.kwargs.get("epsilon", _SCHEMA_EPS)
+    else:
+        arg = norm.args[1]
+    eps = const_float(arg)
+    return (eps, None) if eps is not None else (None, not_constant(f"the epsilon of the {what} RMSNorm", arg))
 
 
 class MlaPass(Pass):
@@ -94,6 +103,7 @@ class MlaPass(Pass):
         trace = _trace_fn(ctx.decompositions)
         matcher = pm.PatternMatcherPass(pass_name="ascend_mla")  # this run only
         seen: set[str] = set()
+        refused: set[str] = set()  # nodes of matches left as they were (near-misses of their own)
         for form, dtype in _forms_for(gm):
             pattern = _pattern(form, dtype, ctx.decompositions)
             key = repr(pattern)
@@ -102,17 +112,17 @@ class MlaPass(Pass):
             seen.add(key)
             pm.GraphPatternEntry(pattern=pattern, extra_check=lambda m: True,
                                  handler=functools.partial(self._rewrite, form, gm, result, facts,
-                                                           trace)).register(matcher)
+                                                           trace, refused)).register(matcher)
         matcher.apply(gm)
         gm.graph.eliminate_dead_code()
-        self._diagnose(gm, result)
+        self._diagnose(gm, result, refused)
         ctx.facts["mla_layers"] = facts
         return result
 
     # ------------------------------------------------------------------ one match
     def _rewrite(self, form: patterns.Form, gm: fx.GraphModule, result: PassResult,
-                 facts: list[dict[str, Any]], trace: Callable[..., Any], match: pm.Match,
-                 *args: Any, **kwargs: Any) -> None:
+                 facts: list[dict[str, Any]], trace: Callable[..., Any], refused: set[str],
+                 match: pm.Match, *args: Any, **kwargs: Any) -> None:
         nodes = match.nodes
         layer = next((l for l in map(layer_of, nodes) if l is not None), None) \
             or next((w for w in map(where, nodes) if w is not None), None)
@@ -120,6 +130,7 @@ class MlaPass(Pass):
         c, why, anchor = _constants(form, match)
         if why is not None:
             result.near_miss(name, f"MLA prolog not rewritten: {why}", layer=layer, node=anchor)
+            refused.update(n.name for n in nodes)
             return
         args = [match.kwargs[a] for a in form.argnames]
         before = set(gm.graph.nodes)
@@ -127,6 +138,7 @@ class MlaPass(Pass):
             match.replace_by_example(patterns.replacement_fn(form, c), args, trace_fn=trace)
         except Exception as exc:  # tracing happens before any graph change
             result.near_miss(name, f"replacement failed: {type(exc).__name__}: {exc}", layer=layer, node=anchor)
+            refused.update(n.name for n in nodes)
             return
         new = [n for n in gm.graph.nodes if n not in before]
         for n in new:
@@ -141,12 +153,13 @@ class MlaPass(Pass):
 
     # ------------------------------------------------------------------ leftovers
     @staticmethod
-    def _diagnose(gm: fx.GraphModule, result: PassResult) -> None:
+    def _diagnose(gm: fx.GraphModule, result: PassResult, refused: set[str]) -> None:
         """A split of a projection into (latent, rope) whose latent is RMS-normed and that is
-        still in the graph: an MLA prolog none of the forms matched."""
+        still in the graph, outside the matches already reported: an MLA prolog none of the forms
+        matched."""
         from .mtp import rms_norm_input
 
-        reported = {nm.node for nm in result.near_misses}
+        reported = {nm.node for nm in result.near_misses} | refused
         for split in gm.graph.find_nodes(op="call_function", target=aten.split_with_sizes.default):
             outs = [u for u in split.users if u.args[1] == 0]
             if not outs or len(split.args[1]) != 2:
@@ -169,8 +182,11 @@ def _constants(form: patterns.Form, match: pm.Match) -> tuple[Any, str | None, f
     anchor = q_split or nodes[-1]
     if q_split is None or kv_split is None:
         return None, "the q/kv splits were not found in the match", anchor
-    d, dr = (int(x) for x in q_split.args[1])
-    hckv, dr_k = (int(x) for x in kv_split.args[1])
+    q_sizes, kv_sizes = const_ints(q_split.args[1]), const_ints(kv_split.args[1])
+    if q_sizes is None or kv_sizes is None or len(q_sizes) != 2 or len(kv_sizes) != 2:
+        return None, "the q/kv split sizes are not two constants", anchor
+    d, dr = q_sizes
+    hckv, dr_k = kv_sizes
     cos = _val(kw["cos"])
     w_q = _val(kw["w_q_b" if form.q_lora else "w_q"])
     gamma_ckv = _val(kw["gamma_ckv"])
@@ -184,28 +200,55 @@ def _constants(form: patterns.Form, match: pm.Match) -> tuple[Any, str | None, f
     if split_dim not in (-1, 3):
         return None, f"the q split is over dim {split_dim}, not the last", anchor
     transpose = q_split.args[0]
-    if sorted(int(a) for a in transpose.args[1:]) != [1, 2]:
+    if sorted(const_ints(transpose.args[1:]) or ()) != [1, 2]:
         return None, "q heads are not moved by transpose(1, 2)", anchor
     # the RoPE slices of the q rope part: even/odd (interleave) or the two halves
     q_rot = next((u for u in q_split.users if u.args[1] == 1), None)
-    slices = sorted((tuple(s.args[2:]) + (1,) * (5 - len(s.args)))[:3]
-                    for s in (q_rot.users if q_rot is not None else ()) if s.target is aten.slice.Tensor)
+    slices = sorted(((tuple(s.args[2:]) + (1,) * (5 - len(s.args)))[:3]
+                     for s in (q_rot.users if q_rot is not None else ()) if s.target is aten.slice.Tensor),
+                    key=lambda t: [v if const_int(v) is not None else _INF for v in t])
     if form.interleave:
         want = [(0, _INF, 2), (1, _INF, 2)]
     else:
         want = [(0, dr // 2, 1), (dr // 2, _INF, 1)]
-    if [tuple(int(v) for v in s) for s in slices] != want:
+    if [tuple(const_ints(s) or ()) for s in slices] != want:
         return None, f"the RoPE slices {slices} are not the {'interleaved' if form.interleave else 'half'} form", anchor
+    if form.norm == "hf" and (why := _inline_norms_unsupported(nodes)) is not None:
+        return None, why, anchor
     norms = [n for n in nodes if n.target is torch.ops.ascend.rms_norm.default]
-    if not norms:
-        norms = [n for n in nodes if n.target is aten.add.Tensor and not isinstance(n.args[1], fx.Node)
+    if not norms:  # Hugging Face's inline norms: rsqrt(add(mean(x²), eps)); eps may be a graph node
+        norms = [n for n in nodes if n.target is aten.add.Tensor
                  and isinstance(n.args[0], fx.Node) and n.args[0].target is aten.mean.dim]
     kv_norm = [n for n in norms if _feeds_from(n, kv_split)]
     q_norm = [n for n in norms if n not in kv_norm]
-    eps_ckv = _eps(kv_norm) if kv_norm else 1e-6
-    eps_cq = _eps(q_norm) if q_norm else 1e-5
+    if len(kv_norm) != 1 or len(q_norm) != (1 if form.q_lora else 0):
+        return None, (f"found {len(kv_norm)} kv-latent and {len(q_norm)} q-latent RMSNorms in the match "
+                      f"(expected 1 and {1 if form.q_lora else 0})"), anchor
+    eps_ckv, why = _eps(kv_norm[0], "kv latent")
+    if why is not None:
+        return None, why, anchor
+    eps_cq = 1e-5  # unused by the op without a q LoRA pair (q_proj form)
+    if q_norm:
+        eps_cq, why = _eps(q_norm[0], "q latent")
+        if why is not None:
+            return None, why, anchor
     return patterns.Constants(head_num=w_q.shape[0] // (d + dr), interleave=form.interleave,
                               eps_cq=eps_cq, eps_ckv=eps_ckv), None, anchor
+
+
+def _inline_norms_unsupported(nodes: list[fx.Node]) -> str | None:
+    """The matcher ignores numbers: an inline RMSNorm must square (``pow 2``) and average over
+    the last dim with ``keepdim``, as ``mla_prolog``'s norms do."""
+    for n in nodes:
+        if n.target is aten.pow.Tensor_Scalar and const_float(n.args[1]) != 2.0:
+            return f"an inline RMSNorm raises to the power {n.args[1]}, not 2"
+        if n.target is aten.mean.dim:
+            rank = _val(n.args[0]).dim()
+            dims = const_ints(n.args[1])
+            keepdim = n.args[2] if len(n.args) > 2 else n.kwargs.get("keepdim", False)
+            if dims is None or [d % rank for d in dims] != [rank - 1] or keepdim is not True:
+                return f"an inline RMSNorm averages over dims {n.args[1]} (keepdim={keepdim}), not the last"
+    return None
 
 
 def _feeds_from(node: fx.Node, source: fx.Node, depth: int = 6) -> bool:

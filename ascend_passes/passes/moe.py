@@ -26,7 +26,8 @@ from ..pass_manager import Pass, PassContext, PassResult
 from ..patterns import moe_experts, moe_router
 from ..patterns.moe_router import RouterConstants
 from ._pattern import _decomp_fn
-from ._nodes import VIEWS
+from ._nodes import (VIEWS, const_float, const_int, const_ints, graph_input_of, is_scalar_tensor,
+                     not_constant)
 from .layers import layer_of, where
 
 log = logging.getLogger("ascend_passes.passes.moe")
@@ -215,7 +216,10 @@ class MoePass(Pass):
                 for pattern in _patterns(name, ctx.decompositions):
                     pm.GraphPatternEntry(pattern=pattern, extra_check=_always,
                                          handler=on_match).register(matcher)
-            matcher.apply(gm)
+            if matcher.apply(gm):
+                # a replacement goes in before the match's first node; an input of it made later
+                # (the routed scaling factor's cast of a graph input) moves up: def before use
+                pm.stable_topological_sort(gm.graph)
 
         self._check_split_blocks(gm, result, layers)
         gm.graph.eliminate_dead_code()
@@ -229,27 +233,28 @@ class MoePass(Pass):
         layer = _match_layer(match)
         nodes = match.nodes
         logits = kwargs["logits"]
-        num_experts = int(_val(logits).shape[-1])
+        num_experts = const_int(_val(logits).shape[-1])
         topks = [n for n in nodes if n.target is aten.topk.default]
         # the expert choice: top-k over all E scores (the group top-ks see [T, G, E/G] and [T, G])
-        final_topk = next(n for n in topks
-                          if _val(n.args[0]).dim() == 2 and _val(n.args[0]).shape[-1] == num_experts)
-        top_k = int(final_topk.args[1])
-        if name.startswith("deepseek"):
-            view = _find(nodes, aten.view.default, lambda n: len(n.args[1]) == 3)
-            group_topk = _find(nodes, aten.topk.default, lambda n: n.args[0].target is aten.sum.dim_IntList)
-            first_topk = _find(nodes, aten.topk.default, lambda n: n.args[0] is view)
-            mul = _find(nodes, aten.mul.Tensor, lambda n: not isinstance(n.args[1], fx.Node))
-            num_groups = int(view.args[1][1]) if view is not None else 1
-            c = RouterConstants(
-                top_k=top_k, num_experts=num_experts, num_groups=num_groups,
-                topk_groups=int(group_topk.args[1]) if group_topk is not None else 1,
-                routed_scaling_factor=float(mul.args[1]) if mul is not None else 1.0,
-                renormalize=not name.endswith("no_renorm"),
-            )
-            reason = _deepseek_gating_unsupported(c, first_topk)
+        final_topk = next((n for n in topks
+                           if _val(n.args[0]).dim() == 2 and _val(n.args[0]).shape[-1] == num_experts), topks[-1])
+        top_k = const_int(final_topk.args[1])
+        scale = None  # the routed scaling factor when it is a graph input
+        details: dict[str, Any] = {}
+        if num_experts is None or top_k is None:
+            c = None
+            reason = (not_constant("the number of experts", _val(logits).shape[-1]) if num_experts is None
+                      else not_constant("top_k", final_topk.args[1]))
+            op = "moe_gating_top_k" if name.startswith("deepseek") else "moe_gating_top_k_softmax"
+        elif name.startswith("deepseek"):
+            c, scale, reason = _deepseek_constants(nodes, top_k, num_experts, not name.endswith("no_renorm"))
+            if c is not None and reason is None:
+                reason = _deepseek_gating_unsupported(c)
             replacement = functools.partial(moe_router.deepseek_router_fused, c=c)
             call_args = [logits, kwargs["bias"]]
+            if scale is not None:  # the op scales by 1.0; the graph's multiply by the input follows it
+                call_args.append(scale)
+                details["routed_scaling_factor"] = f"graph input {(graph_input_of(scale) or scale).name}"
             op = "moe_gating_top_k"
         else:
             c = RouterConstants(top_k=top_k, num_experts=num_experts,
@@ -270,7 +275,7 @@ class MoePass(Pass):
         new = _stamp(gm.graph, before, match)
         gating = next((n for n in new if n.target is getattr(torch.ops.ascend, op).default), None)
         entry.gating = gating.name if gating is not None else None
-        result.match(name, layer=layer, nodes=[final_topk], op=f"ascend.{op}", **vars(c))
+        result.match(name, layer=layer, nodes=[final_topk], op=f"ascend.{op}", **{**vars(c), **details})
 
     # ------------------------------------------------------------------ experts
     def _experts(self, name: str, gm: fx.GraphModule, result: PassResult,
@@ -281,7 +286,10 @@ class MoePass(Pass):
         gate_up, down = kwargs["gate_up_proj"], kwargs["down_proj"]
         gu, dn, x = _val(gate_up), _val(down), _val(hidden)
         reason = None
-        if gu.dim() != 3 or dn.dim() != 3 or gu.shape[0] != dn.shape[0]:
+        sizes = (*gu.shape, *dn.shape, x.shape[-1])
+        if const_ints(sizes) is None:  # comparing symbolic sizes would specialise the graph
+            reason = not_constant("an expert weight size", next(d for d in sizes if const_int(d) is None))
+        elif gu.dim() != 3 or dn.dim() != 3 or gu.shape[0] != dn.shape[0]:
             reason = "expert weights are not [E, 2I, H] and [E, H, I]"
         elif gu.shape[1] != 2 * dn.shape[2] or gu.shape[2] != x.shape[-1]:
             reason = f"gate_up {tuple(gu.shape)} and down {tuple(dn.shape)} do not fit hidden {x.shape[-1]}"
@@ -355,16 +363,64 @@ def _as_fn(fn: Callable[..., Any], nargs: int) -> Callable[..., Any]:
     """make_fx wants a function whose positional parameters are exactly the traced inputs."""
     if nargs == 1:
         return lambda a: fn(a)
-    return lambda a, b: fn(a, b)
+    if nargs == 2:
+        return lambda a, b: fn(a, b)
+    return lambda a, b, c: fn(a, b, c)
 
 
-def _deepseek_gating_unsupported(c: RouterConstants, first_topk: fx.Node | None) -> str | None:
+def _deepseek_constants(nodes: Sequence[fx.Node], top_k: int, num_experts: int, renormalize: bool
+                        ) -> tuple[RouterConstants | None, fx.Node | None, str | None]:
+    """The constants of a matched DeepSeek router, read off its nodes (the matcher ignored every
+    number): ``(constants, scale, None)``, where ``scale`` is the routed scaling factor's node when
+    it is a graph input (a float attribute under ``dynamic=True``: the fused op then scales by 1.0
+    and the graph's multiply stays after it), or ``(None, None, reason)`` when a number the op needs
+    is not a constant or is not the one the op computes with."""
+    view = _find(nodes, aten.view.default, lambda n: len(n.args[1]) == 3)
+    group_topk = _find(nodes, aten.topk.default, lambda n: n.args[0].target is aten.sum.dim_IntList)
+    first_topk = _find(nodes, aten.topk.default, lambda n: n.args[0] is view)
+    mul = _find(nodes, aten.mul.Tensor)
+    read = {
+        "the number of groups": (view.args[1][1], const_int) if view is not None else (1, const_int),
+        "topk_group": (group_topk.args[1], const_int) if group_topk is not None else (1, const_int),
+        "the per-group top-k": (first_topk.args[1], const_int) if first_topk is not None else (2, const_int),
+    }
+    if renormalize:  # topk_weights.sum(-1, keepdim=True) + eps
+        add = _find(nodes, aten.add.Tensor, lambda n: n.args[0].target is aten.sum.dim_IntList)
+        read["the renormalisation epsilon"] = (add.args[1] if add is not None else None, const_float)
+    fill = _find(nodes, aten.masked_fill.Scalar)  # non-selected groups' experts; Inductor: a scalar_tensor
+    fill = fill.args[2] if fill is not None else next(
+        (n.args[0] for n in nodes if n.target is aten.scalar_tensor.default), None)
+    read["the score of excluded experts"] = (fill, const_float)
+    values: dict[str, Any] = {}
+    for what, (arg, const) in read.items():
+        values[what] = const(arg)
+        if values[what] is None:
+            return None, None, not_constant(what, arg)
+    if values["the per-group top-k"] != 2:
+        return None, None, (f"group score is the sum of the top-{values['the per-group top-k']} "
+                            "(the op supports top-2 only)")
+    excluded = values["the score of excluded experts"]
+    if excluded != float("-inf"):
+        return None, None, f"experts of unselected groups score {excluded}, not -inf (the op excludes them)"
+    factor, scale = 1.0, None
+    if mul is not None:
+        factor = const_float(mul.args[1])
+        if factor is None:
+            if not is_scalar_tensor(mul.args[1]):
+                return None, None, not_constant("routed_scaling_factor", mul.args[1])
+            factor, scale = 1.0, mul.args[1]
+    c = RouterConstants(top_k=top_k, num_experts=num_experts, num_groups=values["the number of groups"],
+                        topk_groups=values["topk_group"], routed_scaling_factor=factor,
+                        renormalize=renormalize,
+                        eps=values.get("the renormalisation epsilon", RouterConstants.eps))
+    return c, scale, None
+
+
+def _deepseek_gating_unsupported(c: RouterConstants) -> str | None:
     """Why ``moe_gating_top_k`` cannot compute this router (REFERENCE.md limits), or None."""
     per_group = c.num_experts // max(c.num_groups, 1)
     if not c.renormalize:
         return "the weights are not renormalised (norm_topk_prob=False); the fused op always renormalises sigmoid weights"
-    if first_topk is not None and int(first_topk.args[1]) != 2:
-        return f"group score is the sum of the top-{first_topk.args[1]} (the op supports top-2 only)"
     if c.num_experts > 2048:
         return f"{c.num_experts} experts > 2048"
     if c.num_experts % c.num_groups:

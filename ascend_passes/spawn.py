@@ -101,7 +101,7 @@ seconds."""
                 rank, ok, value = results.get(timeout=_POLL_S)
             except queue.Empty:
                 dead = _died(procs, values)
-                if dead:
+                if dead and results.empty():  # (a report that raced the poll is read first)
                     raise RankFailed(_death_message(dead, world_size)) from None
                 if time.monotonic() > deadline:
                     missing = sorted(set(range(world_size)) - set(values))
@@ -117,6 +117,7 @@ seconds."""
                                      + f"\nrank {rank} then failed:\n{value}")
                 raise RankFailed(f"rank {rank} of {world_size} failed:\n{value}")
             values[rank] = value
+            deadline = time.monotonic() + timeout_s  # as before: timeout_s between two reports
         for p in procs:
             p.join(timeout=30)
     finally:

@@ -2,6 +2,7 @@
 
 ``available()`` says whether ``torch.ops.ascend_kernels`` is loaded; ops fall back to their
 reference implementations when it is not, or when ``ASCEND_PASSES_KERNELS=reference``.
+``ASCEND_PASSES_KERNELS_LIB=<path>`` loads that library instead of this folder's (a build under test).
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ def _load() -> bool:
         log.info("ASCEND_PASSES_KERNELS=reference: using the reference implementations")
         return False
     here = Path(__file__).resolve().parent
-    libs = sorted(here.glob("_C*.so"))
+    override = os.environ.get("ASCEND_PASSES_KERNELS_LIB", "")
+    libs = [Path(override)] if override else sorted(here.glob("_C*.so"))
     if not libs:
         log.warning(
             "ascend_passes C++ kernels are not built (no %s/_C*.so); the ascend ops use their "

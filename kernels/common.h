@@ -29,10 +29,19 @@
 #define ASCEND_HOT
 #endif
 
-// The widest instruction set of the hand-vectorised kernels (skinny.cpp, gemm.cpp): AVX-512 (F, VL,
-// BW, DQ), AVX2 + FMA, or the x86-64 baseline, from the CPU's feature bits, read once.
-// ASCEND_PASSES_ISA=avx512|avx2|baseline caps it, so that tests run every code path on one machine.
-enum class Isa : int { kBaseline = 0, kAvx2 = 1, kAvx512 = 2 };
+// The widest instruction set of the kernels, from the CPU's feature bits, read once: AMX (tile
+// registers with bf16 dot products: amx_tile + amx_bf16 + avx512_bf16, the OS granting the tile state
+// and torch built with oneDNN, which runs the bf16 matrix products of grouped_matmul's prefill pieces
+// on them), AVX-512 (F, VL, BW, DQ: skinny.cpp, gemm.cpp), AVX2 + FMA, or the x86-64 baseline.
+// ASCEND_PASSES_ISA=amx|avx512|avx2|baseline caps it, so that tests run every code path on one machine.
+enum class Isa : int { kBaseline = 0, kAvx2 = 1, kAvx512 = 2, kAmx = 3 };
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+// AMX-BF16 usable by this process: CPUID.(7,0):EDX bits 22 (amx_bf16) and 24 (amx_tile),
+// CPUID.(7,1):EAX bit 5 (avx512_bf16), XCR0 bits 17-18 (the OS saves tile state) and Linux's
+// permission to use the tile data (arch_prctl ARCH_REQ_XCOMP_PERM, what oneDNN requests too).
+bool cpu_has_amx_bf16();
+#endif
 
 inline Isa isa_level() {
   static const Isa level = [] {
@@ -41,7 +50,7 @@ inline Isa isa_level() {
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
         __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq")) {
-      cpu = Isa::kAvx512;
+      cpu = cpu_has_amx_bf16() && at::hasMKLDNN() ? Isa::kAmx : Isa::kAvx512;
     } else if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
       cpu = Isa::kAvx2;
     }
@@ -49,9 +58,12 @@ inline Isa isa_level() {
     const char* env = std::getenv("ASCEND_PASSES_ISA");
     if (env == nullptr || *env == '\0') return cpu;
     const std::string cap(env);
-    TORCH_CHECK_VALUE(cap == "avx512" || cap == "avx2" || cap == "baseline",
-                      "ASCEND_PASSES_ISA must be one of avx512, avx2, baseline; got '", cap, "'");
-    const Isa wanted = cap == "avx512" ? Isa::kAvx512 : cap == "avx2" ? Isa::kAvx2 : Isa::kBaseline;
+    TORCH_CHECK_VALUE(cap == "amx" || cap == "avx512" || cap == "avx2" || cap == "baseline",
+                      "ASCEND_PASSES_ISA must be one of amx, avx512, avx2, baseline; got '", cap, "'");
+    const Isa wanted = cap == "amx"      ? Isa::kAmx
+                       : cap == "avx512" ? Isa::kAvx512
+                       : cap == "avx2"   ? Isa::kAvx2
+                                         : Isa::kBaseline;
     return std::min(cpu, wanted);
   }();
   return level;

@@ -158,7 +158,7 @@ ASCEND_AVX512 void gemm_avx512(const float* a, int64_t lda, const T* w, int64_t 
 
 }  // namespace
 
-bool gemm_nt_available() { return isa_level() == Isa::kAvx512; }
+bool gemm_nt_available() { return isa_level() >= Isa::kAvx512; }
 
 void gemm_nt(const float* a, int64_t lda, const float* w, int64_t ldw, float* c, int64_t ldc, int64_t m, int64_t n,
              int64_t k, const NextWeight& next) {

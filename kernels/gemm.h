@@ -25,7 +25,7 @@ struct NextWeight {
   int64_t k = 0;
 };
 
-// Whether gemm_nt runs here (isa_level() is AVX-512, see common.h); callers use BLAS otherwise.
+// Whether gemm_nt runs here (isa_level() is AVX-512 or above, see common.h); callers use BLAS otherwise.
 bool gemm_nt_available();
 
 // C (row stride ldc) = A (row stride lda) @ W^T (W rows ldw apart, each K contiguous floats).

@@ -8,8 +8,10 @@
 //    computes the current one, so that it can prefetch that item's weight under the compute.
 // Per (item, group) piece: up to kSkinnyRows rows with the weight's K contiguous (Hugging Face's
 // [E, N, K] storage passed as its transpose) -> the weight-streaming kernel of skinny.h (fp32, bf16);
-// other few-row bf16/fp16 pieces -> a streaming kernel that converts on the fly; the rest -> one
-// single-threaded fp32 GEMM (this CPU has no fast bf16 GEMM): gemm.h's AVX-512 kernel, which widens
+// other few-row bf16/fp16 pieces -> a streaming kernel that converts on the fly; the rest: bf16 on a
+// CPU with AMX (isa_level() kAmx) -> torch's bf16 mm into the output rows, which oneDNN runs on the
+// tile units (brgemm, fp32 accumulation; single-threaded inside the worker, the weight's transposed
+// view read in place); otherwise one single-threaded fp32 GEMM: gemm.h's AVX-512 kernel, which widens
 // bf16 weights while packing and prefetches the next group's weight while it computes, when the
 // weight's K is contiguous; else BLAS (bf16/fp16 converted to fp32 first).
 #include "common.h"
@@ -108,6 +110,10 @@ ASCEND_GMM_ENTRY(c10::BFloat16)
 ASCEND_GMM_ENTRY(c10::Half)
 #undef ASCEND_GMM_ENTRY
 
+// bf16 products of more than kSmallRows rows go to torch's mm (oneDNN: AMX brgemm) when the CPU has
+// AMX, ASCEND_PASSES_ISA does not cap it and torch.backends.mkldnn is enabled (else bf16 mm is slow)
+bool amx_bf16_mm() { return isa_level() == Isa::kAmx && at::globalContext().userEnabledMkldnn(); }
+
 void activate_inplace(at::Tensor& y, int64_t act_type) {
   if (act_type == 1) y.relu_();
   else if (act_type == 2) y.copy_(at::gelu(y, "tanh"));
@@ -186,6 +192,18 @@ void matmul_piece(const at::Tensor& x, const at::Tensor& w, const T* bias, int64
     else small_nk(xp, x.stride(0), wp, w.stride(1), acc.data(), m, k, n);
     store(acc.data(), bias, act_type, y.data_ptr<T>(), y.stride(0), m, n);
     return;
+  }
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (amx_bf16_mm()) {
+      at::mm_out(y, x, w);
+      if (bias != nullptr || act_type != 0) {  // in fp32, rounded once more
+        auto yf = y.to(at::kFloat);
+        if (bias) yf.add_(at::from_blob(const_cast<T*>(bias), {n}, x.options()).to(at::kFloat));
+        activate_inplace(yf, act_type);
+        y.copy_(yf);
+      }
+      return;
+    }
   }
   if constexpr (std::is_same_v<T, float>) {
     mm_f32(x, w, y, next);

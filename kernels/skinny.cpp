@@ -166,6 +166,7 @@ __attribute__((target("avx2,fma"))) void rows_avx2(ASCEND_SKINNY_ARGS) {
 template <typename T>
 void dispatch(ASCEND_SKINNY_ARGS) {
   switch (isa_level()) {
+    case Isa::kAmx:  // decode is bound by reading the weight: AVX-512 streams it
     case Isa::kAvx512: rows_avx512<T>(ASCEND_SKINNY_PASS); break;
     case Isa::kAvx2: rows_avx2<T>(ASCEND_SKINNY_PASS); break;
     default: rows_baseline<T>(ASCEND_SKINNY_PASS); break;

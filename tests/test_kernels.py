@@ -450,4 +450,58 @@ def test_bad_isa_setting_raises_a_clear_error():
                           "torch.ops.ascend.linear(torch.randn(2, 4), torch.randn(3, 4))"],
                          env={**os.environ, "ASCEND_PASSES_ISA": "sse9"}, capture_output=True, text=True, timeout=300)
     assert run.returncode != 0
-    assert "ValueError: ASCEND_PASSES_ISA must be one of avx512, avx2, baseline; got 'sse9'" in run.stderr
+    assert "ValueError: ASCEND_PASSES_ISA must be one of amx, avx512, avx2, baseline; got 'sse9'" in run.stderr
+
+
+def cpu_has_amx_bf16() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return False
+    return {"amx_bf16", "amx_tile", "avx512_bf16"} <= set(flags)
+
+
+# bf16 prefill pieces (> 8 rows) on a CPU with AMX: torch's bf16 mm, which oneDNN runs on the tile units
+# (ONEDNN_VERBOSE names the kernel); capped to avx512: the AVX-512 GEMM, no oneDNN bf16 call. Groups of
+# 13, 64 (cut in pieces of 24), 9 and 100 rows take the matrix path, 1 row the streaming kernel; the
+# weights are Hugging Face's [E, N, K] storage as transposed views; bias + SiLU run after the product.
+AMX_SCRIPT = textwrap.dedent(
+    """
+    import torch, ascend_passes.ops
+    from ascend_passes.ops import reference
+    K = torch.ops.ascend_kernels
+    torch.manual_seed(7)
+    group_list = torch.tensor([0, 13, 64, 9, 100, 1])
+    x = torch.randn(190, 300).bfloat16()
+    w = (torch.randn(6, 130, 300) / 17).transpose(1, 2).bfloat16()
+    bias = torch.randn(6, 130).bfloat16()
+    results = []
+    for act, b in ((0, None), (5, [bias])):
+        kw = dict(bias=b, group_list=group_list, group_type=0, group_list_type=1, act_type=act)
+        results.append((K.grouped_matmul([x], [w], **kw)[0], reference.grouped_matmul([x], [w], **kw)[0]))
+    single = K.grouped_matmul([x[:40]], [w[2]])[0], reference.grouped_matmul([x[:40]], [w[2]])[0]
+    print("MARK-END-OF-KERNELS", flush=True)
+    for got, expected in results + [single]:
+        torch.testing.assert_close(got.float(), expected.float(), atol=1e-2, rtol=1e-2)
+    print("amx-case-ok", flush=True)
+    """
+)
+
+
+@pytest.mark.parametrize("isa", ["amx", "avx512"])
+def test_bf16_prefill_runs_on_amx_where_the_cpu_has_it(isa):
+    """Issue 18 goal 1: bf16 grouped_matmul prefill pieces use the matrix units (AMX, via oneDNN) on a
+    CPU that has them, and ASCEND_PASSES_ISA=avx512 caps that off (the AVX-512 GEMM); both paths equal
+    the reference within the bf16 tolerance."""
+    if not cpu_has_amx_bf16():
+        pytest.skip("this CPU lacks amx_bf16/amx_tile/avx512_bf16 (/proc/cpuinfo): no AMX path to run")
+    run = subprocess.run([sys.executable, "-c", AMX_SCRIPT], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "ASCEND_PASSES_ISA": isa, "ONEDNN_VERBOSE": "1"})
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "amx-case-ok" in run.stdout
+    kernels_out = run.stdout.split("MARK-END-OF-KERNELS")[0]
+    bf16_calls = [line for line in kernels_out.splitlines() if ",exec," in line and "src:bf16" in line]
+    if isa == "amx":
+        assert bf16_calls and all("amx" in line for line in bf16_calls), kernels_out[-3000:]
+    else:
+        assert bf16_calls == [], bf16_calls[:3]

@@ -65,7 +65,7 @@ def check_fake_values(gm: fx.GraphModule, before: NodeInputs) -> int:
         try:
             new = _run(node, mode)
         except Exception as exc:  # noqa: BLE001 - which op fails how is the op's business
-            if new_node or not isinstance(node.target, torch._ops.OpOverload):
+            if new_node or isinstance(exc, _NoValue) or not isinstance(node.target, torch._ops.OpOverload):
                 # a node the pass made keeps the value the pass traced (an op the fake mode
                 # cannot run again here says nothing about the layouts of the graph)
                 log.debug("fake values: %s not re-run (%s: %s)", node.name, type(exc).__name__, exc)
@@ -117,10 +117,14 @@ def _fake_mode(graph: fx.Graph) -> FakeTensorMode | None:
     return None
 
 
+class _NoValue(LookupError):
+    """An input has no fake value (a pass made it without one): nothing to check against."""
+
+
 def _run(node: fx.Node, mode: FakeTensorMode) -> Any:
     def value(n: fx.Node) -> Any:
         if "val" not in n.meta:
-            raise LookupError(f"{n.name} has no fake value")
+            raise _NoValue(f"{n.name} has no fake value")
         return n.meta["val"]
 
     args = fx.node.map_arg(node.args, value)

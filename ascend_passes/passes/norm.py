@@ -131,6 +131,11 @@ class NormPass(PatternPass):
             near = _downstream(node, depth=4)
             checked = [nm for nm in result.near_misses if nm.node in near]
             if checked and reason == GENERIC_REASON:
+                # the checks' reasons win, each once (the weighted and the unweighted pattern
+                # may both reject one norm for the same reason, e.g. its layout)
+                first = {nm.reason: nm for nm in reversed(checked)}
+                result.near_misses = [nm for nm in result.near_misses
+                                      if not any(nm is c for c in checked) or first[nm.reason] is nm]
                 continue
             result.near_misses = [nm for nm in result.near_misses if nm not in checked]
             result.near_miss("rms_norm", reason, layer=layer_of(node), node=node)

@@ -9,7 +9,6 @@ namespace.  Without the wheel the module is skipped (a failure under ASCEND_PASS
 from __future__ import annotations
 
 import copy
-import operator
 
 import pytest
 import torch
@@ -21,11 +20,10 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from _helpers import skip_unless
 
-import ascend_passes  # noqa: F401  (registers the ascend ops)
+import ascend_passes.ops  # noqa: F401  (registers the ascend ops)
 from ascend_passes import models, npu, npu_schemas
 from ascend_passes.backend import run_pipeline
 from ascend_passes.config import AscendPassConfig
-from ascend_passes.ops import reference
 from ascend_passes.pass_manager import PassContext
 from ascend_passes.passes.lower import GRAPH_ADAPT, LowerPass
 
@@ -218,6 +216,21 @@ def test_fp32_scales_with_bf16_rows_finalize_is_decomposed():
     assert nm.pattern == "moe_finalize_routing->npu_moe_finalize_routing"
     assert "scales dtype torch.float32 differs from the rows' torch.bfloat16" in nm.reason
     torch.testing.assert_close(gm(rows, scales, row_idx, idx), f(rows, scales, row_idx, idx))
+
+
+def test_finalize_after_a_partial_expert_range_is_decomposed():
+    x, idx = torch.randn(5, 8), torch.randint(0, 4, (5, 2), dtype=torch.int32)
+    scales = torch.rand(5, 2)
+
+    def f(x, idx, scales):  # expert parallelism: this rank holds experts [0, 2) of 4
+        ex, row_idx, _, _ = A.moe_init_routing_v2(x, idx, expert_num=4, expert_tokens_num_type=1,
+                                                  expert_tokens_num_flag=True, active_expert_range=[0, 2])
+        return A.moe_finalize_routing(ex, None, None, None, scales, row_idx, idx, 2, 2)
+
+    gm, result = _lower(f, x, idx, scales)
+    assert [n.target for n in _npu_nodes(gm)] == [torch.ops.npu.npu_moe_init_routing_v2.default]
+    (nm,) = result.near_misses
+    assert "may hold -1 (init_routing_v2 with a partial active_expert_range)" in nm.reason
 
 
 def _mla_inputs(dtype, he=6144, hcq=32, n=2, d=8, dr=8, hckv=512, tokens=3):

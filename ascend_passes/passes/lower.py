@@ -322,8 +322,8 @@ def lower_node(gm: fx.GraphModule, node: fx.Node, name: str, result: PassResult)
                             "torch_npu schemas first (npu_schemas.load())")
     bound = bind(node)
     vals = _vals(bound)
-    if name == "moe_finalize_routing":
-        vals["__dropped_pairs__"] = _dropped_pairs(bound)
+    if name == "moe_finalize_routing":  # read before the producing init_routing was lowered (run())
+        vals["__dropped_pairs__"] = node.meta.pop("ascend_dropped_pairs", None) or _dropped_pairs(bound)
     reasons = row.outside_limits(vals)
     if reasons:
         decompose(gm, node, name)
@@ -363,6 +363,9 @@ class LowerPass(Pass):
 
         npu_schemas.load()  # no-op where torch_npu works
         result = PassResult(self.name)
+        for node in gm.graph.nodes:
+            if _ascend_name(node) == "moe_finalize_routing":
+                node.meta["ascend_dropped_pairs"] = _dropped_pairs(bind(node))
         for node in list(gm.graph.nodes):
             name = _ascend_name(node)
             if name is not None:

@@ -233,10 +233,11 @@ def test_rebalance_with_a_load_of_the_wrong_shape_names_both_shapes(deepseek, sh
 def test_export_placement_to_a_directory_names_the_path_and_leaves_no_temp_file(deepseek, tmp_path):
     _, runs = deepseek
     state = runs[4][1]
-    with pytest.raises(ConfigError) as err:
-        state.export_placement(tmp_path)
-    assert str(err.value) == (f"export_placement: {tmp_path} is a directory; pass a file path, "
-                              f"e.g. {tmp_path / 'placement.json'}")
+    for export in (state.export_placement, lambda path: export_placement(state.phy2log, 4, path)):
+        with pytest.raises(ConfigError) as err:
+            export(tmp_path)
+        assert str(err.value) == (f"export_placement: {tmp_path} is a directory; pass a file "
+                                  f"path, e.g. {tmp_path / 'placement.json'}")
     missing = tmp_path / "nowhere" / "placement.json"
     with pytest.raises(ConfigError) as err:
         state.export_placement(missing)

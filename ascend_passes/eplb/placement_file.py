@@ -97,12 +97,26 @@ def export_placement(phy2log: torch.Tensor, num_ranks: int, path: str | os.PathL
             f"phy2log must have shape [layers, physical slots], got {tuple(phy2log.shape)}"
         )
     text = _dumps(placement_to_json(phy2log, num_ranks))
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    shown, path = path, Path(path)
+    if path.is_dir():  # else os.replace fails naming the temporary file
+        raise ConfigError(f"export_placement: {shown} is a directory; pass a file path, "
+                          f"e.g. {path / 'placement.json'}")
+    if not path.parent.is_dir():
+        raise ConfigError(f"export_placement: cannot write {shown}: its directory "
+                          f"{path.parent} does not exist; create it first")
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as exc:
+        raise ConfigError(f"export_placement: cannot write {shown} "
+                          f"({exc.strerror or type(exc).__name__})") from None
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
         os.replace(tmp, path)
+    except OSError as exc:  # the temporary file never stays behind, nor is it named
+        Path(tmp).unlink(missing_ok=True)
+        raise ConfigError(f"export_placement: cannot write {shown} "
+                          f"({exc.strerror or type(exc).__name__})") from None
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise

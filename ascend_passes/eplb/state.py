@@ -265,12 +265,11 @@ class EplbState:
         return moved
 
     def _publish(self, layer: EplbLayer, new: torch.Tensor,
-                 staged: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], *,
-                 wait: bool = True) -> None:
+                 staged: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
         """Write one layer's new weights (``staged``: weight, slots, their new rows) and tables
         ``new`` (its phy2log row) in place, with no forward running."""
         log2phy, count = _tables(new, self.num_logical, layer.log2phy.shape[1])
-        with FORWARD_LOCK.writing(what="apply an EPLB placement", wait=wait):
+        with FORWARD_LOCK.writing(what="apply an EPLB placement"):
             for weight, slots, rows in staged:
                 weight.index_copy_(0, slots, rows)
             layer.log2phy.copy_(log2phy)
@@ -299,7 +298,9 @@ class EplbState:
                 "(this process's forwards run in another thread)")
         per_rank, me = self.slots_per_rank, self.rank
         moved = 0
-        with FORWARD_LOCK.updating(), torch.no_grad():
+        # the write side for the whole switch, taken before any communication (a forward in flight
+        # here raises on this rank instead of leaving it half-switched)
+        with FORWARD_LOCK.writing(what="apply an EPLB placement", wait=False), torch.no_grad():
             for layer, new in zip(self.layers, phy2log):
                 old = layer.phy2log.cpu()
                 changed = (new != old).nonzero().flatten().tolist()
@@ -331,7 +332,7 @@ class EplbState:
                     slots = torch.tensor([local for local, _ in incoming], dtype=torch.int64)
                     staged = [(w, slots.to(w.device), torch.stack([bufs[i] for _, bufs in incoming]))
                               for i, w in enumerate(weights)]
-                self._publish(layer, new, staged, wait=False)
+                self._publish(layer, new, staged)
         log.info("eplb: rank %d: new placement for %d layers, %d expert slots moved", me,
                  self.num_layers, moved)
         return moved
@@ -345,19 +346,8 @@ class EplbState:
 
     def export_placement(self, path: str | Path, *, after: "EplbState | None" = None) -> None:
         """Write the placement (this model's layers, then ``after``'s — e.g. a drafter's)."""
-        target = Path(path)
-        if target.is_dir():
-            raise ConfigError(f"export_placement: {path} is a directory; pass a file path, "
-                              f"e.g. {target / 'placement.json'}")
-        if not target.parent.is_dir():
-            raise ConfigError(f"export_placement: cannot write {path}: its directory "
-                              f"{target.parent} does not exist; create it first")
         rows = [self.phy2log] + ([after.phy2log] if after is not None else [])
-        try:
-            export_placement(torch.cat(rows), self.ep_size, path)
-        except OSError as exc:
-            raise ConfigError(f"export_placement: cannot write {path} "
-                              f"({exc.strerror or type(exc).__name__})") from None
+        export_placement(torch.cat(rows), self.ep_size, path)  # a bad path: ConfigError naming it
 
     # ----------------------------------------------------------------------------- load
     def physical_load(self) -> torch.Tensor:

@@ -305,11 +305,27 @@ def _npu_grouped_matmul_cpu(x, weight, *, bias=None, scale=None, offset=None, an
     return [y]
 
 
+def _npu_init_routing_cpu(x, expert_idx, *, scale=None, offset=None, active_num=-1, expert_capacity=-1,
+                          expert_num=-1, drop_pad_mode=0, expert_tokens_num_type=0, expert_tokens_num_flag=False,
+                          quant_mode=-1, active_expert_range=(), row_idx_type=0, x_dtype=None):
+    # docs (dropless, full range): rows sorted stably by expert; expanded_row_idx[src] = position;
+    # expert_tokens_num_type 1: tokens per expert (int64)
+    assert drop_pad_mode == 0 and expert_tokens_num_type == 1 and row_idx_type == 0
+    k = expert_idx.shape[1]
+    order = torch.sort(expert_idx.flatten(), stable=True).indices
+    expanded_x = x[order // k]
+    row_idx = torch.empty_like(order, dtype=torch.int32)
+    row_idx[order] = torch.arange(order.numel(), dtype=torch.int32)
+    counts = torch.bincount(expert_idx.flatten().long(), minlength=expert_num)
+    return expanded_x, row_idx, counts, torch.zeros(order.numel(), dtype=torch.float32)
+
+
 @pytest.fixture
 def npu_cpu_impls():
     lib = torch.library.Library("npu", "IMPL", "CPU")
     lib.impl("npu_moe_finalize_routing", _npu_finalize_cpu)
     lib.impl("npu_grouped_matmul", _npu_grouped_matmul_cpu)
+    lib.impl("npu_moe_init_routing_v2", _npu_init_routing_cpu)
     yield
     lib._destroy()
 
@@ -340,6 +356,21 @@ def test_adapted_finalize_and_grouped_matmul_equal_the_unlowered_graph(npu_cpu_i
     (call,) = _npu_nodes(gm)
     assert call.kwargs["group_type"] == 0 and call.kwargs["group_list_type"] == 1
     torch.testing.assert_close(gm(x, w, counts), gmm(x, w, counts))
+
+
+def test_init_routing_cumsum_counts_are_lowered_as_counts_plus_cumsum(npu_cpu_impls):
+    x, idx = torch.randn(6, 4), torch.randint(0, 5, (6, 2), dtype=torch.int32)
+
+    def f(x, idx):  # expert_tokens_num_type 0 (cumsum) is not documented on the NPU: 1 + cumsum
+        return A.moe_init_routing_v2(x, idx, expert_num=5, expert_tokens_num_type=0, expert_tokens_num_flag=True,
+                                     active_expert_range=[0, 5])[:3]
+
+    gm, result = _lower(f, x, idx)
+    (call,) = _npu_nodes(gm)
+    assert call.kwargs["expert_tokens_num_type"] == 1 and call.kwargs["quant_mode"] == -1 and not result.near_misses
+    assert any(n.target is torch.ops.aten.cumsum.default for n in gm.graph.nodes)
+    for got, want in zip(gm(x, idx), f(x, idx)):
+        torch.testing.assert_close(got, want)
 
 
 def test_missing_or_corrupt_wheel_is_one_clear_error(tmp_path, monkeypatch):

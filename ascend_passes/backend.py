@@ -246,9 +246,24 @@ class AscendInductorPass(CustomGraphPass):
         target = "cpu" if self.config.target == "auto" else self.config.target
         run_pipeline(self.config, gm, inputs, target=target, compiler="inductor",
                      decompositions="inductor")
+        _refresh_eager_input_vals(graph)
 
     def uuid(self) -> str:
         return self._uuid
+
+
+def _refresh_eager_input_vals(graph: fx.Graph) -> None:
+    """Inductor lowers an op with exact stride needs (our ``ascend.*`` ops) by forcing its inputs
+    to the strides in ``meta["eager_input_vals"]``, recorded when the replacement was traced; a
+    pass that re-wires such a node (sequence parallelism feeds a norm the 2-D reduce-scattered
+    shard instead of the 3-D activation) leaves those stale and the lowering fails.  Record the
+    inputs' current values instead, as Inductor's own pattern replacement does."""
+    def current(arg: Any) -> Any:
+        return arg.meta.get("val") if isinstance(arg, fx.Node) else None
+
+    for node in graph.nodes:
+        if "eager_input_vals" in node.meta:
+            node.meta["eager_input_vals"] = fx.node.map_aggregate((node.args, node.kwargs), current)
 
 
 def inductor_pass(config: AscendPassConfig | dict[str, Any] | None = None,

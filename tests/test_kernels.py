@@ -314,6 +314,7 @@ def test_gating_bad_input_raises_the_reference_message(name, args, kwargs):
 
 def test_missing_library_logs_one_warning_and_falls_back(monkeypatch, tmp_path, caplog):
     monkeypatch.setattr(kernels, "__file__", str(tmp_path / "__init__.py"))
+    monkeypatch.delenv("ASCEND_PASSES_KERNELS_LIB", raising=False)
     with caplog.at_level(logging.WARNING, logger="ascend_passes.kernels"):
         assert kernels._load.__wrapped__() is False
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]

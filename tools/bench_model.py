@@ -3,9 +3,16 @@
 Config (issue "MoE, RMSNorm and SwiGLU rewrites"): H=1024, moe_intermediate=256, 64 routed experts,
 top-6, 4 layers (1 dense), n_group=8, topk_group=4, q_lora_rank=256, kv_lora_rank=128, one shared
 expert; experts via Hugging Face ``grouped_mm``.  Shapes: prefill 1×256 and 1×1024 tokens, decode
-8×1; float32 and bfloat16.  Columns: eager, ``torch.compile`` (Inductor), ascend_passes with
-``compiler="eager"`` and with ``compiler="inductor"`` — median time per forward, the ratio
-against eager and against Inductor, and the compile time (first call).  All in one run.
+8×1; float32 and bfloat16.  Peers (what a CPU user would pick): eager, ``torch.compile``
+(Inductor), Inductor with ``freezing=True`` (weights folded as constants, oneDNN-prepacked), and the
+Hugging Face ``batched_mm`` experts under Inductor; then ascend_passes with ``compiler="eager"`` and
+``compiler="inductor"`` — median time per forward, the ratio against eager and against the best of
+all peers, and the compile time (first call).  All in one run.  Below the table, the limits measured
+in the same run: the model's matmul FLOPs (FlopCounterMode on the ``batched_mm`` model, which counts
+the experts' bmm), a dense ``torch.mm`` [2048,1024]x[1024,4096] in each dtype and the fraction of
+that roofline each prefill reaches; for decode, the bytes the forward must read (all weights but
+the experts no token routes to and the embedding rows not looked up) and the fraction of copy
+bandwidth; and issue 18's ratios (bf16 prefill vs fp32 prefill and vs the best bf16 peer).
 
     python tools/bench_model.py                 # everything (several minutes on 2 cores)
     python tools/bench_model.py --quick         # fp32 only, fewer repetitions
@@ -15,6 +22,7 @@ against eager and against Inductor, and the compile time (first call).  All in o
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -33,7 +41,7 @@ CONFIG = dict(
     v_head_dim=64, vocab_size=4096, first_k_dense_replace=1, n_shared_experts=1,
 )
 SHAPES = {"prefill256": (1, 256), "prefill1024": (1, 1024), "decode": (8, 1)}
-VARIANTS = ("eager", "inductor", "ascend_eager", "ascend_inductor")
+VARIANTS = ("eager", "inductor", "inductor_freezing", "inductor_batched_mm", "ascend_eager", "ascend_inductor")
 
 
 @dataclass
@@ -49,8 +57,10 @@ class Row:
 def _compiled(model: torch.nn.Module, variant: str) -> Callable[..., Any]:
     if variant == "eager":
         return model
-    if variant == "inductor":
+    if variant in ("inductor", "inductor_batched_mm"):
         return torch.compile(model)
+    if variant == "inductor_freezing":
+        return torch.compile(model, options={"freezing": True})
     compiler = variant.split("_", 1)[1]
     return torch.compile(model, backend="ascend_passes", options={"compiler": compiler})
 
@@ -65,18 +75,89 @@ def _time(fn: Callable[[], Any], reps: int, budget_s: float) -> float:
     return statistics.median(times) * 1e3
 
 
-def bench(shapes: list[str], dtypes: list[str], variants: list[str], reps: int, budget_s: float) -> list[Row]:
+def dense_mm_flops(dtype: torch.dtype, budget_s: float = 0.5) -> float:
+    """GFLOP/s of one dense torch.mm [2048,1024]x[1024,4096] (preallocated output), best of a few."""
+    a, b = torch.randn(2048, 1024).to(dtype), torch.randn(1024, 4096).to(dtype)
+    out = torch.empty(2048, 4096, dtype=dtype)
+    return 2 * 2048 * 1024 * 4096 / _best(lambda: torch.mm(a, b, out=out), budget_s) / 1e9
+
+
+def copy_bandwidth(budget_s: float = 0.5) -> float:
+    """GB/s of a 256 MiB copy, read + write bytes."""
+    src = torch.ones(64 * 1024 * 1024)
+    dst = torch.empty_like(src)
+    return 2 * src.numel() * 4 / _best(lambda: dst.copy_(src), budget_s) / 1e9
+
+
+def _best(fn: Callable[[], Any], budget_s: float) -> float:
+    fn()
+    best, start = float("inf"), time.perf_counter()
+    while best == float("inf") or time.perf_counter() - start < budget_s:
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def model_facts(model: torch.nn.Module, batched: torch.nn.Module, ids: torch.Tensor) -> tuple[float, float]:
+    """(matmul FLOPs of a forward, bytes a forward must read): FLOPs counted on the ``batched_mm``
+    model (FlopCounterMode has no formula for ``_grouped_mm``; the experts' bmm computes exactly the
+    routed rows); bytes are all parameters but the experts no token is routed to (seen by a hook on
+    each experts module) and the embedding rows not looked up."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        batched(ids)
+    touched: dict[str, int] = {}
+    hooks = []
+    for name, mod in model.named_modules():
+        if type(mod).__name__.endswith("Experts"):
+            def hook(mod, args, name=name):
+                touched[name] = int(torch.unique(args[1]).numel())
+            hooks.append(mod.register_forward_pre_hook(hook))
+    with torch.no_grad():
+        model(ids)
+    for h in hooks:
+        h.remove()
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    for name, used in touched.items():
+        experts = model.get_submodule(name)
+        params = list(experts.parameters(recurse=False))
+        count = params[0].shape[0]
+        per_expert = sum(p.numel() * p.element_size() for p in params) / count
+        total -= (count - used) * per_expert
+    embed = model.lm.get_input_embeddings().weight
+    rows = int(torch.unique(ids).numel())
+    total -= (embed.shape[0] - rows) * embed.shape[1] * embed.element_size()
+    return float(counter.get_total_flops()), float(total)
+
+
+@dataclass
+class Facts:
+    flops: float
+    bytes_read: float
+    mm_gflops: float
+    copy_gbs: float
+
+
+def bench(shapes: list[str], dtypes: list[str], variants: list[str], reps: int,
+          budget_s: float) -> tuple[list[Row], dict[tuple[str, str], Facts]]:
     rows: list[Row] = []
+    facts: dict[tuple[str, str], Facts] = {}
     for dtype_name in dtypes:
         dtype = getattr(torch, dtype_name)
         for shape in shapes:
             batch, tokens = SHAPES[shape]
             model, (ids,) = models.deepseek_v3("grouped_mm", num_layers=4, tokens=tokens, batch=batch,
                                                dtype=dtype, **CONFIG)
+            batched, _ = models.deepseek_v3("batched_mm", num_layers=4, tokens=tokens, batch=batch, dtype=dtype,
+                                            **CONFIG)
+            flops, bytes_read = model_facts(model, batched, ids)
+            mm_rates, copy_rates = [dense_mm_flops(dtype)], [copy_bandwidth()]
             reference = None
             for variant in variants:
                 torch._dynamo.reset()
-                fn = _compiled(model, variant)
+                fn = _compiled(batched if variant == "inductor_batched_mm" else model, variant)
                 with torch.no_grad(), ap.capture() as reports:
                     t0 = time.perf_counter()
                     out = fn(ids)
@@ -85,33 +166,78 @@ def bench(shapes: list[str], dtypes: list[str], variants: list[str], reps: int, 
                         reference = out
                     err = ((out.float() - reference.float()).abs().max() / reference.float().abs().max()).item()
                     ms = _time(lambda: fn(ids), reps, budget_s)
-                rewrites = ""
+                rewrites = f"rel err {err:.1e}"
                 if reports:
                     ops = reports[0].rewritten_ops()
                     rewrites = f"{sum(ops.values())} fused ops, rel err {err:.1e}"
                 rows.append(Row(shape, dtype_name, variant, ms, compile_s if variant != "eager" else 0.0,
                                 rewrites))
-                print(f"  {shape:12s} {dtype_name:9s} {variant:16s} {ms:9.2f} ms  compile {compile_s:6.1f} s  {rewrites}",
-                      flush=True)
-    return rows
+                print(f"  {shape:12s} {dtype_name:9s} {variant:20s} {ms:9.2f} ms  compile {compile_s:6.1f} s  "
+                      f"{rewrites}", flush=True)
+                # the limits between the variants: their best is this cell's limit
+                mm_rates.append(dense_mm_flops(dtype, 0.2))
+                copy_rates.append(copy_bandwidth(0.2))
+            facts[(shape, dtype_name)] = Facts(flops, bytes_read, max(mm_rates), max(copy_rates))
+    return rows, facts
 
 
-def print_table(rows: list[Row]) -> None:
+def print_table(rows: list[Row], facts: dict[tuple[str, str], Facts]) -> None:
     from rich.console import Console
     from rich.table import Table
 
     table = Table(title="DeepSeek-V3-style model (4 layers, H=1024, 64 experts top-6): median ms per forward")
-    for col in ("shape", "dtype", "variant", "ms", "vs eager", "vs inductor", "compile s", "notes"):
-        table.add_column(col, justify="right" if col in ("ms", "vs eager", "vs inductor", "compile s") else "left")
+    for col in ("shape", "dtype", "variant", "ms", "vs eager", "vs best peer", "of limit", "compile s", "notes"):
+        table.add_column(col, justify="right" if col in ("ms", "vs eager", "vs best peer", "of limit",
+                                                          "compile s") else "left")
     base = {(r.shape, r.dtype, r.variant): r.median_ms for r in rows}
+
+    def best(shape: str, dtype: str, ascend: bool) -> float | None:
+        times = [r.median_ms for r in rows
+                 if (r.shape, r.dtype) == (shape, dtype) and r.variant.startswith("ascend") == ascend]
+        return min(times) if times else None
+
+    def of_limit(r: Row) -> str:
+        f = facts[(r.shape, r.dtype)]
+        if r.shape == "decode":  # bytes the forward must read over copy bandwidth
+            return f"{100 * f.bytes_read / (r.median_ms / 1e3) / (f.copy_gbs * 1e9):.0f}% BW"
+        return f"{100 * f.flops / (r.median_ms / 1e3) / (f.mm_gflops * 1e9):.0f}% mm"
+
     for r in rows:
         eager = base.get((r.shape, r.dtype, "eager"))
-        inductor = base.get((r.shape, r.dtype, "inductor"))
+        peer = best(r.shape, r.dtype, ascend=False)
         table.add_row(r.shape, r.dtype, r.variant, f"{r.median_ms:.2f}",
                       f"{eager / r.median_ms:.2f}x" if eager else "-",
-                      f"{inductor / r.median_ms:.2f}x" if inductor else "-",
+                      f"{peer / r.median_ms:.2f}x" if peer else "-", of_limit(r),
                       f"{r.compile_s:.1f}", r.rewrites)
-    Console(width=160).print(table)
+    console = Console(width=180)
+    console.print(table)
+    console.print("'vs best peer': against the fastest of the non-ascend variants of that shape and dtype; "
+                  "'of limit': prefill = matmul FLOPs / time / dense mm rate (roofline), decode = bytes the "
+                  "forward must read / time / copy bandwidth")
+    for (shape, dtype), f in facts.items():
+        console.print(f"  {shape} {dtype}: matmul {f.flops / 1e9:.2f} GFLOP, dense mm {f.mm_gflops:.0f} GFLOP/s "
+                      f"(roofline {1e3 * f.flops / (f.mm_gflops * 1e9):.1f} ms), must read {f.bytes_read / 1e6:.1f} MB, "
+                      f"copy {f.copy_gbs:.1f} GB/s ({1e3 * f.bytes_read / (f.copy_gbs * 1e9):.2f} ms)")
+    for shape in {r.shape for r in rows}:
+        ours_bf16, ours_fp32 = best(shape, "bfloat16", True), best(shape, "float32", True)
+        peer_bf16 = best(shape, "bfloat16", False)
+        parts = []
+        if ours_bf16 and ours_fp32:
+            parts.append(f"bf16 ascend vs fp32 ascend {ours_fp32 / ours_bf16:.2f}x")
+        if ours_bf16 and peer_bf16:
+            parts.append(f"bf16 ascend vs best bf16 peer {peer_bf16 / ours_bf16:.2f}x")
+        if parts:
+            console.print(f"  issue 18, {shape}: " + ", ".join(parts))
+
+
+def _cpu_features() -> str:
+    try:
+        flags = set(open("/proc/cpuinfo").read().split())
+    except OSError:
+        flags = set()
+    yes = lambda *names: "yes" if set(names) <= flags else "no"  # noqa: E731
+    return (f"CPU: AVX-512 {yes('avx512f', 'avx512bw', 'avx512vl', 'avx512dq')}, avx512_bf16 {yes('avx512_bf16')}, "
+            f"AMX {yes('amx_tile', 'amx_bf16')}; ASCEND_PASSES_ISA={os.environ.get('ASCEND_PASSES_ISA') or '(unset)'}")
 
 
 def main() -> None:
@@ -131,8 +257,9 @@ def main() -> None:
     torch.manual_seed(0)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, ascend kernels: "
           f"{__import__('ascend_passes.kernels', fromlist=['available']).available()}; {allocator}")
-    rows = bench(args.shapes.split(","), dtypes, args.variants.split(","), reps, args.budget)
-    print_table(rows)
+    print(_cpu_features())
+    rows, facts = bench(args.shapes.split(","), dtypes, args.variants.split(","), reps, args.budget)
+    print_table(rows, facts)
 
 
 if __name__ == "__main__":

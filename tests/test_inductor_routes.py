@@ -27,6 +27,9 @@ NUM_EXPERTS = 16
 JOIN_TIMEOUT_S = 300.0  # watchdog for the spawned worlds (Inductor compiles on 2 shared cores)
 TOL = 1e-5  # fp32, relative to the output scale
 
+# the single-process module fixture compiles twice: keep this module on one xdist worker
+pytestmark = pytest.mark.xdist_group("inductor_routes")
+
 
 def _moe_block(tokens: int = 16) -> tuple[torch.nn.Module, torch.Tensor]:
     """The MoE block of the bundled DeepSeek-V3 model and a hidden-state input (same on every rank)."""

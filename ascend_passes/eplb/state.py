@@ -35,6 +35,14 @@ weights from the rank holding that expert's old first replica (point-to-point se
 for the slots that change).  Without an initialised process group ``ep_size`` only shapes the
 placement and one process holds and computes every slot.
 
+Threads (``eplb/sync.py``): ``rebalance()`` / ``apply_placement()`` may run in a background
+thread while forwards run in others.  Compiled forwards (``backend="ascend_passes"``) and the eager
+attached model read tables and weights under the read side of one process-wide lock; an update
+prepares each layer's moved weights while forwards run and publishes the layer (weights + tables)
+under the write side, so every forward sees each layer whole, in the old or the new placement —
+the same logical output.  Under expert parallelism the collective ``rebalance()`` must instead be
+called on every rank between forwards from the thread that runs them (else ``ConfigError``).
+
 A target model and its MTP drafter are attached separately and keep separate statistics;
 ``attach(drafter, config, main=target_state)`` gives the drafter's layers the same redundancy
 and numbers them after the target's MoE layers in placement files.
@@ -413,7 +421,8 @@ class EplbState:
         """Compute a placement from the recorded load (or ``weight[L, E]``), move the expert
         weights that change and update the maps in place; returns the new placement.  Under
         expert parallelism it is collective: the load is summed over the EP ranks first (every
-        rank then computes the same placement) and weights move between ranks."""
+        rank then computes the same placement) and weights move between ranks.  Safe to call
+        from a background thread while forwards run (single process; module docstring)."""
         if weight is None:
             weight = self.global_expert_load()
         else:

@@ -102,6 +102,8 @@ def _hammer(forward, state, expected, seconds=SECONDS):
 
 
 def _assert_clean(stats):
+    print(f"{stats['forwards']} forwards, {stats['rebalances']} rebalances ({stats['moved']} slots moved), "
+          f"{stats['wrong']} wrong, {len(stats['errors'])} errors")
     assert stats["errors"] == [] and stats["wrong"] == 0, (
         f"{stats['wrong']} wrong outputs (max diff {stats['max_diff']:.3g}) and "
         f"{len(stats['errors'])} errors in {stats['forwards']} forwards during "

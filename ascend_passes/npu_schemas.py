@@ -39,6 +39,7 @@ import torch
 from torch.library import Library
 
 from .errors import AscendPassesError
+from .ops._define import defined
 
 log = logging.getLogger("ascend_passes.npu_schemas")
 
@@ -192,14 +193,6 @@ def loaded() -> bool:
     return "npu" in _STATE
 
 
-def _ours_defined(name: str) -> bool:
-    try:
-        torch._C._dispatch_find_schema_or_throw(f"npu::{name}", "")
-    except RuntimeError:
-        return False
-    return True
-
-
 def _stub_module(name: str, **attrs: Any) -> types.ModuleType:
     mod = types.ModuleType(name)
     mod.__dict__.update(attrs)
@@ -284,7 +277,7 @@ def load(wheel: str | os.PathLike[str] | None = None) -> bool:
     mtime = path.stat().st_mtime
     t0 = time.perf_counter()
     table = _schemas(path, mtime)
-    clash = [k for k in table if _ours_defined(k.split(".")[0])]
+    clash = [k for k in table if defined(k.split(".")[0], "npu")]
     if clash:
         raise NpuSchemaError(f"the npu namespace already defines {clash[0]} (and {len(clash) - 1} more) "
                              "without torch_npu: something else registered npu ops")

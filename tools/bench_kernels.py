@@ -26,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import _allocator  # tools/_allocator.py: this script's folder is on sys.path
+from _machine import cpu_features_line
 import torch
 import torch.nn.functional as F
 
@@ -277,18 +278,6 @@ def bench_case(tokens: int, dtype: torch.dtype, quick: bool) -> list[Row]:
     layer.naive_ms = t_naive * 1e3
     rows.append(layer)
     return rows
-
-
-def cpu_features_line() -> str:
-    """The CPU feature bits that decide the kernels' paths, from /proc/cpuinfo, and the level in use."""
-    try:
-        flags = set(open("/proc/cpuinfo").read().split())
-    except OSError:
-        flags = set()
-    yes = lambda *names: "yes" if set(names) <= flags else "no"  # noqa: E731
-    cap = os.environ.get("ASCEND_PASSES_ISA", "")
-    return (f"CPU: AVX-512 {yes('avx512f', 'avx512bw', 'avx512vl', 'avx512dq')}, avx512_bf16 {yes('avx512_bf16')}, "
-            f"AMX {yes('amx_tile', 'amx_bf16')} (amx_tile + amx_bf16); ASCEND_PASSES_ISA={cap or '(unset: widest)'}")
 
 
 def render(rows: list[Row], header: list[str]) -> None:

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import _allocator  # tools/_allocator.py: this script's folder is on sys.path
+from _machine import cpu_features_line
 import torch
 
 import ascend_passes as ap
@@ -230,16 +231,6 @@ def print_table(rows: list[Row], facts: dict[tuple[str, str], Facts]) -> None:
             console.print(f"  issue 18, {shape}: " + ", ".join(parts))
 
 
-def _cpu_features() -> str:
-    try:
-        flags = set(open("/proc/cpuinfo").read().split())
-    except OSError:
-        flags = set()
-    yes = lambda *names: "yes" if set(names) <= flags else "no"  # noqa: E731
-    return (f"CPU: AVX-512 {yes('avx512f', 'avx512bw', 'avx512vl', 'avx512dq')}, avx512_bf16 {yes('avx512_bf16')}, "
-            f"AMX {yes('amx_tile', 'amx_bf16')}; ASCEND_PASSES_ISA={os.environ.get('ASCEND_PASSES_ISA') or '(unset)'}")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", default=",".join(SHAPES))
@@ -257,7 +248,7 @@ def main() -> None:
     torch.manual_seed(0)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, ascend kernels: "
           f"{__import__('ascend_passes.kernels', fromlist=['available']).available()}; {allocator}")
-    print(_cpu_features())
+    print(cpu_features_line())
     rows, facts = bench(args.shapes.split(","), dtypes, args.variants.split(","), reps, args.budget)
     print_table(rows, facts)
 

@@ -11,9 +11,10 @@ from torch.library import Library
 NAMESPACE = "ascend"
 
 
-def defined(name: str) -> bool:
+def defined(name: str, namespace: str = NAMESPACE) -> bool:
+    """Whether ``namespace::name`` has a schema in this process."""
     try:
-        torch._C._dispatch_find_schema_or_throw(f"{NAMESPACE}::{name}", "")
+        torch._C._dispatch_find_schema_or_throw(f"{namespace}::{name}", "")
     except RuntimeError:
         return False
     return True

@@ -1,0 +1,21 @@
+"""What the benchmarks print about the machine: the CPU feature bits that decide the kernels' paths."""
+
+from __future__ import annotations
+
+import os
+
+
+def cpu_features_line() -> str:
+    """AVX-512, avx512_bf16 and AMX from /proc/cpuinfo, and the ``ASCEND_PASSES_ISA`` cap in use."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = set(f.read().split())
+    except OSError:
+        flags = set()
+
+    def yes(*names: str) -> str:
+        return "yes" if set(names) <= flags else "no"
+
+    cap = os.environ.get("ASCEND_PASSES_ISA", "")
+    return (f"CPU: AVX-512 {yes('avx512f', 'avx512bw', 'avx512vl', 'avx512dq')}, avx512_bf16 {yes('avx512_bf16')}, "
+            f"AMX {yes('amx_tile', 'amx_bf16')} (amx_tile + amx_bf16); ASCEND_PASSES_ISA={cap or '(unset: widest)'}")

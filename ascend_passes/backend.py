@@ -8,7 +8,6 @@ Also the two entry points serving engines import: ``make_backend(config)`` and
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any, Callable, Sequence
 
 import torch

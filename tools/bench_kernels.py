@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace

@@ -22,7 +22,6 @@ bandwidth; and issue 18's ratios (bf16 prefill vs fp32 prefill and vs the best b
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 from dataclasses import dataclass

@@ -50,7 +50,7 @@ from torch.library import Library
 
 from ascend_passes.eplb.sync import FORWARD_LOCK
 
-from ._define import NAMESPACE, define_ops
+from ._define import define_ops
 from .checks import check_dim, fail
 
 

@@ -84,7 +84,7 @@ from __future__ import annotations
 import torch
 from torch.library import Library
 
-from ._define import NAMESPACE, define_ops
+from ._define import define_ops
 from .checks import check_dim, check_float, check_same_dtype, fail
 
 NAME = "mla_prolog"

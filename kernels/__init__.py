@@ -32,7 +32,15 @@ def _load() -> bool:
             here,
         )
         return False
-    torch.ops.load_library(str(libs[0]))
+    try:
+        torch.ops.load_library(str(libs[0]))
+    except OSError as exc:  # a half-built or mismatched library (undefined symbol, wrong torch)
+        log.warning(
+            "ascend_passes C++ kernels in %s do not load (%s); the ascend ops use their reference "
+            "implementations. Rebuild with `pip install --no-build-isolation -e .`.",
+            libs[0], exc,
+        )
+        return False
     return True
 
 

@@ -321,6 +321,19 @@ def test_missing_library_logs_one_warning_and_falls_back(monkeypatch, tmp_path, 
     assert len(warnings) == 1 and "not built" in warnings[0].getMessage()
 
 
+def test_library_that_does_not_load_logs_one_warning_and_falls_back(monkeypatch, tmp_path, caplog):
+    """A half-built library (seen while a rebuild replaced it: undefined symbol) must not break
+    ``import ascend_passes``: the ops fall back to the reference with one warning."""
+    bad = tmp_path / "_C.broken.so"
+    bad.write_bytes(b"not an ELF file")
+    monkeypatch.setenv("ASCEND_PASSES_KERNELS_LIB", str(bad))
+    with caplog.at_level(logging.WARNING, logger="ascend_passes.kernels"):
+        assert kernels._load.__wrapped__() is False
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "do not load" in warnings[0].getMessage(), warnings
+    assert str(bad) in warnings[0].getMessage()
+
+
 FALLBACK_SCRIPT = textwrap.dedent(
     """
     import torch

@@ -17,7 +17,6 @@ from .errors import ConfigError
 
 logger = logging.getLogger("ascend_passes.models")
 
-ExpertsImplementation = str  # "grouped_mm" | "batched_mm" (transformers' ExpertsInterface keys)
 _EXPERTS_IMPLEMENTATIONS = ("grouped_mm", "batched_mm")
 
 __all__ = [

@@ -77,14 +77,4 @@ def mtp_layers(report: CompileReport) -> list[str]:
     return [f"mtp.{m['index']}" for m in report.facts.get("mtp_layers", [])]
 
 
-def format_layer_summary(report: CompileReport) -> str:
-    """One line per layer: ``model.layers.1: deepseek_router x1, mla_prolog[...] x1, …``."""
-    lines = []
-    for layer, counts in layer_summary(report).items():
-        kind = " (MTP)" if layer in mtp_layers(report) else ""
-        body = ", ".join(f"{p} x{c}" for p, c in counts.items())
-        lines.append(f"{layer}{kind}: {body}")
-    return "\n".join(lines)
-
-
-__all__ = ["OUTSIDE", "canonical_layer", "format_layer_summary", "layer_summary", "mtp_layers", "ops_by_layer"]
+__all__ = ["OUTSIDE", "canonical_layer", "layer_summary", "mtp_layers", "ops_by_layer"]

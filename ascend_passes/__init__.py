@@ -12,6 +12,13 @@ from .config import AscendPassConfig, EplbConfig, SequenceParallelConfig
 from .errors import AscendPassesError, ConfigError, PassError, VerificationError
 from .pass_manager import Match, NearMiss, Pass, PassContext, PassManager, PassResult
 from .report import CompileReport, capture, count_ops
+from .vllm import default_pass as _default_vllm_pass
+
+# vLLM names a post-grad pass by a string it resolves in the top-level package's __dict__:
+# compilation_config={"inductor_passes": {"post_grad_custom_post_pass": "ascend_passes.vllm_pass"}}
+# (options from ASCEND_PASSES_OPTIONS, read on first use; ascend_passes/vllm.py never imports vLLM
+# at import time)
+vllm_pass = _default_vllm_pass()
 
 from .inspect.trace import register_torch_logs as _register_torch_logs
 
@@ -39,4 +46,5 @@ __all__ = [
     "count_ops",
     "inductor_pass",
     "make_backend",
+    "vllm_pass",
 ]

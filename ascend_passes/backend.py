@@ -7,8 +7,10 @@ Also the two entry points serving engines import: ``make_backend(config)`` and
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import logging
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.fx as fx
@@ -123,7 +125,26 @@ def _ensure_lowered(gm: fx.GraphModule) -> None:
 
 
 # --------------------------------------------------------------------------- pipeline
+_GRAPH_ID: contextvars.ContextVar[str | None] = contextvars.ContextVar("ascend_passes_graph_id",
+                                                                        default=None)
+
+
+@contextlib.contextmanager
+def graph_id(name: str) -> Iterator[None]:
+    """Reports (and ``dump_dir`` folders) of the graphs compiled inside the block are named
+    ``name`` instead of Dynamo's compile id: a serving engine compiling several pieces of one
+    Dynamo graph (vLLM's piecewise backend) names each piece."""
+    token = _GRAPH_ID.set(name)
+    try:
+        yield
+    finally:
+        _GRAPH_ID.reset(token)
+
+
 def _compile_id() -> str:
+    name = _GRAPH_ID.get()
+    if name is not None:
+        return name
     ctx = torch._guards.CompileContext.try_get()
     cid = getattr(ctx, "compile_id", None) if ctx is not None else None
     return str(cid) if cid is not None else "?"
@@ -187,6 +208,9 @@ def make_backend(config: AscendPassConfig | dict[str, Any] | None = None, *,
         target = resolve_target(cfg, example_inputs)
         compiler = resolve_compiler(cfg, target)
         dynamo_inputs = list(example_inputs)
+        if _aot_precompiling():
+            return _precompile_with_inductor(cfg, gm, example_inputs, target=target,
+                                             compiler=compiler, hooks=hooks, pipeline=pipeline)
 
         def inference_compiler(aten_gm: fx.GraphModule, aten_inputs: list[Any]) -> Compiled:
             real = _real_inputs_for(aten_inputs, dynamo_inputs)
@@ -215,6 +239,55 @@ def make_backend(config: AscendPassConfig | dict[str, Any] | None = None, *,
 
     backend.config = cfg  # type: ignore[attr-defined]
     return backend
+
+
+def _aot_precompiling() -> bool:
+    """True inside torch's ahead-of-time compile (``torch.compile(...).aot_compile(...)``, which
+    vLLM uses by default on torch >= 2.10): AOTAutograd then bundles the compiled forward into a
+    serializable artifact and needs an Inductor ``OutputCode`` from the compiler, not a function."""
+    from torch._functorch._aot_autograd.autograd_cache import should_bundle_autograd_cache
+
+    return should_bundle_autograd_cache()
+
+
+def _precompile_with_inductor(cfg: AscendPassConfig, gm: fx.GraphModule, example_inputs: list[Any],
+                              *, target: str, compiler: str, hooks: Sequence[PassHook],
+                              pipeline: Sequence[Pass] | None) -> Any:
+    """The ahead-of-time route: Inductor's own ``compile_fx`` (its AOTAutograd, decompositions and
+    bundled, serializable output code) with the pipeline run on the inference graph between
+    AOTAutograd and Inductor's lowering (``inner_compile``).  Inductor's FX-graph cache keys on
+    the rewritten graph, so a cached artifact always holds the rewrites of its config."""
+    if compiler != "inductor":
+        raise ConfigError(
+            "ahead-of-time compile (torch.compile(...).aot_compile, vLLM's default on torch >= 2.10) "
+            f"stores Inductor's compiled code; compiler={compiler!r} produces a Python callable it "
+            "cannot store: use compiler='inductor', or switch the ahead-of-time compile off "
+            "(VLLM_USE_AOT_COMPILE=0 for vLLM)")
+    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+
+    dynamo_inputs = list(example_inputs)
+
+    def inner_compile(aten_gm: fx.GraphModule, aten_inputs: Sequence[Any], **kwargs: Any) -> Any:
+        if kwargs.get("is_inference") and not kwargs.get("is_backward"):
+            real = _real_inputs_for(aten_inputs, dynamo_inputs)
+            report = run_pipeline(cfg, aten_gm, aten_inputs, real_inputs=real, target=target,
+                                  compiler=compiler, decompositions="inductor", hooks=hooks,
+                                  pipeline=pipeline)
+            _refresh_eager_input_vals(aten_gm.graph)
+            if report.facts.get("eplb_layers"):
+                raise ConfigError(
+                    "EPLB graphs run under a forward lock that an ahead-of-time compiled artifact "
+                    "cannot carry: switch the ahead-of-time compile off (VLLM_USE_AOT_COMPILE=0 for "
+                    "vLLM) or disable eplb")
+        elif not kwargs.get("is_backward"):
+            log.warning(
+                "ascend_passes rewrites inference graphs only; this graph needs autograd, so it "
+                "runs without rewrites. Call the model under torch.no_grad() or "
+                "torch.inference_mode() to get the fused kernels.")
+        return compile_fx_inner(aten_gm, aten_inputs, **kwargs)
+
+    log.info("ahead-of-time compile: the passes run inside Inductor's compile_fx (inner_compile)")
+    return compile_fx(gm, example_inputs, inner_compile=inner_compile)
 
 
 def ascend_passes_backend(gm: fx.GraphModule, example_inputs: list[Any],

@@ -19,6 +19,8 @@ if TYPE_CHECKING:
 # which.
 PASS_TABLE: dict[str, str] = {
     "cleanup": "ascend_passes.passes.cleanup:CleanupPass",
+    # diagnostics only: near-misses naming vLLM's opaque MoE / attention / quantized-linear ops
+    "vllm_opaque": "ascend_passes.passes.vllm_opaque:VllmOpaquePass",
     "mtp": "ascend_passes.passes.mtp:MtpPass",
     "norm": "ascend_passes.passes.norm:NormPass",
     "moe": "ascend_passes.passes.moe:MoePass",

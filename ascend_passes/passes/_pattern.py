@@ -18,6 +18,7 @@ bookkeeping lives on them), so a target model and its MTP drafter can compile in
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import inspect
@@ -29,7 +30,9 @@ from typing import Any, Callable, ClassVar, Iterable, Mapping, Sequence
 import torch
 import torch.fx as fx
 from torch._inductor import pattern_matcher as pm
+from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..pass_manager import Pass, PassContext, PassResult
 from .layers import layer_of, module_path
@@ -78,6 +81,11 @@ class Rewrite:
 
 
 # ------------------------------------------------------------------------------- tracing
+IGNORED_TYPES: tuple[type, ...] = (int, float, list, torch.device, torch.dtype)
+"""What a traced pattern matches whatever its value (torch's matcher treats these as wildcards);
+the passes read the real numbers off the matched nodes."""
+
+
 def _decomp_fn(decompositions: str) -> Callable[[], dict[Any, Any]]:
     """How the searched graph was made: plain AOT (no decompositions) or Inductor post-grad."""
     if decompositions == "inductor":
@@ -85,37 +93,217 @@ def _decomp_fn(decompositions: str) -> Callable[[], dict[Any, Any]]:
     return dict  # no decompositions: the ops as the model wrote them
 
 
-class _TraceCache:
-    """``fwd_only`` memoised for one pass run: the matcher re-traces the search and replacement
-    functions for every match on its real shapes, and the layers of a model repeat the same few
-    shapes.  Traces with symbolic shapes are not cached."""
+class _Lru:
+    """A bounded process-level cache (insertion-ordered dict, oldest dropped first).  Values are
+    immutable or only ever copied from, so sharing them between compiles shares no state; a
+    race between two threads at most traces one thing twice."""
 
-    def __init__(self) -> None:
-        self.graphs: dict[Any, fx.GraphModule] = {}
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.items: dict[Any, Any] = {}
 
-    def __call__(self, fn: Callable[..., Any], args: Sequence[Any], *,
-                 get_decomp_fn: Callable[[], dict[Any, Any]] = pm.select_decomp_table) -> fx.GraphModule:
-        key = self._key(fn, args, get_decomp_fn)
+    def get(self, key: Any, make: Callable[[], Any]) -> Any:
         if key is None:
-            return pm.fwd_only(fn, args, get_decomp_fn=get_decomp_fn)
-        if key not in self.graphs:
-            self.graphs[key] = pm.fwd_only(fn, args, get_decomp_fn=get_decomp_fn)
-        return self.graphs[key]
+            return make()
+        try:
+            return self.items[key]
+        except KeyError:
+            pass
+        value = make()
+        self.items[key] = value
+        while len(self.items) > self.size:
+            self.items.pop(next(iter(self.items)))
+        return value
 
-    @staticmethod
-    def _key(fn: Callable[..., Any], args: Sequence[Any], get_decomp_fn: Any) -> Any:
-        sig: list[Any] = [fn, get_decomp_fn]  # the function object itself: no id reuse
-        for a in args:
-            if isinstance(a, torch.Tensor):
-                dims = (*a.shape, *a.stride())
-                if any(isinstance(d, torch.SymInt) for d in dims):
-                    return None
-                sig.append((tuple(a.shape), a.stride(), a.dtype, a.device, a.requires_grad))
-            elif isinstance(a, (bool, int, float)):
-                sig.append((type(a), a))
-            else:
+
+@dataclass(frozen=True)
+class TracedPattern:
+    """A search function traced once on example inputs: the ``PatternExpr`` (ints, floats,
+    dtypes, devices ignored) and what tells two equal-looking patterns apart (torch's duplicate
+    check: the pretty-printed pattern and the traced graph's text)."""
+
+    pattern: pm.PatternExpr
+    pattern_repr: str
+    graph_text: str
+
+    @property
+    def identity(self) -> tuple[str, str]:
+        return self.pattern_repr, self.graph_text
+
+
+# Keys name everything that changes a trace: the function objects (never their ids: the key
+# keeps them alive), example-input makers, dtypes, decompositions, scalar stand-ins.
+_TRACED = _Lru(4096)  # initial patterns: a few per rewrite and dtype
+_SPECIFIC = _Lru(4096)  # search functions re-traced on a match's shapes (static shapes only)
+_REPLACEMENTS = _Lru(4096)  # replacement graphs per shapes, fake values stripped
+
+
+def _trace_initial(fn: Callable[..., Any], example_inputs: Callable[[], Sequence[Any]],
+                   argnames: Sequence[str], decompositions: str, scalars: Mapping[str, Any],
+                   ignore_types: tuple[type, ...]) -> TracedPattern:
+    get_decomp_fn = _decomp_fn(decompositions)
+    with torch._guards.tracing(None), unset_fake_temporarily(), FakeTensorMode():
+        args = iter(example_inputs())
+        flat = [scalars[name] if name in scalars else next(args) for name in argnames]
+        gm = pm.fwd_only(fn, flat, get_decomp_fn=get_decomp_fn)
+    pattern = pm.fx_to_pattern(gm, ignore_types=ignore_types, argnames=list(argnames),
+                               scalar_workaround=dict(scalars))
+    return TracedPattern(pattern, pm.PatternPrettyPrinter.run(pattern), str(gm.graph))
+
+
+def traced_pattern(key: Any, fn: Callable[..., Any], example_inputs: Callable[[], Sequence[Any]], *,
+                   decompositions: str = "none", argnames: Sequence[str] | None = None,
+                   scalars: Mapping[str, float | int] | None = None,
+                   ignore_types: tuple[type, ...] = IGNORED_TYPES) -> TracedPattern:
+    """``fn`` traced on ``example_inputs()`` (made under a fresh fake mode) the way the searched
+    graph was made, once per process per ``(key, decompositions)``: ``key`` must name whatever
+    else changes the trace (the example inputs' dtypes, a form, ...).  Arguments named in
+    ``scalars`` are Python numbers in the graph: traced with the stand-in value, matched as
+    keyword arguments."""
+    names = tuple(argnames if argnames is not None else inspect.signature(fn).parameters)
+    stand_ins = dict(scalars or {})
+    return _TRACED.get(
+        (key, fn, decompositions, tuple(sorted(stand_ins.items())), ignore_types),
+        lambda: _trace_initial(fn, example_inputs, names, decompositions, stand_ins, ignore_types))
+
+
+def _signature(fn: Any, values: Sequence[Any], decompositions: str) -> Any:
+    """What a trace of ``fn`` on ``values`` depends on, or None when a shape is symbolic (such
+    traces are not shared: their symbols belong to one compile)."""
+    sig: list[Any] = [fn, decompositions]
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            dims = (*v.shape, *v.stride())
+            if any(isinstance(d, torch.SymInt) for d in dims):
                 return None
-        return tuple(sig)
+            sig.append((tuple(v.shape), v.stride(), v.dtype, v.device))
+        elif v is None or isinstance(v, (bool, int, float)):
+            sig.append((type(v), v))
+        else:
+            return None
+    return tuple(sig)
+
+
+def _fresh(values: Sequence[Any]) -> list[Any]:
+    """Tensors of the values' sizes, strides and dtypes under the current (fake) mode."""
+    return [torch.empty_strided(v.size(), v.stride(), dtype=v.dtype, device=v.device)
+            if isinstance(v, torch.Tensor) else v for v in values]
+
+
+def _strip_values(gm: fx.GraphModule) -> fx.GraphModule:
+    """``gm`` without fake values, so that it can serve other compiles (other fake modes): the
+    nodes copied from it get values computed on the graph they land in (``_set_values``)."""
+    for node in gm.graph.nodes:
+        for key in ("val", "tensor_meta", "example_value"):
+            node.meta.pop(key, None)
+    return gm
+
+
+def replacement_graph(fn: Callable[..., Any], values: Sequence[Any], *, decompositions: str = "none",
+                      key: Any = None) -> fx.GraphModule:
+    """``fn`` traced on tensors like ``values`` (fake values of the match's inputs, or Python
+    numbers), without fake values; shared by every compile of the process for static shapes.
+    ``key`` identifies ``fn`` when it is a new closure on every call (e.g. one that captures a
+    match's constants): the trace is shared between equal keys."""
+    get_decomp_fn = _decomp_fn(decompositions)
+
+    def trace() -> fx.GraphModule:
+        mode = detect_fake_mode([v for v in values if isinstance(v, torch.Tensor)])
+        with mode if mode is not None else contextlib.nullcontext():
+            return _strip_values(pm.fwd_only(fn, _fresh(values), get_decomp_fn=get_decomp_fn))
+
+    return _REPLACEMENTS.get(_signature(fn if key is None else key, values, decompositions), trace)
+
+
+def _specific_pattern(fn: Callable[..., Any], values: Sequence[Any], argnames: Sequence[str],
+                      scalars: Mapping[str, Any], decompositions: str) -> pm.PatternExpr | None:
+    """``fn`` re-traced on the match's shapes (numbers exact, not ignored), as torch's
+    ``register_replacement`` re-checks a match: shapes baked into a pattern must fit the graph.
+    None when ``fn`` cannot be traced on them."""
+    get_decomp_fn = _decomp_fn(decompositions)
+
+    def trace() -> pm.PatternExpr | None:
+        mode = detect_fake_mode([v for v in values if isinstance(v, torch.Tensor)])
+        with mode if mode is not None else contextlib.nullcontext():
+            args = _fresh(values)
+            sym_args: list[torch.SymInt] = []
+            for v in args:
+                if isinstance(v, torch.Tensor):
+                    for d in (*v.shape, *v.stride()):
+                        if isinstance(d, torch.SymInt) and all(statically_known_true(d != s)
+                                                                for s in sym_args):
+                            sym_args.append(d)
+            try:
+                if not sym_args:
+                    gm = pm.fwd_only(fn, args, get_decomp_fn=get_decomp_fn)
+                    names = list(argnames)
+                else:
+                    # make_fx dedupes size accesses of symbols that are inputs: pass them as inputs
+                    # so that sym_size nodes do not enter the pattern (torch does the same)
+                    def with_symbols(*all_args: Any) -> Any:
+                        return fn(*all_args[len(sym_args):])
+
+                    gm = pm.fwd_only(with_symbols, [*sym_args, *args], get_decomp_fn=get_decomp_fn)
+                    names = []
+                    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+                    for i, ph in enumerate(placeholders[: len(sym_args) + len(argnames)]):
+                        if i < len(sym_args):
+                            names.append(ph.target)
+                            continue
+                        with gm.graph.inserting_after(ph):
+                            new = gm.graph.placeholder(argnames[i - len(sym_args)])
+                        new.target = new.name
+                        ph.replace_all_uses_with(new)
+                        gm.graph.erase_node(ph)
+                    names += list(argnames)
+            except RuntimeError as exc:
+                log.debug("pattern %s does not trace on these shapes: %s", fn, exc)
+                return None
+        return pm.fx_to_pattern(gm, argnames=names, scalar_workaround=dict(scalars))
+
+    return _SPECIFIC.get(_signature(fn, values, decompositions), trace)
+
+
+def copy_location(src: fx.Node, dsts: Iterable[fx.Node]) -> None:
+    """Give ``dsts`` (nodes a rewrite made) where ``src``'s code came from — ``stack_trace``,
+    ``nn_module_stack``, ``source_fn_stack`` — and our own ``ascend_*`` tags (e.g. the MTP
+    layer), so dumps stay readable and later passes read layers off them."""
+    location = {k: v for k, v in src.meta.items()
+                if k in ("stack_trace", "nn_module_stack", "source_fn_stack") or k.startswith("ascend_")}
+    for node in dsts:
+        node.meta.update(location)
+
+
+def _set_values(nodes: Sequence[fx.Node], inputs: Sequence[Any]) -> None:
+    """``meta["val"]`` of freshly inserted replacement nodes, in order, computed under the fake
+    mode of ``inputs`` (the match's input values): the shared replacement graph carries none.
+    Nothing is set where the graph has no fake values."""
+    mode = detect_fake_mode([v for v in inputs if isinstance(v, torch.Tensor)])
+    if mode is None:
+        return
+    for node in nodes:
+        node.meta.pop("tensor_meta", None)
+        if any("val" not in n.meta for n in node.all_input_nodes):
+            node.meta.pop("val", None)
+            continue
+        args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta["val"])
+        with mode:
+            node.meta["val"] = node.target(*args, **kwargs)
+
+
+def replace(match: pm.Match, fn: Callable[..., Any], args: Sequence[Any], *,
+            decompositions: str = "none", key: Any = None,
+            location: fx.Node | None = None) -> list[fx.Node]:
+    """Splice ``fn(*args)`` (traced once per process for these shapes: ``replacement_graph``) in
+    place of ``match``; returns the new nodes, with fake values and ``location``'s source info
+    (``copy_location``).  Raises before changing the graph when ``fn`` cannot be traced."""
+    values = [_value(a) for a in args]
+    graph = replacement_graph(fn, values, decompositions=decompositions, key=key)
+    added = pm.ReplacementPatternEntry.replace_with_graph(match, match.ctx.graph, graph, list(args))
+    _set_values(added, values)
+    if location is not None:
+        copy_location(location, added)
+    return added
 
 
 def graph_dtypes(graph: fx.Graph) -> set[torch.dtype]:
@@ -138,7 +326,9 @@ def _value(arg: Any) -> Any:
 
 @dataclasses.dataclass
 class _ReportingEntry(pm.ReplacementPatternEntry):
-    """torch's replacement entry that also tells us what it replaced and with which nodes."""
+    """torch's replacement entry that splices a process-wide replacement graph (fake values
+    computed on this graph), gives the new nodes the anchor's location and tells us what it
+    replaced and with which nodes."""
 
     # on_replace(match, replaced nodes, added nodes, anchor): called after each replacement
     on_replace: Callable[[pm.Match, list[fx.Node], list[fx.Node], fx.Node], None] | None = None
@@ -147,16 +337,11 @@ class _ReportingEntry(pm.ReplacementPatternEntry):
         assert match.replacement_graph is not None
         anchor = match.output_nodes()[0]
         replaced = list(match.nodes)
-        # where the code came from, and our own tags (``ascend_*``, e.g. the MTP layer)
-        location = {k: v for k, v in anchor.meta.items()
-                    if k in ("stack_trace", "nn_module_stack") or k.startswith("ascend_")}
-        added = self.replace_with_graph(
-            match, graph, match.replacement_graph,
-            self.normalize_args(*match.args, **match.kwargs),
-            pass_name=self.pattern_name or "",
-        )
-        for new in added:
-            new.meta.update(location)
+        args = self.normalize_args(*match.args, **match.kwargs)
+        added = self.replace_with_graph(match, graph, match.replacement_graph, args,
+                                        pass_name=self.pattern_name or "")
+        _set_values(added, [_value(a) for a in args])
+        copy_location(anchor, added)
         if self.on_replace is not None:
             self.on_replace(match, replaced, added, anchor)
 
@@ -197,22 +382,22 @@ def apply_rewrites(gm: fx.GraphModule, rewrites: Sequence[Rewrite], result: Pass
                    decompositions: str = "none", pass_name: str = "ascend_patterns") -> int:
     """Apply ``rewrites`` to ``gm`` in place, stage by stage; returns the number of rewrites.
 
-    Matches go to ``result.matches`` (with ``layer`` and ``module`` details), rejected
-    candidates to ``result.near_misses`` (with the check's reason).
+    Patterns come from the process-wide cache (``traced_pattern``): only the matcher objects
+    are built here.  Matches go to ``result.matches`` (with ``layer`` and ``module`` details),
+    rejected candidates to ``result.near_misses`` (with the check's reason).
     """
     dtypes = graph_dtypes(gm.graph)
-    get_decomp_fn = _decomp_fn(decompositions)
-    trace = _TraceCache()
     rejected: dict[tuple[str, fx.Node], str] = {}
     total = 0
     for stage in sorted({rw.stage for rw in rewrites}):
         matcher = pm.PatternMatcherPass(pass_name=f"{pass_name}_{stage}")
+        seen: set[tuple[str, str]] = set()
         for rw in rewrites:
             if rw.stage != stage:
                 continue
             for dtype in rw.dtypes:
                 if dtype in dtypes:
-                    _register(matcher, rw, dtype, trace, get_decomp_fn, result, rejected)
+                    _register(matcher, seen, rw, dtype, decompositions, result, rejected)
         count = matcher.apply(gm)
         if count:
             # a multi-output replacement goes in before its first output; its other inputs
@@ -250,54 +435,64 @@ def _input_from_match(match: pm.Match, inputs: Iterable[fx.Node]) -> str | None:
     return None
 
 
-def _register(matcher: pm.PatternMatcherPass, rw: Rewrite, dtype: torch.dtype,
-              trace: _TraceCache, get_decomp_fn: Callable[[], dict[Any, Any]], result: PassResult,
+def _register(matcher: pm.PatternMatcherPass, seen: set[tuple[str, str]], rw: Rewrite,
+              dtype: torch.dtype, decompositions: str, result: PassResult,
               rejected: dict[tuple[str, fx.Node], str]) -> None:
-    """Trace ``rw`` for ``dtype`` into ``matcher`` (no-op when it traces to a duplicate)."""
-    argnames = list(inspect.signature(rw.search).parameters)
+    """Put ``rw``'s pattern for ``dtype`` into ``matcher`` (skipped when an identical trace is
+    already there).  A candidate is accepted as torch's ``register_replacement`` would accept
+    it — the search function re-traced on the match's shapes must match too — then by the
+    cycle check and ``rw.check``; the re-traced pattern and the replacement graph are shared
+    by every compile of the process for the same shapes."""
+    argnames = tuple(inspect.signature(rw.search).parameters)
+    scalars = dict(rw.scalars)
 
-    def extra_check(match: pm.Match) -> bool:
-        nodes = {k: v for k, v in match.kwargs.items() if isinstance(v, fx.Node)}
-        if (reason := _input_from_match(match, nodes.values())) is not None:
-            rejected.setdefault((rw.name, match.output_nodes()[0]), reason)
+    def example() -> Sequence[Any]:
+        example = list(rw.example_inputs(dtype))
+        if len(example) + len(scalars) != len(argnames):
+            raise TypeError(f"rewrite {rw.name!r}: example_inputs give {len(example)} tensors, "
+                            f"the search function takes {list(argnames)} ({list(scalars)} are scalars)")
+        return example
+
+    traced = traced_pattern((rw.example_inputs, dtype), rw.search, example,
+                            decompositions=decompositions, argnames=argnames, scalars=scalars)
+    if traced.identity in seen:
+        return
+    seen.add(traced.identity)
+
+    def check(match: pm.Match) -> bool:
+        values = [_value(match.kwargs[name]) for name in argnames]
+        specific = _specific_pattern(rw.search, values, argnames, scalars, decompositions)
+        output = match.output_nodes()[0]
+        found = specific.match(output) if specific is not None else None
+        if not found:
             return False
-        if rw.check is None:
-            return True
-        bindings = Bindings({k: _value(v) for k, v in match.kwargs.items()}, nodes, match)
-        reason = rw.check(bindings)
-        if reason:
-            rejected.setdefault((rw.name, match.output_nodes()[0]), reason)
+        # numbers the specific trace fixed (an epsilon) come from the first match
+        kwargs = {name: found.kwargs.get(name, match.kwargs[name]) for name in argnames}
+        nodes = {k: v for k, v in kwargs.items() if isinstance(v, fx.Node)}
+        if (reason := _input_from_match(found, nodes.values())) is not None:
+            rejected.setdefault((rw.name, output), reason)
             return False
+        if rw.check is not None:
+            reason = rw.check(Bindings({k: _value(v) for k, v in kwargs.items()}, nodes, found))
+            if reason:
+                rejected.setdefault((rw.name, output), reason)
+                return False
+        match.replacement_graph = replacement_graph(rw.replace, values, decompositions=decompositions)
         return True
+
+    def normalize_args(**kwargs: Any) -> list[Any]:
+        return [kwargs[name] for name in argnames]
 
     def on_replace(match: pm.Match, replaced: list[fx.Node], added: list[fx.Node],
                    anchor: fx.Node) -> None:
-        scalars = {k: match.kwargs[k] for k in rw.scalars if k in match.kwargs}
+        details = {k: match.kwargs[k] for k in rw.scalars if k in match.kwargs}
         result.match(rw.name, layer=layer_of(anchor), nodes=replaced, module=module_path(anchor),
-                     dtype=str(dtype).removeprefix("torch."), **scalars)
+                     dtype=str(dtype).removeprefix("torch."), **details)
 
-    log.debug("tracing rewrite %s for %s", rw.name, dtype)
-    before = {key: list(entries) for key, entries in matcher.patterns.items()}
-    with torch._guards.tracing(None), unset_fake_temporarily(), FakeTensorMode():
-        example = list(rw.example_inputs(dtype))
-        if len(example) + len(rw.scalars) != len(argnames):
-            raise TypeError(f"rewrite {rw.name!r}: example_inputs give {len(example)} tensors, "
-                            f"the search function takes {argnames} ({list(rw.scalars)} are scalars)")
-        pm.register_replacement(
-            rw.search, rw.replace, example, trace, matcher, extra_check=extra_check,
-            scalar_workaround=dict(rw.scalars), skip_duplicates=True,
-            pattern_name=f"{rw.name}[{dtype}]", get_decomp_fn=get_decomp_fn,
-        )
-    # swap the entries torch just added for reporting ones
-    for key, entries in matcher.patterns.items():
-        old = before.get(key, [])
-        for i in range(len(old), len(entries)):
-            e = entries[i]
-            if type(e) is pm.ReplacementPatternEntry:
-                entries[i] = _ReportingEntry(pattern=e.pattern, extra_check=e.extra_check,
-                                             normalize_args=e.normalize_args,
-                                             pattern_name=e.pattern_name, on_replace=on_replace)
+    _ReportingEntry(pattern=traced.pattern, extra_check=check, normalize_args=normalize_args,
+                    pattern_name=f"{rw.name}[{dtype}]", on_replace=on_replace).register(matcher)
 
 
-__all__ = ["Bindings", "Check", "PatternPass", "Rewrite", "apply_rewrites", "graph_dtypes",
-           "layer_of", "module_path"]
+__all__ = ["Bindings", "Check", "IGNORED_TYPES", "PatternPass", "Rewrite", "TracedPattern",
+           "apply_rewrites", "copy_location", "graph_dtypes", "layer_of", "module_path", "replace",
+           "replacement_graph", "traced_pattern"]

@@ -354,12 +354,59 @@ def _npu_init_routing_cpu(x, expert_idx, *, scale=None, offset=None, active_num=
     return expanded_x, row_idx, counts, torch.zeros(order.numel(), dtype=torch.float32)
 
 
+def _npu_mla_prolog_v3_functional_cpu(token_x, weight_dq, weight_uq_qr, weight_uk, weight_dkv_kr,
+                                      rmsnorm_gamma_cq, rmsnorm_gamma_ckv, rope_sin, rope_cos, kv_cache, kr_cache,
+                                      *, cache_index=None, dequant_scale_x=None, dequant_scale_w_dq=None,
+                                      dequant_scale_w_uq_qr=None, dequant_scale_w_dkv_kr=None, quant_scale_ckv=None,
+                                      quant_scale_ckr=None, smooth_scales_cq=None, rmsnorm_epsilon_cq=1e-05,
+                                      rmsnorm_epsilon_ckv=1e-05, cache_mode="PA_BSND", qc_qr_scale=1.0, kc_scale=1.0):
+    # docs (npu_mla_prolog_v3, non-quantised): path 1/2: cq = RmsNorm(x @ W_DQ); q = cq @ W_UQ_QR, per head
+    # [D | Dr] (the docs give W_UQ_QR as (Hcq, N*(D+Dr)) without the per-head split; DeepSeek's
+    # q_b_proj layout assumed); query = q_nope @ W_UK (N, D, Hckv); query_rope = ROPE(q_rope) (halves
+    # rotated: rope_interleave is not an argument). Path 3/4: ckv = x @ W_DKV_KR; RmsNorm(ckv[:Hckv])
+    # written into kv_cache and ROPE(ckv[Hckv:]) into kr_cache at cache_index (PA_BSND: (BlockNum,
+    # BlockSize, Nkv, H), slot = block * BlockSize + offset). Outputs: query, query_rope,
+    # dequant_scale_q_nope (1,), query_norm (1,), dequant_scale_q_norm (1,), kv_cache, kr_cache.
+    assert cache_mode == "PA_BSND" and qc_qr_scale == 1.0 and kc_scale == 1.0
+    assert all(t is None for t in (dequant_scale_x, dequant_scale_w_dq, dequant_scale_w_uq_qr,
+                                   dequant_scale_w_dkv_kr, quant_scale_ckv, quant_scale_ckr, smooth_scales_cq))
+
+    def rms(v, gamma, eps):
+        return v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps) * gamma.float()
+
+    def rope(v, cos, sin):
+        half = v.shape[-1] // 2
+        return v * cos + torch.cat([-v[..., half:], v[..., :half]], -1) * sin
+
+    lead, he = token_x.shape[:-1], token_x.shape[-1]
+    x = token_x.reshape(-1, he).float()
+    n, d, hckv = weight_uk.shape
+    dr = rope_sin.shape[-1]
+    cos, sin = rope_cos.reshape(-1, 1, dr).float(), rope_sin.reshape(-1, 1, dr).float()
+    cq = rms(x @ weight_dq.float(), rmsnorm_gamma_cq, rmsnorm_epsilon_cq)
+    q = (cq @ weight_uq_qr.float()).view(-1, n, d + dr)
+    query = torch.einsum("tnd,ndh->tnh", q[..., :d], weight_uk.float())
+    query_rope = rope(q[..., d:], cos, sin)
+    ckv = x @ weight_dkv_kr.float()
+    kv = rms(ckv[:, :hckv], rmsnorm_gamma_ckv, rmsnorm_epsilon_ckv)
+    kr = rope(ckv[:, hckv:].unsqueeze(1), cos, sin).squeeze(1)
+    kv_out, kr_out = kv_cache.clone(), kr_cache.clone()
+    slots = cache_index.reshape(-1)
+    kv_out.view(-1, kv_out.shape[-2], hckv)[slots] = kv.to(kv_out.dtype).unsqueeze(1)
+    kr_out.view(-1, kr_out.shape[-2], dr)[slots] = kr.to(kr_out.dtype).unsqueeze(1)
+    dt = token_x.dtype
+    zeros = token_x.new_zeros(1)
+    return (query.to(dt).reshape(*lead, n, hckv), query_rope.to(dt).reshape(*lead, n, dr),
+            zeros.float(), zeros, zeros.float(), kv_out, kr_out)
+
+
 @pytest.fixture
 def npu_cpu_impls():
     lib = torch.library.Library("npu", "IMPL", "CPU")
     lib.impl("npu_moe_finalize_routing", _npu_finalize_cpu)
     lib.impl("npu_grouped_matmul", _npu_grouped_matmul_cpu)
     lib.impl("npu_moe_init_routing_v2", _npu_init_routing_cpu)
+    lib.impl("npu_mla_prolog_v3_functional", _npu_mla_prolog_v3_functional_cpu)
     yield
     lib._destroy()
 
@@ -405,6 +452,32 @@ def test_init_routing_cumsum_counts_are_lowered_as_counts_plus_cumsum(npu_cpu_im
     assert any(n.target is torch.ops.aten.cumsum.default for n in gm.graph.nodes)
     for got, want in zip(gm(x, idx), f(x, idx)):
         torch.testing.assert_close(got, want)
+
+
+def _rel(a, b):
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12))
+
+
+@pytest.mark.parametrize("batched", [False, True], ids=["T_He", "B_S_He"])
+def test_adapted_mla_prolog_equals_the_unlowered_graph(npu_cpu_impls, batched):
+    # the added caches (one block of one row per token, cache_index = arange(T)) and the outputs
+    # read back from them (kv_cache → kv, kr_cache → k_rope) are checked by value, not by shape
+    inputs = list(_mla_inputs(torch.bfloat16, tokens=6))
+    if batched:  # (B, S, He): token_x, rope_sin, rope_cos get the batch dims
+        for i in (0, 7, 8):
+            inputs[i] = inputs[i].reshape(2, 3, -1)
+    gm, result = _lower(_mla, *inputs)
+    (call,) = _npu_nodes(gm)
+    assert call.target is torch.ops.npu.npu_mla_prolog_v3_functional.default and not result.near_misses
+    got, want = gm(*inputs), _mla(*inputs)
+    assert len(got) == len(want) == 4
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and g.dtype == w.dtype
+        assert _rel(g, w) < 2e-2, (_rel(g, w), g.shape)
+    # sin and cos have the same type and shape: a swap shows only in the values
+    bad = list(inputs)
+    bad[7], bad[8] = inputs[8], inputs[7]
+    assert _rel(gm(*bad)[1], want[1]) > 0.1
 
 
 def test_missing_or_corrupt_wheel_is_one_clear_error(tmp_path, monkeypatch):

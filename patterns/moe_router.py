@@ -80,6 +80,24 @@ def deepseek_router_fused(logits: torch.Tensor, bias: torch.Tensor, scale: torch
     return weights, ids.to(torch.int64)
 
 
+# ------------------------------------------------------------------------- sigmoid, no expert groups
+def sigmoid_router(logits: torch.Tensor, bias: torch.Tensor, *, top_k: int = 2, renormalize: bool = True,
+                   eps: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``MiniMaxM2TopKRouter.forward`` after the router matmul: sigmoid scores, top-k of the scores
+    plus the correction bias, weights gathered from the unbiased scores and divided by their sum
+    (``eps``: DeepSeek-style ``sum + eps``; None: the plain sum).  This is ``moe_gating_top_k`` with
+    one expert group (``group_count=1``); a routed scaling multiply after it stays an ATen op."""
+    scores = logits.sigmoid()
+    topk_indices = torch.topk(scores + bias, top_k, dim=-1, sorted=False)[1]
+    topk_weights = scores.gather(1, topk_indices)
+    if renormalize:
+        denominator = topk_weights.sum(dim=-1, keepdim=True)
+        if eps is not None:
+            denominator = denominator + eps
+        topk_weights = topk_weights / denominator
+    return topk_weights, topk_indices
+
+
 # ------------------------------------------------------------------------- Qwen3 / Mixtral softmax
 def softmax_router(logits: torch.Tensor, *, top_k: int = 2, renormalize: bool = True
                    ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -97,3 +115,25 @@ def softmax_router_fused(logits: torch.Tensor, c: RouterConstants) -> tuple[torc
     if c.renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights.to(logits.dtype), ids.to(torch.int64)
+
+
+# ------------------------------------------------------------------------- top-k, then softmax over the k
+def topk_softmax_router(logits: torch.Tensor, *, top_k: int = 2, dim: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
+    """``GraniteMoeTopKRouter`` / ``GptOssTopKRouter`` after the router matmul: the top-k logits, then a
+    softmax over those k.  ``exp(x_i) / sum_k exp(x_j)`` is softmax over all experts, top-k, renormalised
+    over the k: ``moe_gating_top_k_softmax`` + the renormalisation (``softmax_router_fused``).  ``dim``:
+    the traced top-k drops the default -1 and keeps any other (``dim=1`` of 2-D logits is one more
+    argument, so another pattern)."""
+    top_value, indices = torch.topk(logits, top_k, dim=dim)
+    return torch.softmax(top_value, dim=-1), indices
+
+
+# ------------------------------------------------------------------------- Llama 4: dense sigmoid of the top-k
+def dense_sigmoid_topk_router(logits: torch.Tensor, *, top_k: int = 1) -> torch.Tensor:
+    """``Llama4Router.forward`` after the router matmul: a dense ``[T, E]`` matrix holding
+    ``sigmoid(logit)`` at the top-k experts and 0 elsewhere (``sigmoid(-inf)``), not renormalised.
+    No gating mode computes it (``moe_gating_top_k`` renormalises sigmoid weights over the k): a
+    search function only, so the pass can say why the router stays in ATen."""
+    top_value, indices = torch.topk(logits, top_k, dim=1)
+    scores = torch.full_like(logits, float("-inf")).scatter(1, indices, top_value)
+    return torch.sigmoid(scores.float()).to(scores.dtype)

@@ -96,12 +96,6 @@ def test_eplb_with_inductor_downstream_matches_and_counts_like_eager(single_proc
     assert int(inductor["physical_once"].sum()) == 16 * 4  # tokens x top-k
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "inductor_pass fuses no DeepSeek MoE layer (moe pass: 0 matches, no near-miss), so the eplb pass "
-    "inserts nothing and no load is recorded.  Root cause: the moe patterns are traced with "
-    "fwd_only + Inductor's decompositions, but the post-grad graph has been through view_to_reshape "
-    "(every aten.view is aten.reshape before post-grad custom passes: with views restored the "
-    "experts match) and the router's masked_fill constant is full([], -inf), not scalar_tensor(-inf)"))
 def test_eplb_through_inductor_pass_counts_like_eager(single_process):
     ref, counts, runs = single_process
     block, hidden = _moe_block()

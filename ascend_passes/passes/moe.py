@@ -60,19 +60,36 @@ def _trace_fn(decompositions: str) -> Callable[..., fx.GraphModule]:
 
 @functools.lru_cache(maxsize=None)
 def _patterns(name: str, decompositions: str) -> tuple[pm.PatternExpr, ...]:
-    """Traced patterns of one search function, one per dtype combination that changes the
-    graph (casts appear or vanish); identical traces are kept once.  Cached: a PatternExpr is
+    """Traced patterns of one search function, one per variant (keyword arguments that change the
+    traced form, e.g. one expert group) and dtype combination that changes the graph (casts appear
+    or vanish); identical traces are kept once.  Cached: a PatternExpr is
     immutable, so sharing it between compiles shares no state."""
     spec = _SEARCH[name]
     trace = _trace_fn(decompositions)
     seen: dict[str, pm.PatternExpr] = {}
-    for dtypes in spec.dtypes:
+    for variant, dtypes in ((v, d) for v in spec.variants for d in spec.dtypes):
         args = spec.example_inputs(*dtypes)
-        gm = trace(spec.fn, args)
+        gm = trace(functools.partial(spec.fn, **variant), args)
+        if decompositions == "inductor":
+            _as_post_grad(gm)
         key = gm.code
         if key not in seen:
             seen[key] = pm.fx_to_pattern(gm, ignore_types=_IGNORED, argnames=spec.argnames)
     return tuple(seen.values())
+
+
+def _as_post_grad(gm: fx.GraphModule) -> None:
+    """Give a traced pattern the form Inductor gives a graph before its post-grad custom passes
+    (``inductor_pass``, the only route that runs with ``decompositions="inductor"``): constants of
+    one value become ``full`` (a masked fill's ``scalar_tensor(-inf)`` is ``full([], -inf)``) and
+    every ``aten.view`` is an ``aten.reshape`` (``view_to_reshape``, which Inductor applies to the
+    whole graph).  Inductor's own functions, so the pattern follows whatever they do."""
+    from torch._inductor.fx_passes.joint_graph import constant_fold_uniform_value
+    from torch._inductor.fx_passes.post_grad import view_to_reshape
+
+    constant_fold_uniform_value(gm)
+    view_to_reshape(gm)
+    gm.recompile()
 
 
 @dataclass(frozen=True)
@@ -81,6 +98,7 @@ class _Search:
     argnames: tuple[str, ...]
     example_inputs: Callable[..., list[torch.Tensor]]
     dtypes: tuple[tuple[torch.dtype, ...], ...]
+    variants: tuple[dict[str, Any], ...] = ({},)  # keyword arguments of fn, one trace each
 
 
 _LOW = (torch.float32, torch.bfloat16, torch.float16)
@@ -106,8 +124,20 @@ _EXPERT_DTYPES = tuple((d, w) for d in _LOW for w in {torch.float32, d})
 
 
 def _deepseek(renormalize: bool) -> Callable[..., Any]:
-    def search(logits: torch.Tensor, bias: torch.Tensor) -> Any:
-        return moe_router.deepseek_router(logits, bias, renormalize=renormalize)
+    def search(logits: torch.Tensor, bias: torch.Tensor, **form: Any) -> Any:
+        return moe_router.deepseek_router(logits, bias, renormalize=renormalize, **form)
+
+    return search
+
+
+# DeepSeek with one expert group (n_group=1): the mask's reshape of a [T, 1, E] expand is a plain
+# view, not clone + _unsafe_view, so that form is traced too
+_ONE_GROUP = ({}, {"num_groups": 1, "topk_groups": 1})
+
+
+def _sigmoid(renormalize: bool) -> Callable[..., Any]:
+    def search(logits: torch.Tensor, bias: torch.Tensor, **form: Any) -> Any:
+        return moe_router.sigmoid_router(logits, bias, renormalize=renormalize, **form)
 
     return search
 
@@ -120,9 +150,22 @@ def _softmax(renormalize: bool) -> Callable[..., Any]:
 
 
 _SEARCH: dict[str, _Search] = {
-    "deepseek_router": _Search(_deepseek(True), ("logits", "bias"), _router_inputs, ((torch.float32,),)),
+    "deepseek_router": _Search(_deepseek(True), ("logits", "bias"), _router_inputs, ((torch.float32,),),
+                               _ONE_GROUP),
     "deepseek_router_no_renorm": _Search(_deepseek(False), ("logits", "bias"), _router_inputs,
-                                         ((torch.float32,),)),
+                                         ((torch.float32,),), _ONE_GROUP),
+    # sigmoid + bias, no expert groups (MiniMax-M2): sum with or without DeepSeek's + eps
+    "sigmoid_router": _Search(_sigmoid(True), ("logits", "bias"), _router_inputs, ((torch.float32,),),
+                              ({"eps": None}, {"eps": 1e-20})),
+    "sigmoid_router_no_renorm": _Search(_sigmoid(False), ("logits", "bias"), _router_inputs,
+                                        ((torch.float32,),)),
+    # top-k of the logits, softmax over the k (GraniteMoE, gpt-oss)
+    "topk_softmax_router": _Search(moe_router.topk_softmax_router, ("logits",),
+                                   lambda d: _router_inputs(d)[:1], tuple((d,) for d in _LOW),
+                                   ({"dim": -1}, {"dim": 1})),
+    # Llama 4: searched to say why it stays (no gating mode computes it)
+    "dense_sigmoid_topk_router": _Search(moe_router.dense_sigmoid_topk_router, ("logits",),
+                                         lambda d: _router_inputs(d)[:1], tuple((d,) for d in _LOW)),
     "softmax_router": _Search(_softmax(True), ("logits",), lambda d: _router_inputs(d)[:1],
                               tuple((d,) for d in _LOW)),
     "softmax_router_no_renorm": _Search(_softmax(False), ("logits",), lambda d: _router_inputs(d)[:1],
@@ -147,7 +190,8 @@ def _has_transformers_grouped_mm() -> bool:
     return True
 
 
-_ROUTERS = ("deepseek_router", "deepseek_router_no_renorm", "softmax_router", "softmax_router_no_renorm")
+_ROUTERS = ("deepseek_router", "deepseek_router_no_renorm", "softmax_router", "softmax_router_no_renorm",
+            "sigmoid_router", "sigmoid_router_no_renorm", "topk_softmax_router", "dense_sigmoid_topk_router")
 # Not covered: the int-histc form transformers emits on devices other than cpu/mps (histc on int
 # has no CPU kernel, so that pattern cannot be traced here).
 _EXPERTS = ("grouped_mm_experts", "torch_grouped_mm_experts",
@@ -241,13 +285,24 @@ class MoePass(Pass):
         top_k = const_int(final_topk.args[1])
         scale = None  # the routed scaling factor when it is a graph input
         details: dict[str, Any] = {}
+        sigmoid = name.startswith(("deepseek", "sigmoid"))
+        op = "moe_gating_top_k" if sigmoid else "moe_gating_top_k_softmax"
+        renormalize = not name.endswith("no_renorm")
+        c = None
         if num_experts is None or top_k is None:
-            c = None
             reason = (not_constant("the number of experts", _val(logits).shape[-1]) if num_experts is None
                       else not_constant("top_k", final_topk.args[1]))
-            op = "moe_gating_top_k" if name.startswith("deepseek") else "moe_gating_top_k_softmax"
-        elif name.startswith("deepseek"):
-            c, scale, reason = _deepseek_constants(nodes, top_k, num_experts, not name.endswith("no_renorm"))
+        elif (dims := _dims_problem(nodes)) is not None:
+            reason = dims  # the matcher ignored every int: a dim or a flag that is not the router's
+        elif name == "dense_sigmoid_topk_router":
+            op = "moe_gating_top_k or moe_gating_top_k_softmax"
+            reason = ("it scores the top-k experts by sigmoid(logit) without renormalising, as a dense "
+                      "[tokens, experts] matrix (Llama 4); moe_gating_top_k with sigmoid (norm_type=1) "
+                      "always divides the k weights by their sum (top-1: every weight becomes 1), and "
+                      "moe_gating_top_k_softmax scores by softmax")
+        elif sigmoid:
+            c, scale, reason = _deepseek_constants(nodes, top_k, num_experts, renormalize,
+                                                   grouped=name.startswith("deepseek"))
             if c is not None and reason is None:
                 reason = _deepseek_gating_unsupported(c)
             replacement = functools.partial(moe_router.deepseek_router_fused, c=c)
@@ -255,14 +310,11 @@ class MoePass(Pass):
             if scale is not None:  # the op scales by 1.0; the graph's multiply by the input follows it
                 call_args.append(scale)
                 details["routed_scaling_factor"] = f"graph input {(graph_input_of(scale) or scale).name}"
-            op = "moe_gating_top_k"
-        else:
-            c = RouterConstants(top_k=top_k, num_experts=num_experts,
-                                renormalize=not name.endswith("no_renorm"))
+        else:  # softmax then top-k, or top-k then softmax over the k (= softmax, top-k, renormalised)
+            c = RouterConstants(top_k=top_k, num_experts=num_experts, renormalize=renormalize)
             reason = None if top_k <= num_experts else f"top_k {top_k} > {num_experts} experts"
             replacement = functools.partial(moe_router.softmax_router_fused, c=c)
             call_args = [logits]
-            op = "moe_gating_top_k_softmax"
         entry = layer_entry(layer)
         entry.router, entry.num_experts, entry.top_k = name, num_experts, top_k
         if reason is not None:
@@ -368,38 +420,50 @@ def _as_fn(fn: Callable[..., Any], nargs: int) -> Callable[..., Any]:
     return lambda a, b, c: fn(a, b, c)
 
 
-def _deepseek_constants(nodes: Sequence[fx.Node], top_k: int, num_experts: int, renormalize: bool
-                        ) -> tuple[RouterConstants | None, fx.Node | None, str | None]:
-    """The constants of a matched DeepSeek router, read off its nodes (the matcher ignored every
+def _deepseek_constants(nodes: Sequence[fx.Node], top_k: int, num_experts: int, renormalize: bool,
+                        grouped: bool = True) -> tuple[RouterConstants | None, fx.Node | None, str | None]:
+    """The constants of a matched sigmoid router, read off its nodes (the matcher ignored every
     number): ``(constants, scale, None)``, where ``scale`` is the routed scaling factor's node when
     it is a graph input (a float attribute under ``dynamic=True``: the fused op then scales by 1.0
     and the graph's multiply stays after it), or ``(None, None, reason)`` when a number the op needs
-    is not a constant or is not the one the op computes with."""
-    view = _find(nodes, aten.view.default, lambda n: len(n.args[1]) == 3)
-    group_topk = _find(nodes, aten.topk.default, lambda n: n.args[0].target is aten.sum.dim_IntList)
-    first_topk = _find(nodes, aten.topk.default, lambda n: n.args[0] is view)
+    is not a constant, is not the one the op computes with, or its node is not where the pattern
+    put it (never a default in its place).  ``grouped``: DeepSeek's group-limited form (groups,
+    top-k groups, the per-group top-2 and the -inf fill are read); otherwise one group.
+
+    The forms the graph may hold: a view is ``aten.view`` in the AOT graph and ``aten.reshape`` after
+    Inductor's ``view_to_reshape`` (``inductor_pass``); the excluded experts' fill is
+    ``masked_fill(mask, -inf)``, or ``where(mask, scalar_tensor(-inf) | full([], -inf), scores)``
+    under Inductor's decompositions."""
+    missing = object()
+    read: dict[str, tuple[Any, Callable[[Any], Any]]] = {}
+    if grouped:
+        view = _find(nodes, aten.view.default, _is_group_view) or _find(nodes, aten.reshape.default, _is_group_view)
+        group_topk = _find(nodes, aten.topk.default, lambda n: _arg_target(n) is aten.sum.dim_IntList)
+        first_topk = _find(nodes, aten.topk.default, lambda n: view is not None and n.args[0] is view)
+        read["the number of groups"] = (view.args[1][1] if view is not None else missing, const_int)
+        read["topk_group"] = (group_topk.args[1] if group_topk is not None else missing, const_int)
+        read["the per-group top-k"] = (first_topk.args[1] if first_topk is not None else missing, const_int)
+        fill = _fill_value(nodes)
+        read["the score of excluded experts"] = (missing if fill is None else fill, const_float)
+    if renormalize:  # topk_weights.sum(-1, keepdim=True) (+ eps)
+        total = _find(nodes, aten.sum.dim_IntList, lambda n: any(
+            u.target in (aten.div.Tensor, aten.add.Tensor) for u in n.users))
+        add = _find(nodes, aten.add.Tensor, lambda n: n.args[0] is total) if total is not None else None
+        # no add: the router divides by the plain sum (MiniMax-M2), which the op does with eps 0
+        read["the renormalisation epsilon"] = (
+            missing if total is None else add.args[1] if add is not None else 0.0, const_float)
     mul = _find(nodes, aten.mul.Tensor)
-    read = {
-        "the number of groups": (view.args[1][1], const_int) if view is not None else (1, const_int),
-        "topk_group": (group_topk.args[1], const_int) if group_topk is not None else (1, const_int),
-        "the per-group top-k": (first_topk.args[1], const_int) if first_topk is not None else (2, const_int),
-    }
-    if renormalize:  # topk_weights.sum(-1, keepdim=True) + eps
-        add = _find(nodes, aten.add.Tensor, lambda n: n.args[0].target is aten.sum.dim_IntList)
-        read["the renormalisation epsilon"] = (add.args[1] if add is not None else None, const_float)
-    fill = _find(nodes, aten.masked_fill.Scalar)  # non-selected groups' experts; Inductor: a scalar_tensor
-    fill = fill.args[2] if fill is not None else next(
-        (n.args[0] for n in nodes if n.target is aten.scalar_tensor.default), None)
-    read["the score of excluded experts"] = (fill, const_float)
     values: dict[str, Any] = {}
     for what, (arg, const) in read.items():
+        if arg is missing:
+            return None, None, f"{what}: its node is not in the matched router (a form this reader does not know)"
         values[what] = const(arg)
         if values[what] is None:
             return None, None, not_constant(what, arg)
-    if values["the per-group top-k"] != 2:
+    if grouped and values["the per-group top-k"] != 2:
         return None, None, (f"group score is the sum of the top-{values['the per-group top-k']} "
                             "(the op supports top-2 only)")
-    excluded = values["the score of excluded experts"]
+    excluded = values.get("the score of excluded experts", float("-inf"))
     if excluded != float("-inf"):
         return None, None, f"experts of unselected groups score {excluded}, not -inf (the op excludes them)"
     factor, scale = 1.0, None
@@ -409,11 +473,67 @@ def _deepseek_constants(nodes: Sequence[fx.Node], top_k: int, num_experts: int, 
             if not is_scalar_tensor(mul.args[1]):
                 return None, None, not_constant("routed_scaling_factor", mul.args[1])
             factor, scale = 1.0, mul.args[1]
-    c = RouterConstants(top_k=top_k, num_experts=num_experts, num_groups=values["the number of groups"],
-                        topk_groups=values["topk_group"], routed_scaling_factor=factor,
+    c = RouterConstants(top_k=top_k, num_experts=num_experts, num_groups=values.get("the number of groups", 1),
+                        topk_groups=values.get("topk_group", 1), routed_scaling_factor=factor,
                         renormalize=renormalize,
                         eps=values.get("the renormalisation epsilon", RouterConstants.eps))
     return c, scale, None
+
+
+_LAST_DIM = {  # op → position of its dim argument (a list of dims for reductions)
+    aten.topk.default: 2, aten.sum.dim_IntList: 1, aten.amax.default: 1, aten._softmax.default: 1,
+    aten.gather.default: 1, aten.scatter.value: 1, aten.scatter.src: 1,
+}
+_DEFAULT_DIM = {aten.topk.default: -1}
+
+
+def _dims_problem(nodes: Sequence[fx.Node]) -> str | None:
+    """A router selects and reduces over the experts, the last dimension; the traced pattern said
+    so with ints that the matcher ignored, so they are checked here: every top-k, softmax, sum,
+    max, gather and scatter of the match works on its input's last dimension, and every top-k
+    takes the largest.  Returns why not, or None."""
+    for n in nodes:
+        if n.target not in _LAST_DIM:
+            continue
+        pos = _LAST_DIM[n.target]
+        dims = n.args[pos] if len(n.args) > pos else n.kwargs.get("dim", _DEFAULT_DIM.get(n.target))
+        val = _val(n.args[0])
+        rank = val.dim() if isinstance(val, torch.Tensor) else None
+        dims = list(dims) if isinstance(dims, (list, tuple)) else [dims]
+        if len(dims) != 1 or const_int(dims[0]) is None or rank is None or dims[0] % max(rank, 1) != rank - 1:
+            return f"{n.name} ({n.target}) works on dim {dims}, not the experts' (the last of {rank})"
+        if n.target is aten.topk.default:
+            largest = n.args[3] if len(n.args) > 3 else n.kwargs.get("largest", True)
+            if largest is not True:
+                return f"{n.name} takes the smallest {n.args[1]} scores, not the largest"
+    return None
+
+
+def _is_group_view(node: fx.Node) -> bool:
+    """The ``scores.view(-1, num_groups, experts_per_group)`` of a DeepSeek router (3 sizes)."""
+    return isinstance(node.args[1], (list, tuple)) and len(node.args[1]) == 3
+
+
+def _arg_target(node: fx.Node) -> Any:
+    first = node.args[0] if node.args else None
+    return first.target if isinstance(first, fx.Node) else None
+
+
+def _fill_value(nodes: Sequence[fx.Node]) -> Any:
+    """The value a router fills excluded experts' scores with: ``masked_fill``'s scalar, or the 0-d
+    constant of the ``where`` Inductor's decompositions make of it (``scalar_tensor(v)``, which
+    Inductor's constant folding turns into ``full([], v)``); None when neither is there."""
+    fill = _find(nodes, aten.masked_fill.Scalar)
+    if fill is not None:
+        return fill.args[2]
+    where_ = _find(nodes, aten.where.self)
+    value = where_.args[1] if where_ is not None and len(where_.args) > 1 else None
+    if isinstance(value, fx.Node):
+        if value.target is aten.scalar_tensor.default:
+            return value.args[0]
+        if value.target is aten.full.default and list(value.args[0]) == []:
+            return value.args[1]
+    return None
 
 
 def _deepseek_gating_unsupported(c: RouterConstants) -> str | None:

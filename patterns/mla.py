@@ -11,6 +11,7 @@ epsilons are read off the matched graph (the matcher ignores Python numbers).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable
 
@@ -78,6 +79,7 @@ class Form:
         return ("hidden", *q, "w_kv_a", "gamma_ckv", "cos", "sin")
 
 
+@functools.cache  # one function object per form: the traced-pattern cache keys on it
 def search_fn(form: Form) -> Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """``DeepseekV3Attention.forward`` up to the kv expansion, for one ``form``."""
     norm = NORMS[form.norm]

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -23,28 +23,21 @@ from torch._inductor import pattern_matcher as pm
 from ..pass_manager import Pass, PassContext, PassResult
 from ..patterns import mla as patterns
 from ._nodes import const_float, const_int, const_ints, not_constant
+from ._pattern import TracedPattern, replace, traced_pattern
 from .layers import layer_of, where
-from .mtp import MTP_TAG
 
 log = logging.getLogger("ascend_passes.passes.mla")
 aten = torch.ops.aten
 
-_IGNORED = (int, float, list, torch.device, torch.dtype)
 _INF = 2**63 - 1
 _SCHEMA_EPS = 1e-6  # ascend.rms_norm's default epsilon
 
 
-def _trace_fn(decompositions: str) -> Callable[..., fx.GraphModule]:
-    if decompositions == "inductor":
-        return pm.fwd_only
-    return functools.partial(pm.fwd_only, get_decomp_fn=lambda: {})
-
-
-@functools.lru_cache(maxsize=None)
-def _pattern(form: patterns.Form, dtype: torch.dtype, decompositions: str) -> pm.PatternExpr:
-    """The traced pattern of one form (immutable; shared between compiles without shared state)."""
-    gm = _trace_fn(decompositions)(patterns.search_fn(form), patterns.example_inputs(form, dtype))
-    return pm.fx_to_pattern(gm, ignore_types=_IGNORED, argnames=form.argnames)
+def _pattern(form: patterns.Form, dtype: torch.dtype, decompositions: str) -> TracedPattern:
+    """The traced pattern of one form (traced once per process: ``_pattern.traced_pattern``)."""
+    return traced_pattern(("mla_prolog", form, dtype), patterns.search_fn(form),
+                          lambda: patterns.example_inputs(form, dtype),
+                          decompositions=decompositions, argnames=form.argnames)
 
 
 def _forms_for(gm: fx.GraphModule) -> list[tuple[patterns.Form, torch.dtype]]:
@@ -100,19 +93,17 @@ class MlaPass(Pass):
 
         result = PassResult(self.name)
         facts: list[dict[str, Any]] = []
-        trace = _trace_fn(ctx.decompositions)
         matcher = pm.PatternMatcherPass(pass_name="ascend_mla")  # this run only
-        seen: set[str] = set()
+        seen: set[tuple[str, str]] = set()
         refused: set[str] = set()  # nodes of matches left as they were (near-misses of their own)
         for form, dtype in _forms_for(gm):
-            pattern = _pattern(form, dtype, ctx.decompositions)
-            key = repr(pattern)
-            if key in seen:
+            traced = _pattern(form, dtype, ctx.decompositions)
+            if traced.identity in seen:
                 continue
-            seen.add(key)
-            pm.GraphPatternEntry(pattern=pattern, extra_check=lambda m: True,
-                                 handler=functools.partial(self._rewrite, form, gm, result, facts,
-                                                           trace, refused)).register(matcher)
+            seen.add(traced.identity)
+            pm.GraphPatternEntry(pattern=traced.pattern, extra_check=lambda m: True,
+                                 handler=functools.partial(self._rewrite, form, result, facts,
+                                                           ctx.decompositions, refused)).register(matcher)
         matcher.apply(gm)
         gm.graph.eliminate_dead_code()
         self._diagnose(gm, result, refused)
@@ -120,9 +111,8 @@ class MlaPass(Pass):
         return result
 
     # ------------------------------------------------------------------ one match
-    def _rewrite(self, form: patterns.Form, gm: fx.GraphModule, result: PassResult,
-                 facts: list[dict[str, Any]], trace: Callable[..., Any], refused: set[str],
-                 match: pm.Match, *args: Any, **kwargs: Any) -> None:
+    def _rewrite(self, form: patterns.Form, result: PassResult, facts: list[dict[str, Any]],
+                 decompositions: str, refused: set[str], match: pm.Match, *args: Any, **kwargs: Any) -> None:
         nodes = match.nodes
         layer = next((l for l in map(layer_of, nodes) if l is not None), None) \
             or next((w for w in map(where, nodes) if w is not None), None)
@@ -133,18 +123,13 @@ class MlaPass(Pass):
             refused.update(n.name for n in nodes)
             return
         args = [match.kwargs[a] for a in form.argnames]
-        before = set(gm.graph.nodes)
         try:
-            match.replace_by_example(patterns.replacement_fn(form, c), args, trace_fn=trace)
+            new = replace(match, patterns.replacement_fn(form, c), args, decompositions=decompositions,
+                          key=("mla_prolog", form, c), location=anchor)
         except Exception as exc:  # tracing happens before any graph change
             result.near_miss(name, f"replacement failed: {type(exc).__name__}: {exc}", layer=layer, node=anchor)
             refused.update(n.name for n in nodes)
             return
-        new = [n for n in gm.graph.nodes if n not in before]
-        for n in new:
-            for key in ("nn_module_stack", "stack_trace", "source_fn_stack", MTP_TAG):
-                if key not in n.meta and key in anchor.meta:
-                    n.meta[key] = anchor.meta[key]
         op = next((n for n in new if n.target is torch.ops.ascend.mla_prolog.default), None)
         facts.append({"layer": layer, "node": op.name if op is not None else None,
                       "head_num": c.head_num, "rope_interleave": c.interleave, "q_lora": form.q_lora})

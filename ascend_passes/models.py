@@ -1,4 +1,4 @@
-"""Tiny, deterministic Hugging Face models (DeepseekV3, Qwen3-MoE, DeepseekV3 MTP, Llama) that tests, the CLI
+"""Tiny, deterministic Hugging Face models (DeepseekV3, DeepseekV4, Qwen3-MoE, DeepseekV3 MTP, Llama) that tests, the CLI
 demo and benchmarks compile; each factory returns ``(model, example_inputs)`` with ``model(*example_inputs)``
 returning tensors."""
 
@@ -27,6 +27,7 @@ __all__ = [
     "build",
     "deepseek_v3",
     "deepseek_v3_mtp",
+    "deepseek_v4",
     "llama_dense",
     "qwen3_moe",
 ]
@@ -144,13 +145,16 @@ def _input_ids(vocab_size: int, batch: int, tokens: int) -> torch.Tensor:
 
 
 def _seeded_lm(lm_cls: Any, config: Any, name: str, dtype: torch.dtype, *, batch: int, tokens: int,
-               seed: int) -> tuple[CausalLMLogits, tuple[torch.Tensor]]:
-    """Build ``lm_cls(config)`` with seeded weights (caller's RNG state untouched) and its
-    ``input_ids``; returns ``(CausalLMLogits(lm), (input_ids,))``."""
+               seed: int, init: Callable[[nn.Module], None] | None = None) -> tuple[CausalLMLogits, tuple[torch.Tensor]]:
+    """Build ``lm_cls(config)`` with seeded weights (caller's RNG state untouched; ``init``: a further
+    model-specific initialisation, same RNG stream) and its ``input_ids``; returns
+    ``(CausalLMLogits(lm), (input_ids,))``."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         lm = lm_cls(config)
         _init_weights(lm)
+        if init is not None:
+            init(lm)
         input_ids = _input_ids(config.vocab_size, batch, tokens)
     logger.debug("built %s (%d layers, %s)", name, config.num_hidden_layers, dtype)
     return CausalLMLogits(_finish(lm, dtype)).eval(), (input_ids,)
@@ -264,6 +268,88 @@ def deepseek_v3_mtp(
 
 
 # --------------------------------------------------------------------------------------------------------------
+# DeepseekV4
+
+_V4_ATTENTION = ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention")
+
+
+@torch.no_grad()
+def _init_hash_tables(lm: nn.Module) -> None:
+    """Every hash router's ``tid2eid`` (HF initialises it to zeros: every token on expert 0, k times) gets k
+    distinct random experts per token id, as a trained checkpoint has."""
+    for module in lm.modules():
+        table = getattr(module, "tid2eid", None)
+        if isinstance(table, torch.Tensor):
+            vocab, top_k = table.shape
+            table.copy_(torch.rand(vocab, module.num_experts).argsort(dim=-1)[:, :top_k])
+
+
+def deepseek_v4(
+    experts_implementation: str = "grouped_mm",
+    *,
+    num_layers: int = 3,
+    num_hash_layers: int = 1,
+    tokens: int = 16,
+    batch: int = 1,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    **overrides: Any,
+) -> tuple[CausalLMLogits, tuple[torch.Tensor]]:
+    """Tiny ``DeepseekV4ForCausalLM``: every layer MoE, the first ``num_hash_layers`` hash-routed (experts fixed
+    by ``tid2eid[input_ids]``, k distinct per token id), the rest top-k routed (sqrtsoftplus scores +
+    non-zero correction bias, top-4 of 16, renormalised, × 1.5), each with one shared expert and gate/up
+    clamped at ``swiglu_limit`` 1.5 (V4's 10 would never bite on these unit-scale activations); mHC residual
+    of 4 streams (3 Sinkhorn iterations); attention cycling sliding / CSA (compress rate 4, indexer top-4) /
+    HCA (compress rate 8), shared-KV MQA, grouped output projection; eager attention (V4 has no SDPA path).
+
+    ``overrides`` are ``DeepseekV4Config`` fields (e.g. ``scoring_func="sigmoid"``: both routers become
+    gating-op modes). Returns ``(model, (input_ids,))``; ``model(input_ids)`` gives logits
+    ``[batch, tokens, vocab]``.
+    """
+    from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+
+    _check_experts_implementation(experts_implementation)
+    if not 0 <= num_hash_layers <= num_layers:
+        raise ConfigError(f"num_hash_layers={num_hash_layers}: use 0..num_layers ({num_layers})")
+    fields: dict[str, Any] = dict(
+        vocab_size=256,
+        hidden_size=64,
+        moe_intermediate_size=32,  # each routed expert and the shared expert
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=32,
+        q_lora_rank=48,
+        partial_rotary_factor=0.25,  # rope on the last 8 dims of each head
+        n_routed_experts=16,
+        num_experts_per_tok=4,
+        n_shared_experts=1,
+        routed_scaling_factor=1.5,
+        swiglu_limit=1.5,
+        layer_types=[_V4_ATTENTION[i % 3] for i in range(num_layers)],
+        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+        mlp_layer_types=["hash_moe"] * num_hash_layers + ["moe"] * (num_layers - num_hash_layers),
+        hc_mult=4,
+        hc_sinkhorn_iters=3,
+        sliding_window=8,
+        o_groups=2,
+        o_lora_rank=16,
+        index_n_heads=2,
+        index_head_dim=16,
+        index_topk=4,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        use_cache=False,
+    )
+    fields.update(overrides)
+    config = DeepseekV4Config(**fields)
+    config._attn_implementation = "eager"
+    config._experts_implementation = experts_implementation
+    return _seeded_lm(DeepseekV4ForCausalLM, config, f"deepseek_v4 ({experts_implementation})", dtype, batch=batch,
+                      tokens=tokens, seed=seed, init=_init_hash_tables)
+
+
+# --------------------------------------------------------------------------------------------------------------
 # Qwen3-MoE and a dense Llama
 
 
@@ -348,6 +434,8 @@ BUNDLED: dict[str, Callable[..., tuple[nn.Module, tuple[torch.Tensor, ...]]]] = 
     "qwen3_moe_batched_mm": functools.partial(qwen3_moe, "batched_mm"),
     "deepseek_v3_mtp1": functools.partial(deepseek_v3_mtp, 1),
     "deepseek_v3_mtp2": functools.partial(deepseek_v3_mtp, 2),
+    "deepseek_v4_grouped_mm": functools.partial(deepseek_v4, "grouped_mm"),
+    "deepseek_v4_batched_mm": functools.partial(deepseek_v4, "batched_mm"),
     "llama_dense": llama_dense,
 }
 
@@ -359,6 +447,9 @@ DESCRIPTIONS: dict[str, str] = {
     "qwen3_moe_batched_mm": "same Qwen3-MoE; experts via batched_mm",
     "deepseek_v3_mtp1": "DeepseekV3 MTP drafter, 1 MoE MTP layer (enorm/hnorm/eh_proj + decoder layer + shared head)",
     "deepseek_v3_mtp2": "DeepseekV3 MTP drafter, 2 chained MoE MTP layers",
+    "deepseek_v4_grouped_mm": "DeepseekV4, 3 MoE layers (1 hash-routed + 2 sqrtsoftplus top-4 of 16, shared expert, "
+    "gate/up clamped), mHC residual (4 streams), sliding/CSA/HCA attention; experts via grouped_mm",
+    "deepseek_v4_batched_mm": "same DeepseekV4; experts via batched_mm",
     "llama_dense": "Llama, 2 dense layers (RMSNorm + SwiGLU, GQA): no MoE, no MLA",
 }
 

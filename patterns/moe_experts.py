@@ -19,6 +19,13 @@ import torch
 ascend = torch.ops.ascend
 
 GroupedMM = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+Activation = Callable[[torch.Tensor], torch.Tensor]  # [S, 2I] gate·up rows -> [S, I]
+
+
+def silu_mul(proj: torch.Tensor) -> torch.Tensor:
+    """Hugging Face's default ``_apply_gate``: ``silu(gate) * up`` over the halves of the rows."""
+    gate, up = proj.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
 
 
 def transformers_grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
@@ -31,9 +38,11 @@ def torch_grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> to
     return torch._grouped_mm(x, w, offs=offs)
 
 
-def grouped_mm_experts(grouped_mm: GroupedMM, histc_on_float: bool) -> Callable[..., torch.Tensor]:
+def grouped_mm_experts(grouped_mm: GroupedMM, histc_on_float: bool,
+                       activation: Activation = silu_mul) -> Callable[..., torch.Tensor]:
     """``grouped_mm_experts_forward``: sort (token, k) pairs by expert, two grouped matmuls,
-    weight, un-permute, sum over k.  ``histc_on_float``: CPU/MPS count experts on float ids."""
+    weight, un-permute, sum over k.  ``histc_on_float``: CPU/MPS count experts on float ids;
+    ``activation``: the experts' ``_apply_gate``."""
 
     def search(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                gate_up_proj: torch.Tensor, down_proj: torch.Tensor) -> torch.Tensor:
@@ -49,8 +58,7 @@ def grouped_mm_experts(grouped_mm: GroupedMM, histc_on_float: bool) -> Callable[
         tokens_per_expert = torch.histc(histc_input, bins=num_experts, min=0, max=num_experts - 1)
         offsets = torch.cumsum(tokens_per_expert, dim=0, dtype=torch.int32)
         proj = grouped_mm(selected.to(gate_up_proj.dtype), gate_up_proj.transpose(-2, -1), offsets)
-        gate, up = proj.chunk(2, dim=-1)
-        proj = torch.nn.functional.silu(gate) * up
+        proj = activation(proj)
         proj = grouped_mm(proj.to(down_proj.dtype), down_proj.transpose(-2, -1), offsets)
         weighted = proj * sample_weights_g.unsqueeze(-1)
         inv_perm = torch.empty_like(perm).index_put((perm,), torch.arange(perm.size(0), device=perm.device))
@@ -60,25 +68,41 @@ def grouped_mm_experts(grouped_mm: GroupedMM, histc_on_float: bool) -> Callable[
     return search
 
 
-def batched_mm_experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
-                       gate_up_proj: torch.Tensor, down_proj: torch.Tensor) -> torch.Tensor:
-    """``batched_mm_experts_forward``: gather each pair's expert weights, one bmm per projection."""
-    num_top_k = top_k_index.size(-1)
-    num_tokens, hidden_dim = hidden.shape
-    selected = hidden.repeat_interleave(num_top_k, dim=0)
-    sample_weights = top_k_weights.reshape(-1)
-    expert_ids = top_k_index.reshape(-1)
-    proj = torch.bmm(gate_up_proj[expert_ids], selected.unsqueeze(-1)).squeeze(-1)
-    gate, up = proj.chunk(2, dim=-1)
-    proj = torch.nn.functional.silu(gate) * up
-    proj = torch.bmm(down_proj[expert_ids], proj.unsqueeze(-1)).squeeze(-1)
-    weighted = proj * sample_weights.unsqueeze(-1)
-    return weighted.view(num_tokens, num_top_k, hidden_dim).sum(dim=1).to(hidden.dtype)
+def batched_mm_experts_with(activation: Activation) -> Callable[..., torch.Tensor]:
+    """``batched_mm_experts_forward``: gather each pair's expert weights, one bmm per projection;
+    ``activation``: the experts' ``_apply_gate``."""
+
+    def search(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+               gate_up_proj: torch.Tensor, down_proj: torch.Tensor) -> torch.Tensor:
+        num_top_k = top_k_index.size(-1)
+        num_tokens, hidden_dim = hidden.shape
+        selected = hidden.repeat_interleave(num_top_k, dim=0)
+        sample_weights = top_k_weights.reshape(-1)
+        expert_ids = top_k_index.reshape(-1)
+        proj = torch.bmm(gate_up_proj[expert_ids], selected.unsqueeze(-1)).squeeze(-1)
+        proj = activation(proj)
+        proj = torch.bmm(down_proj[expert_ids], proj.unsqueeze(-1)).squeeze(-1)
+        weighted = proj * sample_weights.unsqueeze(-1)
+        return weighted.view(num_tokens, num_top_k, hidden_dim).sum(dim=1).to(hidden.dtype)
+
+    return search
+
+
+batched_mm_experts = batched_mm_experts_with(silu_mul)
 
 
 def fused_experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                   gate_up_proj: torch.Tensor, down_proj: torch.Tensor) -> torch.Tensor:
     """The replacement: the torch_npu MoE chain over all ``E`` experts (dropless)."""
+    return fused_chain(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, None)
+
+
+def fused_chain(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
+                before_swiglu: Callable[[torch.Tensor], torch.Tensor] | None) -> torch.Tensor:
+    """``fused_experts`` with ``before_swiglu``: an element-wise op on the gate·up rows before the
+    ``swiglu`` (DeepSeek-V4's clamp), or None.  (The replacement a pass traces must take exactly
+    the matched inputs, hence two functions.)"""
     num_experts = gate_up_proj.shape[0]
     expert_idx = top_k_index.to(torch.int32)
     expanded_x, expanded_row_idx, tokens_per_expert, _ = ascend.moe_init_routing_v2(
@@ -89,6 +113,8 @@ def fused_experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights
         [expanded_x], [gate_up_proj.transpose(1, 2)], group_list=tokens_per_expert,
         split_item=2, group_type=0, group_list_type=1,
     )[0]
+    if before_swiglu is not None:
+        gate_up = before_swiglu(gate_up)
     act = ascend.swiglu(gate_up, -1)
     out = ascend.grouped_matmul(
         [act], [down_proj.transpose(1, 2)], group_list=tokens_per_expert,

@@ -23,7 +23,7 @@ import torch.fx as fx
 from torch._inductor import pattern_matcher as pm
 
 from ..pass_manager import Pass, PassContext, PassResult
-from ..patterns import moe_experts, moe_router
+from ..patterns import moe_experts, moe_router, moe_v4
 from ..patterns.moe_router import RouterConstants
 from ._pattern import _decomp_fn
 from ._nodes import (VIEWS, const_float, const_int, const_ints, graph_input_of, is_scalar_tensor,
@@ -198,6 +198,31 @@ _EXPERTS = ("grouped_mm_experts", "torch_grouped_mm_experts",
             "batched_mm_experts")
 
 
+# DeepSeek-V4 (patterns/moe_v4.py): experts with gate/up clamped before the SwiGLU; hash routers (sigmoid:
+# the gating op's hash mode); the sqrtsoftplus routers are searched to say why they stay in ATen
+def _hash_router_inputs(dtype: torch.dtype) -> list[torch.Tensor]:
+    return [torch.randn(8, 16, dtype=dtype), torch.randint(0, 16, (32, 2)), torch.randint(0, 32, (8,))]
+
+
+_V4_ROUTERS = tuple(f"v4_hash_router_{score}" for score in moe_v4.SCORES) + ("v4_topk_router_sqrtsoftplus",)
+_V4_EXPERTS = ("v4_grouped_mm_experts", "v4_torch_grouped_mm_experts", "v4_batched_mm_experts")
+_SEARCH.update({
+    **{f"v4_hash_router_{score}": _Search(moe_v4.hash_router(fn), ("logits", "tid2eid", "ids"), _hash_router_inputs,
+                                          ((torch.float32,),)) for score, fn in moe_v4.SCORES.items()},
+    "v4_topk_router_sqrtsoftplus": _Search(moe_v4.topk_router(moe_v4.sqrtsoftplus), ("logits", "bias"),
+                                           _router_inputs, ((torch.float32,),)),
+    "v4_grouped_mm_experts": _Search(moe_v4.grouped_mm_experts(moe_experts.transformers_grouped_mm), _EXPERT_ARGS,
+                                     _expert_inputs, _EXPERT_DTYPES),
+    "v4_torch_grouped_mm_experts": _Search(
+        moe_v4.grouped_mm_experts(moe_experts.torch_grouped_mm), _EXPERT_ARGS, _expert_inputs,
+        tuple((d, w) for d, w in _EXPERT_DTYPES if d == torch.bfloat16)),
+    "v4_batched_mm_experts": _Search(moe_v4.batched_mm_experts, _EXPERT_ARGS, _expert_inputs, _EXPERT_DTYPES),
+})
+_ROUTERS += _V4_ROUTERS
+_EXPERTS += _V4_EXPERTS
+_NEEDS_TRANSFORMERS_OP = ("grouped_mm_experts", "v4_grouped_mm_experts")  # transformers' grouped_mm_fallback
+
+
 # ----------------------------------------------------------------------------- helpers
 def _val(node: Any) -> Any:
     return node.meta.get("val") if isinstance(node, fx.Node) else None
@@ -254,7 +279,7 @@ class MoePass(Pass):
                                       ("experts", _EXPERTS, self._experts)):
             matcher = pm.PatternMatcherPass(pass_name=f"ascend_moe_{stage}")
             for name in names:
-                if name == "grouped_mm_experts" and not _has_transformers_grouped_mm():
+                if name in _NEEDS_TRANSFORMERS_OP and not _has_transformers_grouped_mm():
                     continue  # transformers' op is not registered: no graph of this process holds it
                 on_match = functools.partial(handler, name, gm, result, layer_entry, trace)
                 for pattern in _patterns(name, ctx.decompositions):
@@ -274,6 +299,8 @@ class MoePass(Pass):
     def _router(self, name: str, gm: fx.GraphModule, result: PassResult,
                 layer_entry: Callable[[str | None], MoeLayer], trace: Callable[..., Any],
                 match: pm.Match, *args: Any, **kwargs: Any) -> None:
+        if name in _V4_ROUTERS:
+            return self._v4_router(name, gm, result, layer_entry, trace, match, kwargs)
         layer = _match_layer(match)
         nodes = match.nodes
         logits = kwargs["logits"]
@@ -329,6 +356,63 @@ class MoePass(Pass):
         entry.gating = gating.name if gating is not None else None
         result.match(name, layer=layer, nodes=[final_topk], op=f"ascend.{op}", **{**vars(c), **details})
 
+    def _v4_router(self, name: str, gm: fx.GraphModule, result: PassResult,
+                   layer_entry: Callable[[str | None], MoeLayer], trace: Callable[..., Any],
+                   match: pm.Match, kwargs: dict[str, Any]) -> None:
+        """DeepSeek-V4's routers: a hash router with sigmoid scores becomes ``moe_gating_top_k``'s hash
+        mode; one whose scores no gating mode computes (V4's default sqrtsoftplus) stays in ATen with
+        a near-miss.  A V4 router never keeps its layer's experts unfused: they are the heavy part,
+        and the ids the ATen router makes are the ones the fused chain takes."""
+        layer = _match_layer(match)
+        nodes = match.nodes
+        logits = kwargs["logits"]
+        hashed = "tid2eid" in kwargs
+        score = name.rsplit("_", 1)[1]
+        num_experts = const_int(_val(logits).shape[-1])
+        topk = _find(nodes, aten.topk.default)
+        k_arg = _val(kwargs["tid2eid"]).shape[-1] if hashed else topk.args[1]
+        top_k = const_int(k_arg)
+        mode = "hash" if hashed else "top-k"
+        entry = layer_entry(layer)
+        entry.router, entry.num_experts, entry.top_k = name, num_experts, top_k
+        anchor = topk if topk is not None else _find(nodes, aten.index.Tensor)
+        scale, details = None, {}
+        if score not in moe_v4.NORM_TYPE:
+            reason = (f"{score} scoring has no moe_gating_top_k mode (torch_npu documents norm_type 0 = "
+                      f"softmax and 1 = sigmoid only); the {mode} router stays in ATen, its experts are fused")
+        elif num_experts is None or top_k is None:
+            reason = not_constant("the number of experts" if num_experts is None else "top_k",
+                                  _val(logits).shape[-1] if num_experts is None else k_arg)
+        elif (dims := _dims_problem(nodes)) is not None:
+            reason = dims
+        else:
+            c, scale, reason = _v4_hash_constants(nodes, top_k, num_experts, moe_v4.NORM_TYPE[score])
+            ids, tid2eid = _val(kwargs["ids"]), _val(kwargs["tid2eid"])
+            if reason is None and (ids.dim() != 1 or ids.dtype not in (torch.int32, torch.int64)
+                                   or tid2eid.dim() != 2 or tid2eid.dtype not in (torch.int32, torch.int64)):
+                reason = (f"token ids {tuple(ids.shape)} {ids.dtype} / tid2eid {tuple(tid2eid.shape)} "
+                          f"{tid2eid.dtype} are not 1-D / 2-D int32 or int64")
+        if reason is not None:
+            entry.extra["router_near_miss"] = reason  # not entry.unsupported: the experts still fuse
+            result.near_miss(name, f"router not fused into moe_gating_top_k: {reason}", layer=layer, node=anchor)
+            return
+        call_args = [logits, kwargs["tid2eid"], kwargs["ids"]] + ([scale] if scale is not None else [])
+        if scale is not None:
+            details["routed_scaling_factor"] = f"graph input {(graph_input_of(scale) or scale).name}"
+
+        def replacement(*a: Any) -> Any:
+            return moe_v4.hash_router_fused(*a, c=c)
+
+        fn = (lambda a, b, d: replacement(a, b, d)) if scale is None else (lambda a, b, d, e: replacement(a, b, d, e))
+        before = set(gm.graph.nodes)
+        if not _replace(match, fn, call_args, trace, result, name, layer):
+            return
+        new = _stamp(gm.graph, before, match)
+        gating = next((n for n in new if n.target is torch.ops.ascend.moe_gating_top_k.default), None)
+        entry.gating = gating.name if gating is not None else None
+        result.match(name, layer=layer, nodes=[anchor] if anchor is not None else [], op="ascend.moe_gating_top_k",
+                     mode="hash", **{**vars(c), **details})
+
     # ------------------------------------------------------------------ experts
     def _experts(self, name: str, gm: fx.GraphModule, result: PassResult,
                  layer_entry: Callable[[str | None], MoeLayer], trace: Callable[..., Any],
@@ -347,6 +431,12 @@ class MoePass(Pass):
             reason = f"gate_up {tuple(gu.shape)} and down {tuple(dn.shape)} do not fit hidden {x.shape[-1]}"
         elif gu.dtype != x.dtype or dn.dtype != x.dtype:
             reason = f"expert weights are {gu.dtype} but activations are {x.dtype}"
+        fused, details = moe_experts.fused_experts, {}
+        if reason is None and name in _V4_EXPERTS:  # DeepSeek-V4: gate/up clamped before the swiglu
+            limits, reason = _v4_clamp_limits(match.nodes)
+            if limits is not None:
+                details = vars(limits)
+                fused = lambda h, i, w, gu, dn: moe_v4.fused_experts(h, i, w, gu, dn, limits=limits)  # noqa: E731
         router_problem = layer_entry(layer).unsupported
         if reason is None and router_problem is not None:
             # all or nothing per layer: a layer is either one fused MoE block or untouched, so
@@ -358,7 +448,7 @@ class MoePass(Pass):
             return
         output = match.output_node()
         before = set(gm.graph.nodes)
-        if not _replace(match, moe_experts.fused_experts, [hidden, index, weights, gate_up, down],
+        if not _replace(match, fused, [hidden, index, weights, gate_up, down],
                         trace, result, name, layer):
             return
         new = _stamp(gm.graph, before, match)
@@ -372,7 +462,7 @@ class MoePass(Pass):
         if fin is not None:
             entry.shared_expert_add = _shared_expert_add(fin)
         result.match(name, layer=layer, nodes=[output] if output is not None else [],
-                     num_experts=int(gu.shape[0]), shared_expert=entry.shared_expert_add is not None)
+                     num_experts=int(gu.shape[0]), shared_expert=entry.shared_expert_add is not None, **details)
 
     # ------------------------------------------------------------------ split blocks
     def _check_split_blocks(self, gm: fx.GraphModule, result: PassResult,
@@ -534,6 +624,65 @@ def _fill_value(nodes: Sequence[fx.Node]) -> Any:
         if value.target is aten.full.default and list(value.args[0]) == []:
             return value.args[1]
     return None
+
+
+def _v4_hash_constants(nodes: Sequence[fx.Node], top_k: int, num_experts: int, norm_type: int
+                       ) -> tuple[moe_v4.HashRouterConstants | None, fx.Node | None, str | None]:
+    """The constants of a matched DeepSeek-V4 hash router: the renormalisation epsilon
+    (``sum + eps``) and the routed scaling factor (``scale``: its node when it is a graph input,
+    as in ``_deepseek_constants``), or a reason; then the op's limits (REFERENCE.md)."""
+    total = _find(nodes, aten.sum.dim_IntList)
+    add = _find(nodes, aten.add.Tensor, lambda n: n.args[0] is total) if total is not None else None
+    mul = _find(nodes, aten.mul.Tensor)
+    if add is None or mul is None:
+        return None, None, "the renormalisation or the scaling is not where the pattern put it"
+    eps = const_float(add.args[1])
+    if eps is None:
+        return None, None, not_constant("the renormalisation epsilon", add.args[1])
+    factor, scale = const_float(mul.args[1]), None
+    if factor is None:
+        if not is_scalar_tensor(mul.args[1]):
+            return None, None, not_constant("routed_scaling_factor", mul.args[1])
+        factor, scale = 1.0, mul.args[1]
+    if num_experts > 2048 or num_experts <= 2:
+        return None, None, f"{num_experts} experts (the op takes 3 to 2048)"
+    if not 1 <= top_k <= num_experts:
+        return None, None, f"top_k {top_k} outside [1, {num_experts}]"
+    c = moe_v4.HashRouterConstants(top_k=top_k, num_experts=num_experts, norm_type=norm_type,
+                                   routed_scaling_factor=factor, eps=eps)
+    return c, scale, None
+
+
+def _v4_clamp_limits(nodes: Sequence[fx.Node]) -> tuple[moe_v4.ClampLimits | None, str | None]:
+    """DeepSeek-V4's clamp of the experts' gate and up halves, read off the match: the gate (first
+    half of the last dim) clamped from above, the up (second half) from both sides, or a reason
+    (a limit that is not a constant keeps the layer unfused: the replacement needs the number)."""
+    clamps = [n for n in nodes if n.target is aten.clamp.default]
+    gate = next((n for n in clamps if len(n.args) > 2 and n.args[1] is None), None)
+    up = next((n for n in clamps if len(n.args) > 2 and n.args[1] is not None), None)
+
+    def half(node: fx.Node | None) -> int | None:  # which chunk of the gate·up rows a clamp reads
+        item = node.args[0] if node is not None else None
+        if not (isinstance(item, fx.Node) and item.target is operator.getitem
+                and isinstance(item.args[0], fx.Node) and item.args[0].target is aten.split.Tensor):
+            return None
+        split = item.args[0]
+        rank = _val(split.args[0]).dim()
+        dim = split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
+        return item.args[1] if const_int(dim) is not None and dim % rank == rank - 1 else None
+
+    if half(gate) != 0 or half(up) != 1:
+        return None, ("the clamps are not gate = first half / up = second half of the gate·up rows' last dim "
+                      "(a form the V4 reader does not know)")
+    values = {}
+    for what, arg in (("swiglu_limit (the gate's clamp max)", gate.args[2]),
+                      ("swiglu_limit (the up clamp's min)", up.args[1]),
+                      ("swiglu_limit (the up clamp's max)", up.args[2])):
+        values[what] = const_float(arg)
+        if values[what] is None:
+            return None, not_constant(what, arg)
+    gate_max, up_min, up_max = values.values()
+    return moe_v4.ClampLimits(gate_max=gate_max, up_min=up_min, up_max=up_max), None
 
 
 def _deepseek_gating_unsupported(c: RouterConstants) -> str | None:

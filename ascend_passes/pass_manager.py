@@ -406,6 +406,7 @@ class PassManager:
                 log.debug("pass %s: nothing to do for this config/target, skipped", p.name)
                 continue
             results[p.name] = self._run_one(p, gm, ctx, hooks, reference if cfg.verify_each else None)
+        gm.recompile()  # once for the pipeline (the checks after each pass need only the graph)
         verified = None
         if check_numerics:
             verified = True
@@ -429,6 +430,9 @@ class PassManager:
             if not isinstance(result, PassResult):
                 raise TypeError(f"run() returned {type(result).__name__}, not PassResult")
             _check_graph(gm, snapshot)
+            if reference is not None or hooks:
+                # the code is regenerated once at the end; a graph that runs or is shown now too
+                gm.recompile()
             if reference is not None:
                 problem = _compare(reference, _run_graph(gm, ctx.real_inputs), self.config)
                 if problem:
@@ -464,16 +468,34 @@ def _log_result(result: PassResult) -> None:
 
 # --------------------------------------------------------------------------------- checks
 class _Snapshot:
-    """Everything a pass may change on a GraphModule, so that it can be put back."""
+    """Everything a pass may change on a GraphModule, so that it can be put back.
+
+    Taking it copies no graph: it records each node with what it was called with (``op``,
+    ``target``, ``args``, ``kwargs`` — immutable tuples/dicts fx replaces on every change), its
+    name, type and a shallow copy of its metadata; ``restore`` rebuilds the graph from that, in
+    place, which only a failed pass pays for."""
 
     def __init__(self, gm: fx.GraphModule) -> None:
-        self.graph = copy_graph(gm.graph)
+        self.records = [(n, n.op, n.name, n.type, dict(n.meta)) for n in gm.graph.nodes]
         self.modules = dict(gm._modules)
         self.parameters = dict(gm._parameters)
         self.buffers = dict(gm._buffers)
         self.attrs = set(gm.__dict__)
         self.outputs = _output_signature(gm.graph)
         self.node_inputs = node_inputs(gm.graph)
+
+    def saved_graph(self, like: fx.Graph) -> fx.Graph:
+        """The graph as it was when the snapshot was taken (a new ``fx.Graph``)."""
+        graph = fx.Graph(tracer_cls=like._tracer_cls)
+        graph._codegen = like._codegen
+        env: dict[fx.Node, fx.Node] = {}
+        for node, op, name, type_, meta in self.records:
+            target, args, kwargs = self.node_inputs[node]
+            new = graph.create_node(op, target, fx.node.map_arg(args, env.__getitem__),
+                                    fx.node.map_arg(kwargs, env.__getitem__), name, type_)
+            new.meta = dict(meta)
+            env[node] = new
+        return graph
 
     def restore(self, gm: fx.GraphModule) -> None:
         for name in set(gm.__dict__) - self.attrs:
@@ -484,7 +506,7 @@ class _Snapshot:
         gm._parameters.update(self.parameters)
         gm._buffers.clear()
         gm._buffers.update(self.buffers)
-        restore_graph(gm.graph, self.graph)
+        restore_graph(gm.graph, self.saved_graph(gm.graph))
         gm.recompile()
 
 
@@ -533,10 +555,9 @@ def _output_signature(graph: fx.Graph) -> list[tuple[Any, Any] | None]:
 
 
 def _check_graph(gm: fx.GraphModule, snapshot: _Snapshot) -> None:
-    """Lint, regenerate code, check the outputs kept their shapes and dtypes, and re-run on fake
-    values what the pass changed (a view of strides a replacement no longer gives fails here)."""
+    """Lint, check the outputs kept their shapes and dtypes, and re-run on fake values what the
+    pass changed (a view of strides a replacement no longer gives fails here)."""
     gm.graph.lint()
-    gm.recompile()
     check_fake_values(gm, snapshot.node_inputs)
     after = _output_signature(gm.graph)
     before = snapshot.outputs

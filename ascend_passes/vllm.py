@@ -208,7 +208,7 @@ def config_from_vllm(vllm_config: Any) -> AscendPassConfig:
 @functools.cache
 def _compiler_class() -> type:
     from vllm.compilation.compiler_interface import InductorStandaloneAdaptor
-    from vllm.config import get_current_vllm_config
+    from vllm.config.vllm import get_current_vllm_config_or_none
 
     from .backend import graph_id, resolve_compiler
 
@@ -221,8 +221,10 @@ def _compiler_class() -> type:
         name = "ascend_passes"
 
         def __init__(self) -> None:
-            vllm_config = get_current_vllm_config()
-            super().__init__(vllm_config.compilation_config.compile_cache_save_format)
+            vllm_config = get_current_vllm_config_or_none()  # vLLM sets it; None outside an engine
+            save_format = (vllm_config.compilation_config.compile_cache_save_format
+                           if vllm_config is not None else "binary")
+            super().__init__(save_format)
             self._use(config_from_vllm(vllm_config))
             self.prefix = ""
 
@@ -276,14 +278,13 @@ def _compiler_class() -> type:
             STATS["loads"] += 1
             return super().load(handle, graph, example_inputs, graph_index, compile_range)
 
-    AscendCompiler.__module__ = __name__
+    AscendCompiler.__module__, AscendCompiler.__qualname__ = __name__, "AscendCompiler"
     return AscendCompiler
 
 
 @functools.cache
 def _platform_class() -> type:
-    from vllm.config import CompilationMode
-    from vllm.platforms.cpu import CpuPlatform
+    from vllm.platforms.cpu import CpuPlatform  # (vllm.config imports the platform: no config import here)
 
     class AscendCpuPlatform(CpuPlatform):
         """vLLM's CPU platform, except that VLLM_COMPILE (mode 3, piecewise) stays on and compiles
@@ -294,7 +295,13 @@ def _platform_class() -> type:
             return "ascend_passes.vllm.AscendCompiler"
 
         @classmethod
+        def get_pass_manager_cls(cls) -> str:
+            return "ascend_passes.vllm.AscendPostGradPassManager"
+
+        @classmethod
         def check_and_update_config(cls, vllm_config: Any) -> None:
+            from vllm.config import CompilationMode
+
             cc = vllm_config.compilation_config
             piecewise = cc.mode == CompilationMode.VLLM_COMPILE
             backend = cc.backend
@@ -302,13 +309,48 @@ def _platform_class() -> type:
             if piecewise and cc.mode == CompilationMode.DYNAMO_TRACE_ONCE:
                 cc.mode = CompilationMode.VLLM_COMPILE
                 cc.backend = backend or cls.get_compile_backend()
+                if cc.compile_sizes is None:  # the piecewise backend looks ranges up only in a list
+                    cc.compile_sizes = []
                 log.info("ascend_passes platform: piecewise compile (mode 3) through %s", cc.backend)
 
-    AscendCpuPlatform.__module__ = __name__
+    AscendCpuPlatform.__module__, AscendCpuPlatform.__qualname__ = __name__, "AscendCpuPlatform"
     return AscendCpuPlatform
 
 
+@functools.cache
+def _pass_manager_class() -> type:
+    from vllm.compilation.passes.pass_manager import PostGradPassManager
+
+    class _NoDefunctionalization:
+        """Stands in for vLLM's ``FixFunctionalizationPass`` on CPU: that pass compares every
+        ``auto_functionalized`` op with CUDA-only ``torch.ops._C`` kernels absent from the CPU build
+        (AttributeError ``fused_add_rms_norm_static_fp8_quant``).  Leaving the nodes functional is
+        correct: Inductor decomposes and re-inplaces ``auto_functionalized`` itself, as in mode 2."""
+
+        def __call__(self, graph: fx.Graph) -> None:
+            return None
+
+        def uuid(self) -> str:
+            return "ascend_passes.vllm:no-defunctionalization-on-cpu"
+
+    class AscendPostGradPassManager(PostGradPassManager):
+        """vLLM's post-grad pass manager on the CPU platform: vLLM's passes, then the ascend_passes
+        pipeline (``VllmPostGradPass``, config from ``additional_config``), then vLLM's cleanups."""
+
+        def configure(self, config: Any) -> None:
+            super().configure(config)
+            self.fix_functionalization = _NoDefunctionalization()
+            register_with_vllm()
+            self.add(VllmPostGradPass(config_from_vllm(config)))
+
+    AscendPostGradPassManager.__module__ = __name__
+    AscendPostGradPassManager.__qualname__ = "AscendPostGradPassManager"
+    return AscendPostGradPassManager
+
+
 def __getattr__(name: str) -> Any:
+    if name == "AscendPostGradPassManager":
+        return _pass_manager_class()
     if name == "AscendCompiler":
         return _compiler_class()
     if name == "AscendCpuPlatform":

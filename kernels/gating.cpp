@@ -1,7 +1,8 @@
 // CPU kernels of the MoE routers ascend.moe_gating_top_k_softmax (softmax over the experts, then
 // top-k) and ascend.moe_gating_top_k (DeepSeek-V3 noaux_tc: sigmoid or softmax scores, bias added
 // for the selection only, top-k_group groups first, then top-k experts of the kept groups, weights
-// from the unbiased scores, optional renorm, scaling). One pass per token row in float32, rows
+// from the unbiased scores, optional renorm, scaling; in hash mode the experts are
+// tid2eid[input_ids] and only the weights are computed). One pass per token row in float32, rows
 // split across threads with at::parallel_for. Top-k is stable like the reference's
 // torch.sort(descending=True, stable=True): among equal values the lower index wins, NaN counts
 // as the largest value.
@@ -157,7 +158,7 @@ struct SoftmaxScratch {
 
 struct GatingArgs {
   int64_t experts, k, k_group, group_count;
-  bool sigmoid, top2_sum, grouped;
+  bool sigmoid, top2_sum, grouped, hashed;  // hashed: ids already hold tid2eid[input_ids]
   float eps, scale;
 };
 
@@ -191,6 +192,19 @@ ASCEND_INLINE void softmax_topk_row(const T* x, T* y, int32_t* ids, int64_t n, i
   }
 }
 
+// y = the unbiased scores of the chosen experts ids[0..k), renormalised (sigmoid) and scaled.
+template <typename T>
+ASCEND_INLINE void gating_weights(const float* s, T* y, const int32_t* ids, const GatingArgs& a) {
+  float sum = 0.f;
+  for (int64_t j = 0; j < a.k; ++j) sum += s[ids[j]];
+  if (a.sigmoid) {  // norm_type=1: renormalise the k weights
+    const float denom = sum + a.eps;
+    for (int64_t j = 0; j < a.k; ++j) y[j] = from_f<T>(s[ids[j]] / denom * a.scale);
+  } else {
+    for (int64_t j = 0; j < a.k; ++j) y[j] = from_f<T>(s[ids[j]] * a.scale);
+  }
+}
+
 // One token of moe_gating_top_k: s is the row of the float32 scores output.
 template <typename T>
 ASCEND_INLINE void gating_row(const T* x, const T* bias, float* s, T* y, int32_t* ids, const GatingArgs& a,
@@ -200,6 +214,10 @@ ASCEND_INLINE void gating_row(const T* x, const T* bias, float* s, T* y, int32_t
     sigmoid_row(x, s, n);
   } else {
     softmax_row(x, s, n);
+  }
+  if (a.hashed) {
+    gating_weights(s, y, ids, a);
+    return;
   }
   // selection scores: the biased scores as key32
   uint32_t* b = w.biased.data();
@@ -249,18 +267,8 @@ ASCEND_INLINE void gating_row(const T* x, const T* bias, float* s, T* y, int32_t
     for (int64_t i = 0; i < n; ++i) keys[i] = key64(b[i], i);
     top_k_keys(keys, n, a.k, w.top.data());
   }
-  // weights from the unbiased scores
-  float sum = 0.f;
-  for (int64_t j = 0; j < a.k; ++j) {
-    ids[j] = index_of(w.top[j]);
-    sum += s[ids[j]];
-  }
-  if (a.sigmoid) {  // norm_type=1: renormalise the k weights
-    const float denom = sum + a.eps;
-    for (int64_t j = 0; j < a.k; ++j) y[j] = from_f<T>(s[ids[j]] / denom * a.scale);
-  } else {
-    for (int64_t j = 0; j < a.k; ++j) y[j] = from_f<T>(s[ids[j]] * a.scale);
-  }
+  for (int64_t j = 0; j < a.k; ++j) ids[j] = index_of(w.top[j]);
+  gating_weights(s, y, ids, a);
 }
 
 // Non-template entry points so that target_clones applies (one clone set per element type).
@@ -295,6 +303,42 @@ void check_choice(const char* op, const char* name, int64_t value, std::initiali
   }
   list << "]";
   ASCEND_CHECK(ok, op, name, " must be one of ", list.str(), ", got ", value);
+}
+
+void check_int_ids(const char* op, const char* name, const at::Tensor& t) {
+  ASCEND_CHECK(t.scalar_type() == at::kInt || t.scalar_type() == at::kLong, op, name, " must be int32 or int64, got ",
+               dtype_name(t.scalar_type()));
+}
+
+// Hash mode: ids[r * k + j] = tid2eid[input_ids[r], j], the values checked as the reference's
+// checks.hash_expert_ids does (every token id first, then the expert ids; the first bad value in
+// row-major order is named). Reads only the rows the tokens use, in tid2eid's own strides.
+void hash_expert_ids(const at::Tensor& input_ids, const at::Tensor& tid2eid, int64_t experts, int32_t* ids) {
+  const auto tokens = input_ids.to(at::kLong).contiguous();
+  const int64_t* tp = tokens.const_data_ptr<int64_t>();
+  const int64_t rows = tokens.numel(), vocab = tid2eid.size(0), k = tid2eid.size(1);
+  for (int64_t r = 0; r < rows; ++r) {
+    ASCEND_CHECK(0 <= tp[r] && tp[r] < vocab, kGating, "input_ids value ", tp[r], " out of range [0, tid2eid rows=",
+                 vocab, ")");
+  }
+  auto gather = [&](auto tag) {
+    using I = decltype(tag);
+    const I* table = tid2eid.const_data_ptr<I>();
+    const int64_t s0 = tid2eid.stride(0), s1 = tid2eid.stride(1);
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t j = 0; j < k; ++j) {
+        const int64_t e = static_cast<int64_t>(table[tp[r] * s0 + j * s1]);
+        ASCEND_CHECK(0 <= e && e < experts, kGating, "tid2eid[", tp[r], "] holds expert id ", e,
+                     " out of range [0, number of experts=", experts, ")");
+        ids[r * k + j] = static_cast<int32_t>(e);
+      }
+    }
+  };
+  if (tid2eid.scalar_type() == at::kInt) {
+    gather(int32_t{});
+  } else {
+    gather(int64_t{});
+  }
 }
 
 }  // namespace
@@ -340,6 +384,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_gating_top_k_softmax(const at
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_gating_top_k(const at::Tensor& x_, int64_t k,
                                                                 const std::optional<at::Tensor>& bias_,
+                                                                const std::optional<at::Tensor>& input_ids,
+                                                                const std::optional<at::Tensor>& tid2eid,
                                                                 int64_t k_group, int64_t group_count,
                                                                 int64_t group_select_mode, int64_t renorm,
                                                                 int64_t norm_type, bool out_flag,
@@ -366,6 +412,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_gating_top_k(const at::Tensor
   const int64_t limit = n / group_count * k_group;
   ASCEND_CHECK(1 <= k && k <= limit, kGating, "k=", k, " must be in [1, experts per group * k_group = ", limit,
                "] (number of experts=", n, ")");
+  const bool hashed = tid2eid.has_value();
+  ASCEND_CHECK(input_ids.has_value() == hashed, kGating,
+               "input_ids and tid2eid must be given together (hash mode) or both be None");
+  if (hashed) {
+    check_dim(kGating, "input_ids", *input_ids, 1);
+    check_dim(kGating, "tid2eid", *tid2eid, 2);
+    check_int_ids(kGating, "input_ids", *input_ids);
+    check_int_ids(kGating, "tid2eid", *tid2eid);
+    ASCEND_CHECK(input_ids->size(0) == x_.size(0), kGating, "input_ids has ", input_ids->size(0), " entries, x has ",
+                 x_.size(0), " rows");
+    ASCEND_CHECK(tid2eid->size(1) == k, kGating, "tid2eid has ", tid2eid->size(1), " columns, must equal k=", k);
+  }
 
   auto x = x_.contiguous();
   const int64_t rows = x.size(0);
@@ -380,10 +438,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_gating_top_k(const at::Tensor
                   norm_type == 1,
                   group_select_mode == 1,
                   k_group < group_count,
+                  hashed,
                   static_cast<float>(eps),
                   static_cast<float>(routed_scaling_factor)};
   float* sp = scores.data_ptr<float>();
   int32_t* ip = ids.data_ptr<int32_t>();
+  if (hashed) hash_expert_ids(*input_ids, *tid2eid, n, ip);
   dispatch_float(x.scalar_type(), [&](auto tag) {
     using scalar_t = decltype(tag);
     const scalar_t* xp = x.const_data_ptr<scalar_t>();

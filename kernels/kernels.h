@@ -23,6 +23,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_gating_top_k_softmax(const at
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_gating_top_k(const at::Tensor& x, int64_t k,
                                                                 const std::optional<at::Tensor>& bias,
+                                                                const std::optional<at::Tensor>& input_ids,
+                                                                const std::optional<at::Tensor>& tid2eid,
                                                                 int64_t k_group, int64_t group_count,
                                                                 int64_t group_select_mode, int64_t renorm,
                                                                 int64_t norm_type, bool out_flag,

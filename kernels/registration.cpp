@@ -8,7 +8,7 @@
 #include "kernels.h"
 
 namespace {
-int64_t version() { return 4; }
+int64_t version() { return 5; }
 }  // namespace
 
 TORCH_LIBRARY(ascend_kernels, m) {
@@ -18,7 +18,8 @@ TORCH_LIBRARY(ascend_kernels, m) {
   m.def("swiglu(Tensor self, int dim=-1) -> Tensor");
   m.def("moe_gating_top_k_softmax(Tensor x, Tensor? finished=None, int k=1) -> (Tensor, Tensor, Tensor)");
   m.def(
-      "moe_gating_top_k(Tensor x, int k, *, Tensor? bias=None, int k_group=1, int group_count=1, "
+      "moe_gating_top_k(Tensor x, int k, *, Tensor? bias=None, Tensor? input_ids=None, Tensor? tid2eid=None, "
+      "int k_group=1, int group_count=1, "
       "int group_select_mode=0, int renorm=0, int norm_type=0, bool out_flag=False, "
       "float routed_scaling_factor=1.0, float eps=1e-20) -> (Tensor, Tensor, Tensor)");
   m.def(

@@ -142,7 +142,25 @@ def gen_moe_gating_top_k(q: Gen):
     kwargs = dict(bias=bias, k_group=k_group, group_count=group_count, group_select_mode=q.pick(0, 1),
                   renorm=0 if q.chance(0.97) else 1, norm_type=q.pick(0, 1) if q.chance(0.97) else 2,
                   out_flag=q.chance(0.5), routed_scaling_factor=q.pick(1.0, 2.5), eps=q.pick(1e-20, 1e-3))
-    return (q.floats([q.pick(0, 1, 7, 64), experts], dtype, grid=64), k), kwargs
+    x = q.floats([q.pick(0, 1, 7, 64), experts], dtype, grid=64)
+    if q.chance(0.3):  # hash mode (drawn last: the other cases keep their arguments)
+        kwargs.update(hash_mode_tables(q, x.shape[0], experts, k))
+    return (x, k), kwargs
+
+
+def hash_mode_tables(q: Gen, rows: int, experts: int, k: int) -> dict:
+    """``input_ids`` / ``tid2eid`` of moe_gating_top_k's hash mode; rarely out-of-range ids, a
+    wrong shape or dtype, or one of the two missing (bad arguments)."""
+    vocab = q.pick(1, 5, 50)
+    low, high = (0, experts) if q.chance(0.95) else q.pick((-1, experts), (0, experts + 1))
+    columns = max(k, 0) if q.chance(0.95) else k + 1
+    tid2eid = q.strided(q.ints(low, high, [vocab, columns], q.pick(torch.int32, torch.int64)))
+    input_ids = q.ints(0, vocab if q.chance(0.95) else vocab + 2, [rows if q.chance(0.95) else rows + 1],
+                       q.pick(torch.int32, torch.int64) if q.chance(0.97) else torch.float32)
+    tables = dict(input_ids=input_ids, tid2eid=tid2eid)
+    if q.chance(0.04):
+        del tables[q.pick("input_ids", "tid2eid")]
+    return tables
 
 
 def gen_moe_init_routing_v2(q: Gen):

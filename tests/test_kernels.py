@@ -274,6 +274,24 @@ def test_gating_tiny_scores_keep_their_order():
         assert torch.equal(got[1], expected[1])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("norm_type", [0, 1])
+@pytest.mark.parametrize("table_dtype", [torch.int32, torch.int64])
+def test_gating_top_k_hash_mode_against_reference(dtype, norm_type, table_dtype):
+    """Hash mode (input_ids / tid2eid): random tables, rows, repeated experts, a strided table,
+    bias and groups given (they select nothing here)."""
+    g = torch.Generator().manual_seed(norm_type)
+    for rows, k in ((1, 6), (300, 6), (37, 1), (0, 2)):
+        x = gating_logits(rows, 64, dtype, seed=rows + k)
+        tid2eid = torch.randint(0, 64, (64, 1000), generator=g).to(table_dtype).t()[:, :k]  # strided [1000, k]
+        input_ids = torch.randint(0, 1000, (rows,), generator=g).to(table_dtype if rows % 2 else torch.int64)
+        kw = dict(input_ids=input_ids, tid2eid=tid2eid, norm_type=norm_type, routed_scaling_factor=2.5,
+                  bias=(torch.randn(64, generator=g) * 0.1).to(dtype), k_group=4, group_count=8)
+        got, expected = K.moe_gating_top_k(x, k, **kw), reference.moe_gating_top_k(x, k, **kw)
+        assert_same(got, expected, dtype)
+        assert torch.equal(got[1], tid2eid[input_ids.long()].to(torch.int32))
+
+
 GATING_BAD_INPUTS = [
     ("moe_gating_top_k_softmax", (torch.randn(2, 4).long(), None, 1), {}),
     ("moe_gating_top_k_softmax", (torch.randn(4), None, 1), {}),
@@ -298,6 +316,26 @@ GATING_BAD_INPUTS = [
     ("moe_gating_top_k", (torch.randn(2, 8), 2), dict(norm_type=2)),
     ("moe_gating_top_k", (torch.randn(2, 8), 2), dict(group_select_mode=-1)),
     ("moe_gating_top_k", (torch.randn(2, 8), 2), dict(renorm=1)),
+    # hash mode: both or neither, ranks, dtypes, sizes, then the ids' values (first bad one named)
+    ("moe_gating_top_k", (torch.randn(2, 8), 2), dict(tid2eid=torch.zeros(4, 2, dtype=torch.int32))),
+    ("moe_gating_top_k", (torch.randn(2, 8), 2), dict(input_ids=torch.zeros(2, 1, dtype=torch.int32),
+                                                      tid2eid=torch.zeros(4, 2, dtype=torch.int32))),
+    ("moe_gating_top_k", (torch.randn(2, 8), 2), dict(input_ids=torch.zeros(2, dtype=torch.int32),
+                                                      tid2eid=torch.zeros(4, dtype=torch.int32))),
+    ("moe_gating_top_k", (torch.randn(2, 8), 2), dict(input_ids=torch.zeros(2, dtype=torch.int16),
+                                                      tid2eid=torch.zeros(4, 2, dtype=torch.int32))),
+    ("moe_gating_top_k", (torch.randn(2, 8), 2), dict(input_ids=torch.zeros(2, dtype=torch.int32),
+                                                      tid2eid=torch.zeros(4, 2))),
+    ("moe_gating_top_k", (torch.randn(2, 8), 2), dict(input_ids=torch.zeros(3, dtype=torch.int32),
+                                                      tid2eid=torch.zeros(4, 2, dtype=torch.int32))),
+    ("moe_gating_top_k", (torch.randn(2, 8), 2), dict(input_ids=torch.zeros(2, dtype=torch.int32),
+                                                      tid2eid=torch.zeros(4, 3, dtype=torch.int32))),
+    ("moe_gating_top_k", (torch.randn(3, 8), 2), dict(input_ids=torch.tensor([1, -1, 9]),
+                                                      tid2eid=torch.zeros(4, 2, dtype=torch.int32))),
+    ("moe_gating_top_k", (torch.randn(3, 8), 2), dict(input_ids=torch.tensor([1, 2, 3], dtype=torch.int32),
+                                                      tid2eid=torch.tensor([[0, 1], [2, 3], [4, -5], [8, 9]]))),
+    ("moe_gating_top_k", (torch.randn(1, 8), 2), dict(input_ids=torch.tensor([0]),
+                                                      tid2eid=torch.tensor([[7, 2**40]]))),
 ]
 
 

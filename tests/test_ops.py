@@ -213,6 +213,45 @@ def test_gating_top_k_ties_pick_lower_group_and_expert():
     assert idx.tolist() == [[0, 1, 2]]
 
 
+def loop_hash_router(logits, input_ids, tid2eid, norm_type, scale, eps=1e-20):
+    """Hash routing (DeepSeek-V4's first layers) per token: experts tid2eid[input_ids[t]], weights
+    their unbiased scores, renormalised over the k with sigmoid, times the scale."""
+    ys = []
+    for t, row in enumerate(logits.double().tolist()):
+        if norm_type == 1:
+            s = [1 / (1 + math.exp(-v)) for v in row]
+        else:
+            m = max(row)
+            s = [math.exp(v - m) / sum(math.exp(u - m) for u in row) for v in row]
+        w = [s[int(e)] for e in tid2eid[int(input_ids[t])]]
+        total = sum(w) + eps if norm_type == 1 else 1.0
+        ys.append([x / total * scale for x in w])
+    return torch.tensor(ys, dtype=torch.float64), tid2eid[input_ids.long()].to(torch.int32)
+
+
+@pytest.mark.parametrize("norm_type", [0, 1])
+@pytest.mark.parametrize("ids_dtype", [torch.int32, torch.int64])
+def test_gating_top_k_hash_mode(backend, norm_type, ids_dtype):
+    """input_ids / tid2eid (torch_npu's hash mode): the experts are looked up, not selected, so
+    bias and groups change nothing; the weights are the looked-up experts' scores."""
+    logits = torch.randn(9, 32)
+    input_ids = torch.tensor([5, 0, 99, 5, 17, 3, 3, 64, 1], dtype=ids_dtype)
+    tid2eid = torch.randint(0, 32, (100, 4), generator=torch.Generator().manual_seed(7)).to(ids_dtype)
+    tid2eid[5] = torch.tensor([31, 31, 0, 2])  # a repeated expert is taken twice
+    ey, eidx = loop_hash_router(logits, input_ids, tid2eid, norm_type, 2.5)
+    for kw in (dict(), dict(bias=torch.randn(32), k_group=2, group_count=8, group_select_mode=1)):
+        y, idx, norm_out = A.moe_gating_top_k(logits, 4, input_ids=input_ids, tid2eid=tid2eid, norm_type=norm_type,
+                                              routed_scaling_factor=2.5, **kw)
+        assert idx.dtype == torch.int32 and torch.equal(idx, eidx)
+        torch.testing.assert_close(y.double(), ey, atol=1e-6, rtol=1e-5)
+        expected_norm = torch.sigmoid(logits) if norm_type == 1 else torch.softmax(logits, -1)
+        torch.testing.assert_close(norm_out, expected_norm)
+    # the table is read in its own strides (a transposed [E, V] table viewed as [V, k])
+    y, idx, _ = A.moe_gating_top_k(logits, 4, input_ids=input_ids, tid2eid=tid2eid.t().contiguous().t(),
+                                   norm_type=norm_type, routed_scaling_factor=2.5)
+    assert torch.equal(idx, eidx)
+
+
 # ---------------------------------------------------------------- routing and experts
 
 
@@ -420,6 +459,29 @@ BAD_INPUTS = [
     ("gating_top_k bias dtype",
      lambda: A.moe_gating_top_k(torch.randn(2, 8), 2, bias=torch.randn(8, dtype=torch.float64)),
      r"bias dtype torch.float64 does not match x dtype torch.float32"),
+    ("gating_top_k hash mode without tid2eid",
+     lambda: A.moe_gating_top_k(torch.randn(2, 8), 2, input_ids=torch.tensor([0, 1])),
+     r"input_ids and tid2eid must be given together \(hash mode\) or both be None"),
+    ("gating_top_k hash table width",
+     lambda: A.moe_gating_top_k(torch.randn(2, 8), 2, input_ids=torch.tensor([0, 1]),
+                                tid2eid=torch.zeros(4, 3, dtype=torch.int32)),
+     r"tid2eid has 3 columns, must equal k=2"),
+    ("gating_top_k hash ids per row",
+     lambda: A.moe_gating_top_k(torch.randn(2, 8), 2, input_ids=torch.tensor([0, 1, 2]),
+                                tid2eid=torch.zeros(4, 2, dtype=torch.int32)),
+     r"input_ids has 3 entries, x has 2 rows"),
+    ("gating_top_k hash ids dtype",
+     lambda: A.moe_gating_top_k(torch.randn(2, 8), 2, input_ids=torch.tensor([0.0, 1.0]),
+                                tid2eid=torch.zeros(4, 2, dtype=torch.int32)),
+     r"input_ids must be int32 or int64, got torch.float32"),
+    ("gating_top_k hash token id out of range",
+     lambda: A.moe_gating_top_k(torch.randn(3, 8), 2, input_ids=torch.tensor([0, 4, -1]),
+                                tid2eid=torch.zeros(4, 2, dtype=torch.int32)),
+     r"input_ids value 4 out of range \[0, tid2eid rows=4\)"),
+    ("gating_top_k hash expert id out of range",
+     lambda: A.moe_gating_top_k(torch.randn(2, 8), 2, input_ids=torch.tensor([0, 3]),
+                                tid2eid=torch.tensor([[0, 1], [2, 3], [4, 5], [6, 8]])),
+     r"tid2eid\[3\] holds expert id 8 out of range \[0, number of experts=8\)"),
     ("rms_norm gamma dtype",
      lambda: A.rms_norm(torch.randn(2, 8), torch.randn(8, dtype=torch.bfloat16)),
      r"gamma dtype torch.bfloat16 does not match x dtype torch.float32"),
@@ -522,6 +584,9 @@ def sample_calls():
         ("moe_gating_top_k", (torch.randn(6, 16), 4),
          dict(bias=torch.randn(16), k_group=2, group_count=4, group_select_mode=1, norm_type=1,
               routed_scaling_factor=2.0)),
+        ("moe_gating_top_k", (torch.randn(6, 16), 3),
+         dict(input_ids=torch.tensor([3, 0, 9, 3, 1, 2]), tid2eid=torch.randint(0, 16, (10, 3)), norm_type=1,
+              routed_scaling_factor=2.0)),
         ("moe_init_routing_v2", (x, ids),
          dict(scale=torch.rand(6), expert_num=8, expert_tokens_num_type=1, expert_tokens_num_flag=True,
               active_expert_range=[2, 6])),
@@ -534,7 +599,12 @@ def sample_calls():
     ]
 
 
-@pytest.mark.parametrize("name,args,kwargs", sample_calls(), ids=[c[0] for c in sample_calls()])
+def call_ids(calls) -> list[str]:
+    """Test ids of ``sample_calls()``: the op name, ``-hash`` for moe_gating_top_k's hash mode."""
+    return [name + ("-hash" if "tid2eid" in kwargs else "") for name, _, kwargs in calls]
+
+
+@pytest.mark.parametrize("name,args,kwargs", sample_calls(), ids=call_ids(sample_calls()))
 def test_opcheck(backend, name, args, kwargs):
     torch.library.opcheck(getattr(A, name).default, args, kwargs)
 
@@ -551,7 +621,7 @@ def non_contiguous(value):
     return value.transpose(-1, -2).contiguous().transpose(-1, -2)
 
 
-@pytest.mark.parametrize("name,args,kwargs", sample_calls(), ids=[c[0] for c in sample_calls()])
+@pytest.mark.parametrize("name,args,kwargs", sample_calls(), ids=call_ids(sample_calls()))
 def test_opcheck_non_contiguous_inputs(backend, name, args, kwargs):
     """The fake promises the strides the kernel returns (contiguous) whatever the inputs'
     strides, and the values do not depend on them (a q/k norm after ``transpose(1, 2)``)."""
@@ -564,7 +634,7 @@ def test_opcheck_non_contiguous_inputs(backend, name, args, kwargs):
         assert out.is_contiguous()
 
 
-@pytest.mark.parametrize("name,args,kwargs", sample_calls(), ids=[c[0] for c in sample_calls()])
+@pytest.mark.parametrize("name,args,kwargs", sample_calls(), ids=call_ids(sample_calls()))
 def test_op_in_compiled_graph_dynamic(backend, name, args, kwargs):
     op = getattr(A, name).default
     torch._dynamo.reset()

@@ -33,9 +33,10 @@ SCHEMAS: dict[str, str] = {
     "moe_gating_top_k_softmax": (
         "moe_gating_top_k_softmax(Tensor x, Tensor? finished=None, int k=1) -> (Tensor, Tensor, Tensor)"
     ),
-    # torch_npu.npu_moe_gating_top_k (hash-mode inputs input_ids / tid2eid are not mirrored)
+    # torch_npu.npu_moe_gating_top_k (hash mode: experts = tid2eid[input_ids])
     "moe_gating_top_k": (
-        "moe_gating_top_k(Tensor x, int k, *, Tensor? bias=None, int k_group=1, int group_count=1, "
+        "moe_gating_top_k(Tensor x, int k, *, Tensor? bias=None, Tensor? input_ids=None, "
+        "Tensor? tid2eid=None, int k_group=1, int group_count=1, "
         "int group_select_mode=0, int renorm=0, int norm_type=0, bool out_flag=False, "
         "float routed_scaling_factor=1.0, float eps=1e-20) -> (Tensor, Tensor, Tensor)"
     ),

@@ -99,6 +99,8 @@ def check_gating_top_k(
     x: torch.Tensor,
     k: int,
     bias: torch.Tensor | None,
+    input_ids: torch.Tensor | None,
+    tid2eid: torch.Tensor | None,
     k_group: int,
     group_count: int,
     group_select_mode: int,
@@ -124,6 +126,36 @@ def check_gating_top_k(
     limit = num_experts // group_count * k_group
     if not 1 <= k <= limit:
         fail(op, f"k={k} must be in [1, experts per group * k_group = {limit}] (number of experts={num_experts})")
+    if (input_ids is None) != (tid2eid is None):
+        fail(op, "input_ids and tid2eid must be given together (hash mode) or both be None")
+    if input_ids is not None:
+        check_dim(op, "input_ids", input_ids, (1,))
+        check_dim(op, "tid2eid", tid2eid, (2,))
+        for name, t in (("input_ids", input_ids), ("tid2eid", tid2eid)):
+            if t.dtype not in (torch.int32, torch.int64):
+                fail(op, f"{name} must be int32 or int64, got {t.dtype}")
+        if input_ids.shape[0] != x.shape[0]:
+            fail(op, f"input_ids has {input_ids.shape[0]} entries, x has {x.shape[0]} rows")
+        if tid2eid.shape[1] != k:
+            fail(op, f"tid2eid has {tid2eid.shape[1]} columns, must equal k={k}")
+
+
+def hash_expert_ids(input_ids: torch.Tensor, tid2eid: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """``tid2eid[input_ids]`` (int64 ``[T, k]``), its *values* checked: every token id a row of
+    ``tid2eid``, every expert id it gives in ``[0, num_experts)``; the first bad value (row-major)
+    is named.  A value check, run by the reference; the C++ kernel raises the same messages."""
+    op = "moe_gating_top_k"
+    ids = input_ids.long()
+    bad = (ids < 0) | (ids >= tid2eid.shape[0])
+    if bad.any():
+        fail(op, f"input_ids value {int(ids[bad][0])} out of range [0, tid2eid rows={tid2eid.shape[0]})")
+    experts = tid2eid.index_select(0, ids).long()
+    bad = (experts < 0) | (experts >= num_experts)
+    if bad.any():
+        token = int(ids[bad.any(dim=1)][0])
+        fail(op, f"tid2eid[{token}] holds expert id {int(experts[bad][0])} out of range "
+                 f"[0, number of experts={num_experts})")
+    return experts
 
 
 def check_init_routing(

@@ -61,6 +61,8 @@ def moe_gating_top_k(
     k: int,
     *,
     bias: torch.Tensor | None = None,
+    input_ids: torch.Tensor | None = None,
+    tid2eid: torch.Tensor | None = None,
     k_group: int = 1,
     group_count: int = 1,
     group_select_mode: int = 0,
@@ -70,7 +72,8 @@ def moe_gating_top_k(
     routed_scaling_factor: float = 1.0,
     eps: float = 1e-20,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    checks.check_gating_top_k(x, k, bias, k_group, group_count, group_select_mode, renorm, norm_type)
+    checks.check_gating_top_k(x, k, bias, input_ids, tid2eid, k_group, group_count, group_select_mode, renorm,
+                              norm_type)
     rows = x.shape[0]
     return (
         x.new_empty((rows, k)),

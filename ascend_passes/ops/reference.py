@@ -79,6 +79,8 @@ def moe_gating_top_k(
     k: int,
     *,
     bias: torch.Tensor | None = None,
+    input_ids: torch.Tensor | None = None,
+    tid2eid: torch.Tensor | None = None,
     k_group: int = 1,
     group_count: int = 1,
     group_select_mode: int = 0,
@@ -88,9 +90,14 @@ def moe_gating_top_k(
     routed_scaling_factor: float = 1.0,
     eps: float = 1e-20,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    checks.check_gating_top_k(x, k, bias, k_group, group_count, group_select_mode, renorm, norm_type)
+    checks.check_gating_top_k(x, k, bias, input_ids, tid2eid, k_group, group_count, group_select_mode, renorm,
+                              norm_type)
     num_rows, num_experts = x.shape
     scores = torch.sigmoid(x.float()) if norm_type == 1 else torch.softmax(x.float(), dim=-1)
+    if tid2eid is not None:
+        # hash mode: the experts are fixed by the token ids; bias and groups select nothing
+        expert_idx = checks.hash_expert_ids(input_ids, tid2eid, num_experts)
+        return _gating_weights(x, scores, expert_idx, norm_type, routed_scaling_factor, eps)
     biased = scores + bias.float() if bias is not None else scores
     if k_group < group_count:
         grouped = biased.view(num_rows, group_count, num_experts // group_count)
@@ -103,7 +110,13 @@ def moe_gating_top_k(
         keep = keep.repeat_interleave(num_experts // group_count, dim=1)
         biased = biased.masked_fill(~keep, float("-inf"))
     _, expert_idx = _stable_topk(biased, k)
-    y = scores.gather(1, expert_idx)  # weights come from the unbiased scores
+    return _gating_weights(x, scores, expert_idx, norm_type, routed_scaling_factor, eps)
+
+
+def _gating_weights(x, scores, expert_idx, norm_type, routed_scaling_factor, eps):
+    """The outputs of ``moe_gating_top_k`` for chosen experts: weights gathered from the unbiased
+    scores, renormalised over the k when sigmoid (norm_type 1), scaled."""
+    y = scores.gather(1, expert_idx)
     if norm_type == 1:
         y = y / (y.sum(dim=-1, keepdim=True) + eps)
     y = y * routed_scaling_factor

@@ -16,6 +16,7 @@ import torch
 import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
+from . import inductor_fixes
 from .config import AscendPassConfig
 from .errors import ConfigError
 from .pass_manager import Pass, PassContext, PassHook, PassManager
@@ -292,8 +293,32 @@ def _precompile_with_inductor(cfg: AscendPassConfig, gm: fx.GraphModule, example
 
 def ascend_passes_backend(gm: fx.GraphModule, example_inputs: list[Any],
                           options: dict[str, Any] | None = None) -> Compiled:
-    """The ``backend="ascend_passes"`` entry point (``torch_dynamo_backends`` group)."""
+    """The ``backend="ascend_passes"`` entry point (``torch_dynamo_backends`` group).
+
+    Without ``options`` (an engine that names the backend by string, e.g. vLLM's
+    ``compilation_config={"backend": "ascend_passes"}``), the options come from the
+    ``ASCEND_PASSES_OPTIONS`` environment variable (a JSON object), else the defaults."""
+    if options is None:
+        options = _env_options()
     return make_backend(options)(gm, example_inputs)
+
+
+def _env_options() -> dict[str, Any] | None:
+    import json
+    import os
+
+    text = os.environ.get("ASCEND_PASSES_OPTIONS", "")
+    if not text:
+        return None
+    try:
+        options = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError("ASCEND_PASSES_OPTIONS must be a JSON object of ascend_passes options "
+                          f"(e.g. '{{\"passes\": \"cleanup,norm\"}}'): {e}") from None
+    if not isinstance(options, dict):
+        raise ConfigError("ASCEND_PASSES_OPTIONS must be a JSON object of ascend_passes options, "
+                          f"got {type(options).__name__}")
+    return options
 
 
 # --------------------------------------------------------------------------- Inductor pass
@@ -309,8 +334,12 @@ class AscendInductorPass(CustomGraphPass):
     def __init__(self, config: AscendPassConfig) -> None:
         self.config = config
         self._uuid = PassManager(config).uuid()
+        inductor_fixes.install()
 
     def __call__(self, graph: fx.Graph) -> None:
+        # again here: an instance unpickled in another process (vLLM's engine core) skipped
+        # __init__, and Inductor schedules this graph in this process right after the pass
+        inductor_fixes.install()
         gm = graph.owning_module
         if gm is None:
             gm = fx.GraphModule(torch.nn.Module(), graph)

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import json
 import logging
 import os
 import sys
@@ -134,13 +133,9 @@ class _LazyEnvPass(VllmPostGradPass):
     @property  # type: ignore[override]
     def config(self) -> AscendPassConfig:
         if self._config is None:
-            text = os.environ.get(OPTIONS_ENV, "")
-            try:
-                options = json.loads(text) if text else {}
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"{OPTIONS_ENV} must be a JSON object of ascend_passes options "
-                                  f"(e.g. '{{\"passes\": \"cleanup,norm\"}}'): {e}") from None
-            self._config = AscendPassConfig.from_options(options)
+            from .backend import _env_options
+
+            self._config = AscendPassConfig.from_options(_env_options() or {})
         return self._config
 
 

@@ -1,0 +1,56 @@
+"""Fixes for Inductor bugs that give wrong results on the graphs ascend_passes hands to Inductor.
+
+``install()`` applies them once per process; the Inductor routes (``inductor_pass``, the post-grad
+pass vLLM runs) call it.  Each fix is a no-op where torch already has it.
+
+Lost mutation ordering (pytorch/pytorch#185509, fixed upstream by #185873 after torch 2.13):
+Inductor's scheduler makes a reader of a buffer that an in-place op wrote (vLLM's
+``auto_functionalized`` custom ops write their results into ``torch.empty`` buffers, e.g.
+``weight_packed_linear(out=empty, ...)``) depend on that write by renaming the read to the
+mutation's output.  When the CPU backend fuses two pointwise nodes of different loop shapes
+(``_align_compatible_range_nodes``: the router's flat ``sigmoid(logits.float())`` with the 2-D
+``+ e_score_correction_bias``), ``SchedulerNode.recompute_size_and_body`` recomputes the node's
+reads from its loop body and re-applies the renames only when the node also has fake
+dependencies.  The fused reader then reads the ``empty`` buffer with no dependency on its writer;
+the peak-memory reordering may move the writer after the reader, which then reads uninitialised
+memory: random router scores, wrong tokens or NaN (issue 17, vLLM's post-grad route with the
+``norm`` rewrite, whose different buffer sizes changed that reordering).  The fix re-applies the
+node's mutation renames after every recompute, as ``refresh_dependencies`` already does.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any
+
+log = logging.getLogger("ascend_passes.inductor")
+
+_MARK = "_ascend_passes_keeps_mutation_renames"
+
+
+def _keep_mutation_renames(recompute: Any) -> Any:
+    @functools.wraps(recompute)
+    def recompute_size_and_body(self: Any, *args: Any, **kwargs: Any) -> None:
+        recompute(self, *args, **kwargs)
+        renames = getattr(self, "mutation_renames", None)
+        if renames:  # idempotent: the renamed names are not keys of the node's renames
+            self.set_read_writes(self.read_writes.rename(renames))
+
+    setattr(recompute_size_and_body, _MARK, True)
+    return recompute_size_and_body
+
+
+def install() -> None:
+    """Apply the fixes (idempotent, process-wide: they only restore dependencies Inductor meant
+    to keep)."""
+    from torch._inductor.scheduler import SchedulerNode
+
+    current = SchedulerNode.recompute_size_and_body
+    if not getattr(current, _MARK, False):
+        SchedulerNode.recompute_size_and_body = _keep_mutation_renames(current)
+        log.debug("Inductor fix installed: SchedulerNode.recompute_size_and_body keeps mutation "
+                  "renames (pytorch#185509)")
+
+
+__all__ = ["install"]

@@ -82,6 +82,7 @@ def compile_downstream(compiler: str, gm: fx.GraphModule, example_inputs: Sequen
     if compiler == "inductor":
         from torch._inductor.compile_fx import compile_fx
 
+        inductor_fixes.install()
         if not decompose:
             return _boxed(compile_fx(gm, list(example_inputs)))
         from torch._inductor.decomposition import select_decomp_table
@@ -266,6 +267,7 @@ def _precompile_with_inductor(cfg: AscendPassConfig, gm: fx.GraphModule, example
             "(VLLM_USE_AOT_COMPILE=0 for vLLM)")
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
+    inductor_fixes.install()
     dynamo_inputs = list(example_inputs)
 
     def inner_compile(aten_gm: fx.GraphModule, aten_inputs: Sequence[Any], **kwargs: Any) -> Any:

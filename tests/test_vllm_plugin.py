@@ -231,3 +231,37 @@ def test_post_grad_pass_by_string_keeps_its_uuid() -> None:
     assert limited.uuid() != apv.post_grad_pass(passes="cleanup,norm").uuid()
     with pytest.raises(ap.ConfigError, match="first <= last"):
         apv.post_grad_pass(compile_ranges=[(8, 1)])
+
+
+def test_opaque_vllm_ops_are_near_misses() -> None:
+    """vllm_opaque names vLLM's opaque MoE / MLA attention ops (called directly or through
+    ``auto_functionalized``) as near-misses and leaves the graph unchanged; plain ATen: none."""
+    import torch
+    import torch.fx as fx
+    from torch._higher_order_ops.auto_functionalize import auto_functionalized
+
+    import vllm.model_executor.layers.attention.mla_attention  # noqa: F401  (registers the ops)
+    import vllm.model_executor.layers.fused_moe.layer  # noqa: F401
+
+    import ascend_passes as ap
+    from ascend_passes.passes.vllm_opaque import VllmOpaquePass
+
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    y = graph.call_function(torch.ops.aten.relu.default, (x,))
+    moe = graph.call_function(torch.ops.vllm.moe_forward.default, (y, y, "layers.1.mlp.experts"))
+    attn = graph.call_function(auto_functionalized, (torch.ops.vllm.unified_mla_attention_with_output.default,),
+                               {"q": y})
+    graph.output((moe, attn))
+    gm = fx.GraphModule(torch.nn.Module(), graph)
+    before = str(gm.graph)
+    config = ap.AscendPassConfig.from_options(passes="cleanup,vllm_opaque")
+    result = VllmOpaquePass(config).run(gm, ap.PassContext(config))
+    assert str(gm.graph) == before and not result.matches
+    reasons = {nm.pattern: nm.reason for nm in result.near_misses}
+    assert set(reasons) == {"moe", "mla"}, result.near_misses
+    assert reasons["moe"].startswith("MoE runs inside vllm.moe_forward, an opaque vLLM op")
+    assert "vllm.unified_mla_attention_with_output" in reasons["mla"]
+
+    plain = fx.symbolic_trace(torch.nn.Linear(4, 4))
+    assert VllmOpaquePass(config).run(plain, ap.PassContext(config)).near_misses == []

@@ -25,6 +25,7 @@ from torch._inductor import pattern_matcher as pm
 from ..pass_manager import Pass, PassContext, PassResult
 from ..patterns import moe_experts, moe_router, moe_v4
 from ..patterns.moe_router import RouterConstants
+from . import moe_candidates
 from ._pattern import _decomp_fn
 from ._nodes import (VIEWS, const_float, const_int, const_ints, graph_input_of, is_scalar_tensor,
                      not_constant)
@@ -290,7 +291,7 @@ class MoePass(Pass):
                 # (the routed scaling factor's cast of a graph input) moves up: def before use
                 pm.stable_topological_sort(gm.graph)
 
-        self._check_split_blocks(gm, result, layers)
+        self._check_unfused_blocks(gm, result, layers)
         gm.graph.eliminate_dead_code()
         ctx.facts["moe_layers"] = [layers[k] for k in layers]
         return result
@@ -464,16 +465,30 @@ class MoePass(Pass):
         result.match(name, layer=layer, nodes=[output] if output is not None else [],
                      num_experts=int(gu.shape[0]), shared_expert=entry.shared_expert_add is not None, **details)
 
-    # ------------------------------------------------------------------ split blocks
-    def _check_split_blocks(self, gm: fx.GraphModule, result: PassResult,
-                            layers: dict[str | None, MoeLayer]) -> None:
-        """A router whose ids leave the graph without reaching fused experts: the block was split
-        by a graph break (Hugging Face's default "eager" experts loop does that)."""
+    # ------------------------------------------------------------------ unfused blocks
+    def _check_unfused_blocks(self, gm: fx.GraphModule, result: PassResult,
+                              layers: dict[str | None, MoeLayer]) -> None:
+        """Every MoE block left unfused, in whole or in part, gets a near-miss with its layer and
+        why; never silence.  A fused router whose ids leave the graph: the block was split by a
+        graph break (Hugging Face's default "eager" experts loop does that).  Every other block is
+        found by structure (``moe_candidates``: a router's expert ids feeding an experts
+        computation), whichever pattern failed; a part the matchers already explained is not
+        explained twice."""
+        try:
+            candidates = {c.layer: c for c in moe_candidates.find(gm.graph)}
+        except Exception as exc:  # a diagnostic must never undo the rewrites made above
+            log.warning("moe: the search for unfused MoE blocks failed (%s: %s); blocks without a "
+                        "pattern match are not reported", type(exc).__name__, exc)
+            result.notes.append(f"unfused-block search failed: {type(exc).__name__}: {exc}")
+            candidates = {}
         for entry in layers.values():
             if entry.router is None or entry.init_routing is not None or entry.unsupported:
                 continue
             gating = next((n for n in gm.graph.nodes if n.name == entry.gating), None)
-            reaches_output = gating is not None and _leaves_graph(gating)
+            found = candidates.get(entry.layer)
+            if found is not None and found.sinks:
+                continue  # the experts are in this graph: the candidate's near-miss says how they differ
+            reaches_output = gating is not None and (_leaves_graph(gating) or (found is not None and found.leaves_graph))
             # the experts_implementation advice only where the experts are in another graph: in
             # this graph they are in a form the expert patterns do not know, whatever it is set to
             why = ("its router outputs leave this graph, so the experts run in another graph "
@@ -483,7 +498,20 @@ class MoePass(Pass):
                    "the experts are in this graph but no expert pattern matched them (was part of "
                    "them rewritten by a pass before moe, or are they in a form the patterns do not know?)")
             result.near_miss("moe_block", f"MoE block not fused: {why}", layer=entry.layer)
-
+        explained: dict[str | None, set[str]] = {}
+        for nm in result.near_misses:
+            part = ({"router"} if nm.pattern in _ROUTERS or nm.reason.startswith("router") else
+                    {"experts"} if nm.pattern in _EXPERTS or nm.reason.startswith("experts") else {"router", "experts"})
+            explained.setdefault(nm.layer, set()).update(part)
+        for found in candidates.values():
+            parts = found.unfused_parts() - explained.get(found.layer, set())
+            if not parts:
+                continue
+            reason = moe_candidates.explain(found, parts)
+            result.near_miss("moe_block", reason, layer=found.layer, node=found.source)
+            entry = layers.setdefault(found.layer, MoeLayer(found.layer))
+            entry.unsupported = entry.unsupported or reason
+            entry.num_experts = entry.num_experts or found.num_experts
 
 def _replace(match: pm.Match, fn: Callable[..., Any], args: list[Any], trace: Callable[..., Any],
              result: PassResult, name: str, layer: str | None) -> bool:

@@ -1,8 +1,11 @@
 """Small helpers for passes that insert nodes: the view ops that only reshape, ``meta["val"]`` of a
-new node computed from its inputs' fake values, and the one way passes read a constant off a node
+new node computed from its inputs' fake values, the one copy of a replaced node's source location
+onto its replacements (``copy_location``), and the one way passes read a constant off a node
 (``const_float`` / ``const_int``: None unless it is a plain Python number, never a default)."""
 
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 import torch
 import torch.fx as fx
@@ -31,6 +34,33 @@ def set_val(node: fx.Node) -> None:
         return
     with mode:
         node.meta["val"] = node.target(*args, **kwargs)
+
+
+# ----------------------------------------------------------------------------- location
+# Where a node came from in the model (Dynamo's metadata) — dumps show the source line, layers are
+# read off the module stack — plus our own ``ascend_*`` tags (``ascend_mtp_layer``: the MTP layer).
+LOCATION_KEYS = ("stack_trace", "nn_module_stack", "source_fn_stack")
+TAG_PREFIX = "ascend_"
+
+
+def location_of(node: fx.Node) -> dict[str, object]:
+    """The ``LOCATION_KEYS`` and ``ascend_*`` entries of ``node.meta`` (only those present)."""
+    return {k: v for k, v in node.meta.items() if k in LOCATION_KEYS or k.startswith(TAG_PREFIX)}
+
+
+def copy_location(src: fx.Node, dst: fx.Node | Iterable[fx.Node], *, overwrite: bool = True) -> None:
+    """Give the replacement node(s) ``dst`` the source location and ``ascend_*`` tags of the node
+    ``src`` they replace: ``stack_trace``, ``nn_module_stack``, ``source_fn_stack`` and every
+    ``ascend_*`` key of ``src.meta``; nothing else (``val`` is the new node's own, ``set_val``).
+    With ``overwrite=False`` a key the new node already has is kept (e.g. what torch's pattern
+    matcher copied from the exact node it replaced)."""
+    location = location_of(src)
+    for node in [dst] if isinstance(dst, fx.Node) else dst:
+        if overwrite:
+            node.meta.update(location)
+        else:
+            for key, value in location.items():
+                node.meta.setdefault(key, value)
 
 
 # ----------------------------------------------------------------------------- constants

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import operator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -40,7 +41,7 @@ import torch.fx as fx
 from ..errors import ConfigError
 from ..pass_manager import Pass, PassContext, PassResult
 from ..process_group import resolve_group
-from ._nodes import set_val
+from ._nodes import copy_location, set_val
 
 log = logging.getLogger("ascend_passes.passes.eplb")
 aten = torch.ops.aten
@@ -65,6 +66,24 @@ def _anchor(node: Any) -> fx.Node | None:
             return None
         node = node.args[0]
     return None
+
+
+@dataclass
+class _Layer:
+    """One fused MoE layer as the rewrite sees it, read off the graph before anything changes."""
+
+    name: str | None
+    num_logical: int
+    init: fx.Node  # moe_init_routing_v2
+    fin: fx.Node | None  # moe_finalize_routing
+    gmms: list[fx.Node]  # the grouped matmuls of its experts
+    anchors: list[fx.Node]  # the eplb_logical_weight node of each (args: weights and tables)
+    num_physical: int
+    active: list[int]  # this rank's slots, [start, end)
+    rank: int
+    ep_size: int
+    group_name: str | None  # the EP group, None without expert parallelism
+    sharded: bool  # eplb.ep_tokens == "sharded" under expert parallelism
 
 
 class EplbPass(Pass):
@@ -121,103 +140,133 @@ class EplbPass(Pass):
         import ascend_passes.ops  # noqa: F401  (registers torch.ops.ascend)
 
         result = PassResult(self.name)
-        ops = torch.ops.ascend
-        by_name = {n.name: n for n in gm.graph.nodes}
+        graph = gm.graph
+        by_name = {n.name: n for n in graph.nodes}
         facts = []
         collectives = 0
         for entry in ctx.facts.get("moe_layers", []):
             init = by_name.get(entry.init_routing) if entry.init_routing else None
             if init is None:
                 continue
-            tokens = next((u for u in init.users if u.target is operator.getitem and u.args[1] == 2), None)
-            gmms = [u for u in (tokens.users if tokens is not None else ())
-                    if u.target is ops.grouped_matmul.default]
-            anchors = [_anchor(g.args[1][0]) if len(g.args) > 1 and len(g.args[1]) == 1 else None
-                       for g in gmms]
-            if not gmms or any(a is None for a in anchors):
-                raise ConfigError(
-                    f"MoE layer {entry.layer}: its expert weights are not in EPLB physical layout "
-                    f"(no ascend.eplb_logical_weight feeds its grouped matmuls); {ATTACH_HINT}")
-            phy_weight, log2phy, replica_count, expert_load, record = anchors[0].args
-            num_physical = int(expert_load.meta["val"].shape[0])
-            # the shapes tell the redundancy even without real inputs (inductor_pass)
-            self._check_against(num_physical - int(log2phy.meta["val"].shape[0]), None)
-            per_rank = int(phy_weight.meta["val"].shape[0])  # the slots this process holds
-            rank, group_name = 0, None
-            if per_rank != num_physical:
-                group_name, rank = self._ep_for(entry.layer, num_physical, per_rank)
-            active = [rank * per_rank, (rank + 1) * per_rank]
-            expert_idx = init.args[1]
-            graph = gm.graph
-            fin = by_name.get(entry.finalize) if entry.finalize else None
-            if group_name is not None and fin is None:
-                raise ConfigError(f"MoE layer {entry.layer}: no moe_finalize_routing to sum the "
-                                  "ranks' partial outputs after; expert parallelism needs one")
-            ep_size = num_physical // per_rank
-            sharded = group_name is not None and self.config.eplb.ep_tokens == "sharded"
-            gathered: list[fx.Node] = []
-            map_ids = expert_idx
-            if sharded:  # every rank routes the tokens of all ranks, in rank order
-                with graph.inserting_before(init):
-                    gathered += self._gather(graph, init.args[0], ep_size, group_name)
-                    init.update_arg(0, gathered[-1])
-                    gathered += self._gather(graph, expert_idx, ep_size, group_name)
-                    map_ids = gathered[-1]
-                if isinstance(fin.args[4], fx.Node):  # the top-k weights
-                    with graph.inserting_before(fin):
-                        gathered += self._gather(graph, fin.args[4], ep_size, group_name)
-                    fin.update_arg(4, gathered[-1])
-                for node in gathered:
-                    node.meta.update({k: v for k, v in init.meta.items()
-                                      if k in ("stack_trace", "nn_module_stack") or k.startswith("ascend_")})
-                    set_val(node)
-            with graph.inserting_before(init):
-                phys = graph.call_function(ops.eplb_map.default, (map_ids, log2phy, replica_count),
-                                           {"rank": 0})  # the same replica on every rank
-                recorded = None
-                if self.config.eplb.record_load:
-                    recorded = graph.call_function(
-                        ops.eplb_record_load.default, (expert_load, phys, record),
-                        {"active_expert_range": active} if group_name is not None else {})
-            for node in (phys, recorded):
-                if node is not None:
-                    node.meta.update({k: v for k, v in init.meta.items()
-                                      if k in ("stack_trace", "nn_module_stack") or k.startswith("ascend_")})
-            set_val(phys)
-            init.update_arg(1, phys)
-            kwargs = dict(init.kwargs)
-            kwargs["expert_num"] = num_physical
-            kwargs["active_expert_range"] = active
-            init.kwargs = kwargs
-            if fin is not None and len(fin.args) > 6 and fin.args[6] is expert_idx:
-                fin.update_arg(6, phys)
-            reduced = None
-            if group_name is not None:
-                reduced = self._all_reduce(graph, fin, group_name, ep_size if sharded else None)
+            layer = self._find(entry, init, by_name)
+            gathered, map_ids = self._gather_tokens(graph, layer)
+            phys, recorded = self._indirect(graph, layer, map_ids)
+            reduced: tuple[fx.Node, ...] = ()
+            if layer.group_name is not None:
+                reduced = self._all_reduce(graph, layer.fin, layer.group_name,
+                                           layer.ep_size if layer.sharded else None)
                 collectives += 1 + len(gathered) // 2
-            for gmm, anchor in zip(gmms, anchors):
-                with graph.inserting_before(gmm):
-                    weight = graph.call_function(aten.transpose.int, (anchor.args[0], 1, 2))
-                weight.meta.update({k: v for k, v in gmm.meta.items()
-                                    if k in ("stack_trace", "nn_module_stack") or k.startswith("ascend_")})
-                set_val(weight)
-                gmm.update_arg(1, [weight])
-            nodes = gathered + [phys] + ([recorded] if recorded is not None else []) + (
-                list(reduced) if reduced is not None else [])
-            result.match("eplb_indirection", layer=entry.layer, nodes=nodes, num_logical=entry.num_experts,
-                         num_physical=num_physical, active_expert_range=active,
-                         record_load=recorded is not None, ep_rank=rank, ep_size=ep_size,
-                         ep_tokens=self.config.eplb.ep_tokens if group_name is not None else None)
-            facts.append({"layer": entry.layer, "map": phys.name,
-                          "record": recorded.name if recorded is not None else None,
-                          "num_physical": num_physical, "expert_load": expert_load.name,
-                          "active_expert_range": active,
-                          "all_reduce": reduced[0].name if reduced is not None else None})
-        gm.graph.eliminate_dead_code()
+            self._physical_weights(graph, layer)
+            facts.append(self._report(result, layer, gathered, phys, recorded, reduced))
+        graph.eliminate_dead_code()
         ctx.facts["eplb_layers"] = facts
         if collectives:
             result.match("ep_collectives", count=collectives)
         return result
+
+    # ------------------------------------------------------------------ one layer, by phase
+    def _find(self, entry: Any, init: fx.Node, by_name: dict[str, fx.Node]) -> _Layer:
+        """Read the layer off the graph (nothing changes): its grouped matmuls, the
+        ``eplb_logical_weight`` nodes that hold its tables, its slots and this rank's share."""
+        ops = torch.ops.ascend
+        tokens = next((u for u in init.users if u.target is operator.getitem and u.args[1] == 2), None)
+        gmms = [u for u in (tokens.users if tokens is not None else ())
+                if u.target is ops.grouped_matmul.default]
+        anchors = [_anchor(g.args[1][0]) if len(g.args) > 1 and len(g.args[1]) == 1 else None
+                   for g in gmms]
+        if not gmms or any(a is None for a in anchors):
+            raise ConfigError(
+                f"MoE layer {entry.layer}: its expert weights are not in EPLB physical layout "
+                f"(no ascend.eplb_logical_weight feeds its grouped matmuls); {ATTACH_HINT}")
+        phy_weight, log2phy, _, expert_load, _ = anchors[0].args
+        num_physical = int(expert_load.meta["val"].shape[0])
+        # the shapes tell the redundancy even without real inputs (inductor_pass)
+        self._check_against(num_physical - int(log2phy.meta["val"].shape[0]), None)
+        per_rank = int(phy_weight.meta["val"].shape[0])  # the slots this process holds
+        rank, group_name = 0, None
+        if per_rank != num_physical:
+            group_name, rank = self._ep_for(entry.layer, num_physical, per_rank)
+        fin = by_name.get(entry.finalize) if entry.finalize else None
+        if group_name is not None and fin is None:
+            raise ConfigError(f"MoE layer {entry.layer}: no moe_finalize_routing to sum the "
+                              "ranks' partial outputs after; expert parallelism needs one")
+        return _Layer(entry.layer, entry.num_experts, init, fin, gmms, anchors, num_physical,
+                      [rank * per_rank, (rank + 1) * per_rank], rank, num_physical // per_rank,
+                      group_name, group_name is not None and self.config.eplb.ep_tokens == "sharded")
+
+    def _gather_tokens(self, graph: fx.Graph, layer: _Layer) -> tuple[list[fx.Node], fx.Node]:
+        """With sharded tokens, every rank routes the tokens of all ranks, in rank order: the
+        tokens, their expert ids and the top-k weights are all-gathered.  Returns the new nodes
+        and the expert ids ``eplb_map`` reads."""
+        init, fin = layer.init, layer.fin
+        expert_idx = init.args[1]
+        if not layer.sharded:
+            return [], expert_idx
+        gathered: list[fx.Node] = []
+        with graph.inserting_before(init):
+            gathered += self._gather(graph, init.args[0], layer.ep_size, layer.group_name)
+            init.update_arg(0, gathered[-1])
+            gathered += self._gather(graph, expert_idx, layer.ep_size, layer.group_name)
+            map_ids = gathered[-1]
+        if isinstance(fin.args[4], fx.Node):  # the top-k weights
+            with graph.inserting_before(fin):
+                gathered += self._gather(graph, fin.args[4], layer.ep_size, layer.group_name)
+            fin.update_arg(4, gathered[-1])
+        for node in gathered:
+            copy_location(init, node)
+            set_val(node)
+        return gathered, map_ids
+
+    def _indirect(self, graph: fx.Graph, layer: _Layer,
+                  map_ids: fx.Node) -> tuple[fx.Node, fx.Node | None]:
+        """``eplb_map`` (and ``eplb_record_load``) before init_routing, which then routes over the
+        physical slots and keeps this rank's; finalize reads the physical ids too."""
+        ops = torch.ops.ascend
+        init, fin = layer.init, layer.fin
+        _, log2phy, replica_count, expert_load, record = layer.anchors[0].args
+        expert_idx = init.args[1]
+        with graph.inserting_before(init):
+            phys = graph.call_function(ops.eplb_map.default, (map_ids, log2phy, replica_count),
+                                       {"rank": 0})  # the same replica on every rank
+            recorded = None
+            if self.config.eplb.record_load:
+                recorded = graph.call_function(
+                    ops.eplb_record_load.default, (expert_load, phys, record),
+                    {"active_expert_range": layer.active} if layer.group_name is not None else {})
+        copy_location(init, [n for n in (phys, recorded) if n is not None])
+        set_val(phys)
+        init.update_arg(1, phys)
+        init.kwargs = {**init.kwargs, "expert_num": layer.num_physical,
+                       "active_expert_range": layer.active}
+        if fin is not None and len(fin.args) > 6 and fin.args[6] is expert_idx:
+            fin.update_arg(6, phys)
+        return phys, recorded
+
+    @staticmethod
+    def _physical_weights(graph: fx.Graph, layer: _Layer) -> None:
+        """Each grouped matmul reads the physical weights (``[P, N, K]`` → ``[P, K, N]``)
+        instead of the logical view; the ``eplb_logical_weight`` nodes become dead."""
+        for gmm, anchor in zip(layer.gmms, layer.anchors):
+            with graph.inserting_before(gmm):
+                weight = graph.call_function(aten.transpose.int, (anchor.args[0], 1, 2))
+            copy_location(gmm, weight)
+            set_val(weight)
+            gmm.update_arg(1, [weight])
+
+    def _report(self, result: PassResult, layer: _Layer, gathered: list[fx.Node], phys: fx.Node,
+                recorded: fx.Node | None, reduced: tuple[fx.Node, ...]) -> dict[str, Any]:
+        """The layer's match in ``result``; returns its entry of ``ctx.facts["eplb_layers"]``."""
+        nodes = gathered + [phys] + ([recorded] if recorded is not None else []) + list(reduced)
+        expert_load = layer.anchors[0].args[3]
+        result.match("eplb_indirection", layer=layer.name, nodes=nodes, num_logical=layer.num_logical,
+                     num_physical=layer.num_physical, active_expert_range=layer.active,
+                     record_load=recorded is not None, ep_rank=layer.rank, ep_size=layer.ep_size,
+                     ep_tokens=self.config.eplb.ep_tokens if layer.group_name is not None else None)
+        return {"layer": layer.name, "map": phys.name,
+                "record": recorded.name if recorded is not None else None,
+                "num_physical": layer.num_physical, "expert_load": expert_load.name,
+                "active_expert_range": layer.active,
+                "all_reduce": reduced[0].name if reduced else None}
 
     # ------------------------------------------------------------------ expert parallelism
     def _ep(self) -> tuple[Any, int, str | None]:
@@ -280,9 +329,8 @@ class EplbPass(Pass):
             with graph.inserting_after(last):
                 last = graph.call_function(aten.add.Tensor, (last, skip))
             nodes.append(last)
+        copy_location(fin, nodes)
         for node in nodes:
-            node.meta.update({k: v for k, v in fin.meta.items()
-                              if k in ("stack_trace", "nn_module_stack") or k.startswith("ascend_")})
             set_val(node)
         for user in users:
             user.replace_input_with(fin, last)

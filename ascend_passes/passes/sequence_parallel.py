@@ -41,15 +41,12 @@ import torch.fx as fx
 from ..errors import ConfigError
 from ..pass_manager import Pass, PassContext, PassResult
 from ..process_group import resolve_group
-from ._nodes import VIEWS, set_val
+from ._nodes import VIEWS, copy_location, set_val
 from .layers import where
 
 log = logging.getLogger("ascend_passes.passes.sequence_parallel")
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
-
-_KEEP_META = ("stack_trace", "nn_module_stack")
-
 
 @dataclass
 class SequenceParallelFacts:
@@ -128,7 +125,7 @@ class _Builder:
 
     def call(self, target: Any, args: tuple, kwargs: dict | None = None, *, like: fx.Node) -> fx.Node:
         node = self.graph.call_function(target, args, kwargs or {})
-        node.meta.update({k: v for k, v in like.meta.items() if k in _KEEP_META or k.startswith("ascend_")})
+        copy_location(like, node)
         set_val(node)
         return node
 
@@ -202,54 +199,75 @@ class Plan:
 
 def plan(gm: fx.GraphModule, group_name: str) -> Plan:
     """Decide the rewrite; raises ``_Refuse`` when the graph cannot be made sequence-parallel."""
-    p = Plan()
-    for node in gm.graph.nodes:
-        if is_tp_all_reduce(node, group_name):
-            if node.args[1] != "sum":
-                raise _Refuse(f"all_reduce {node.name} reduces with {node.args[1]!r}, not 'sum'", node)
-            users = list(node.users)
-            if len(users) != 1 or users[0].target is not c10d.wait_tensor.default:
-                raise _Refuse(f"all_reduce {node.name} is not followed by exactly one wait_tensor", node)
-            if _shape(node) is None or len(_shape(node)) < 2:
-                raise _Refuse(f"all_reduce {node.name} is not over a [tokens, hidden] activation", node)
-            p.all_reduces.append(node)
-            p.sharded.add(users[0])
-    if not p.all_reduces:
-        raise _Refuse("no all_reduce over the TP group in this graph: nothing to make sequence-parallel")
+    p = Plan(all_reduces=_tp_all_reduces(gm, group_name))
+    p.sharded.update(next(iter(ar.users)) for ar in p.all_reduces)  # their wait_tensors
     for node in gm.graph.nodes:  # topological order: inputs are decided before their users
-        if node.op == "call_function" and node.target in VIEWS and _is_in(node.args[0], p.sharded):
-            if _token_view(node) is not None:  # [N, H] <-> [B, S, H]: the same rows of a shard
-                p.views.append(node)
-                p.sharded.add(node)
+        _spread(node, p)
+    _check_every_all_reduce_reaches_a_norm(p)
+    _drop_idle_views(p)
+    p.gathered = {v for v in p.sharded if any(u not in p.ops and u not in p.views for u in v.users)}
+    return p
+
+
+def _tp_all_reduces(gm: fx.GraphModule, group_name: str) -> list[fx.Node]:
+    """The TP all-reduces, each a ``sum`` over a ``[tokens, hidden]`` activation with one wait."""
+    found = []
+    for node in gm.graph.nodes:
+        if not is_tp_all_reduce(node, group_name):
             continue
-        kind = _norm_kind(node)
-        if kind is None and not (node.op == "call_function" and node.target is aten.add.Tensor):
-            continue
-        slots = (0,) if kind == "rms_norm" else (0, 1)
-        partner = next((node.args[i] for i in slots if _is_in(node.args[i], p.sharded)), None)
-        if partner is None:
-            continue
-        for i in slots:
-            a = node.args[i]
-            if _is_in(a, p.sharded) or _token_free(a):
-                continue
-            if _shape(a) != _shape(partner):
-                raise _Refuse(f"{node.name} combines a token shard with an operand of shape {_shape(a)} "
-                              f"(the shard's full shape is {_shape(partner)})", node)
-            p.sliced.append((node, i))
-        p.ops.append(node)
-        if kind is None:
+        if node.args[1] != "sum":
+            raise _Refuse(f"all_reduce {node.name} reduces with {node.args[1]!r}, not 'sum'", node)
+        users = list(node.users)
+        if len(users) != 1 or users[0].target is not c10d.wait_tensor.default:
+            raise _Refuse(f"all_reduce {node.name} is not followed by exactly one wait_tensor", node)
+        if _shape(node) is None or len(_shape(node)) < 2:
+            raise _Refuse(f"all_reduce {node.name} is not over a [tokens, hidden] activation", node)
+        found.append(node)
+    if not found:
+        raise _Refuse("no all_reduce over the TP group in this graph: nothing to make sequence-parallel")
+    return found
+
+
+def _spread(node: fx.Node, p: Plan) -> None:
+    """One step of the fixpoint: ``node`` runs on shards when it is a token view of a sharded value,
+    or a norm / add with a sharded input (its full operands are then sliced)."""
+    if node.op == "call_function" and node.target in VIEWS and _is_in(node.args[0], p.sharded):
+        if _token_view(node) is not None:  # [N, H] <-> [B, S, H]: the same rows of a shard
+            p.views.append(node)
             p.sharded.add(node)
+        return
+    kind = _norm_kind(node)
+    if kind is None and not (node.op == "call_function" and node.target is aten.add.Tensor):
+        return
+    slots = (0,) if kind == "rms_norm" else (0, 1)
+    partner = next((node.args[i] for i in slots if _is_in(node.args[i], p.sharded)), None)
+    if partner is None:
+        return
+    for i in slots:
+        a = node.args[i]
+        if _is_in(a, p.sharded) or _token_free(a):
             continue
-        p.norms.append(node)
-        items = _getitems(node)
-        if 1 in items and items[1].users:
-            raise _Refuse(f"the rstd output of {node.name} is used; sharding it is not supported", node)
-        if 0 in items:
-            p.sharded.add(items[0])
-        if kind == "add_rms_norm" and 2 in items:
-            p.sharded.add(items[2])
-    # every all-reduce must reach a fused norm (through adds), else a norm stays un-rewritten
+        if _shape(a) != _shape(partner):
+            raise _Refuse(f"{node.name} combines a token shard with an operand of shape {_shape(a)} "
+                          f"(the shard's full shape is {_shape(partner)})", node)
+        p.sliced.append((node, i))
+    p.ops.append(node)
+    if kind is None:
+        p.sharded.add(node)
+        return
+    p.norms.append(node)
+    items = _getitems(node)
+    if 1 in items and items[1].users:
+        raise _Refuse(f"the rstd output of {node.name} is used; sharding it is not supported", node)
+    if 0 in items:
+        p.sharded.add(items[0])
+    if kind == "add_rms_norm" and 2 in items:
+        p.sharded.add(items[2])
+
+
+def _check_every_all_reduce_reaches_a_norm(p: Plan) -> None:
+    """Every all-reduce must reach a fused norm (through adds and views), else a norm stays
+    un-rewritten and the graph would be half sequence-parallel."""
     for ar in p.all_reduces:
         frontier, seen, reached = [next(iter(ar.users))], set(), False
         while frontier and not reached:
@@ -267,7 +285,11 @@ def plan(gm: fx.GraphModule, group_name: str) -> Plan:
                 f"all_reduce {ar.name} feeds {what}, not a fused RMSNorm; sequence parallelism needs "
                 "every norm after a TP all-reduce rewritten to ascend.rms_norm/add_rms_norm (is the norm "
                 "pass in the pipeline, and did it match this norm?)", ar)
-    # a token view that feeds no shard op is not worth a gather of its own: it reads its source's gather
+
+
+def _drop_idle_views(p: Plan) -> None:
+    """A token view that feeds no shard op is not worth a gather of its own: it reads its source's
+    gather."""
     changed = True
     while changed:
         changed = False
@@ -276,8 +298,6 @@ def plan(gm: fx.GraphModule, group_name: str) -> Plan:
                 p.views.remove(view)
                 p.sharded.discard(view)
                 changed = True
-    p.gathered = {v for v in p.sharded if any(u not in p.ops and u not in p.views for u in v.users)}
-    return p
 
 
 def _token_view(node: fx.Node) -> list[Any] | None:
@@ -344,104 +364,131 @@ class SequenceParallelPass(Pass):
 def _rewrite(gm: fx.GraphModule, p: Plan, world_size: int, rank: int, group_name: str,
              result: PassResult) -> SequenceParallelFacts:
     """Apply the plan; returns the facts later passes read (``SequenceParallelFacts``)."""
-    graph = gm.graph
-    facts = SequenceParallelFacts(world_size, rank, group_name)
-    b = _Builder(gm)
-    shard: dict[fx.Node, fx.Node] = {}  # original sharded value -> its shard node
-    tokens: dict[fx.Node, _Tokens] = {}  # original sharded value -> its token handles
+    r = _Rewriter(gm, p, SequenceParallelFacts(world_size, rank, group_name), result)
+    r.reduce_scatter()
+    r.shard_ops()
+    r.gather()
+    r.erase_replaced()
+    log.debug("sequence_parallel: %d all_reduce -> reduce_scatter, %d norms on shards, %d all_gather",
+              len(p.all_reduces), len(p.norms), len(p.gathered))
+    return r.facts
 
-    def rows(full: fx.Node, t: _Tokens, like: fx.Node) -> fx.Node:
+
+class _Rewriter:
+    """The rewrite's phases, in order, and what they share: ``shard`` maps an original sharded value
+    to its shard node, ``tokens`` to its token handles."""
+
+    def __init__(self, gm: fx.GraphModule, p: Plan, facts: SequenceParallelFacts, result: PassResult) -> None:
+        self.graph, self.p, self.facts, self.result = gm.graph, p, facts, result
+        self.world_size, self.rank, self.group_name = facts.world_size, facts.rank, facts.group_name
+        self.b = _Builder(gm)
+        self.shard: dict[fx.Node, fx.Node] = {}
+        self.tokens: dict[fx.Node, _Tokens] = {}
+
+    def _order(self) -> dict[fx.Node, int]:
+        return {n: i for i, n in enumerate(self.graph.nodes)}
+
+    def _rows(self, full: fx.Node, t: _Tokens, like: fx.Node) -> fx.Node:
         """``full`` [..., H] as [N(+pad), H]."""
-        hidden = t.shape[-1]
-        flat = b.call(aten.view.default, (full, [t.n, hidden]), like=like)
+        flat = self.b.call(aten.view.default, (full, [t.n, t.shape[-1]]), like=like)
         if t.needs_pad:
-            flat = b.call(aten.constant_pad_nd.default, (flat, [0, 0, 0, t.pad], 0.0), like=like)
+            flat = self.b.call(aten.constant_pad_nd.default, (flat, [0, 0, 0, t.pad], 0.0), like=like)
         return flat
 
-    # 1. every TP all_reduce becomes a reduce_scatter over padded rows
-    for ar in p.all_reduces:
-        wait = next(iter(ar.users))
-        x = ar.args[0]
-        with graph.inserting_before(ar):
-            t = b.tokens(x, world_size, rank)
-            flat = rows(x, t, ar)
-            rs = b.call(c10d.reduce_scatter_tensor.default, (flat, "sum", world_size, group_name), like=ar)
-            rs_wait = b.call(c10d.wait_tensor.default, (rs,), like=wait)
-        shard[wait], tokens[wait] = rs_wait, t
-        result.match("reduce_scatter", layer=where(ar), nodes=[ar], world_size=world_size, padded=t.needs_pad)
+    def reduce_scatter(self) -> None:
+        """1. Every TP all_reduce becomes a reduce_scatter over padded rows."""
+        b = self.b
+        for ar in self.p.all_reduces:
+            wait = next(iter(ar.users))
+            x = ar.args[0]
+            with self.graph.inserting_before(ar):
+                t = b.tokens(x, self.world_size, self.rank)
+                flat = self._rows(x, t, ar)
+                rs = b.call(c10d.reduce_scatter_tensor.default, (flat, "sum", self.world_size, self.group_name),
+                            like=ar)
+                rs_wait = b.call(c10d.wait_tensor.default, (rs,), like=wait)
+            self.shard[wait], self.tokens[wait] = rs_wait, t
+            self.result.match("reduce_scatter", layer=where(ar), nodes=[ar], world_size=self.world_size,
+                              padded=t.needs_pad)
 
-    # 2. norms and adds on shards, in graph order; full operands sliced to this rank's rows; token
-    # views of a shard are the shard itself (its rows are already flat)
-    sliced = {}
-    for op, i in p.sliced:
-        sliced.setdefault(op, []).append(i)
-    order = {n: i for i, n in enumerate(graph.nodes)}
-    for op in sorted([*p.ops, *p.views], key=order.__getitem__):
-        if op in p.views:
-            source = op.args[0]
-            shape = _token_view(op)
-            t = tokens[source]
-            shard[op] = shard[source]
-            tokens[op] = dataclasses.replace(t, shape=[t.n, shape[-1]] if -1 in shape else shape)
-            continue
+    def shard_ops(self) -> None:
+        """2. Norms and adds on shards, in graph order; full operands sliced to this rank's rows;
+        token views of a shard are the shard itself (its rows are already flat)."""
+        sliced: dict[fx.Node, list[int]] = {}
+        for op, i in self.p.sliced:
+            sliced.setdefault(op, []).append(i)
+        for op in sorted([*self.p.ops, *self.p.views], key=self._order().__getitem__):
+            if op in self.p.views:
+                self._view(op)
+            else:
+                self._shard_op(op, sliced.get(op, []))
+
+    def _view(self, op: fx.Node) -> None:
+        source, shape = op.args[0], _token_view(op)
+        t = self.tokens[source]
+        self.shard[op] = self.shard[source]
+        self.tokens[op] = dataclasses.replace(t, shape=[t.n, shape[-1]] if -1 in shape else shape)
+
+    def _shard_op(self, op: fx.Node, sliced: list[int]) -> None:
+        """``op`` (a norm or an add) again, on the shards of its sharded inputs and this rank's
+        rows of its full ones."""
+        b, p = self.b, self.p
         kind = _norm_kind(op)
         slots = (0,) if kind == "rms_norm" else (0, 1)
-        partner = next(op.args[i] for i in slots if _is_in(op.args[i], p.sharded))
-        t = tokens[partner]
+        t = self.tokens[next(op.args[i] for i in slots if _is_in(op.args[i], p.sharded))]
         args = list(op.args)
         for i in slots:
             a = op.args[i]
             if _is_in(a, p.sharded):
-                args[i] = shard[a]
-            elif i in sliced.get(op, ()):
-                with graph.inserting_before(op):
-                    flat = rows(a, t, op)
+                args[i] = self.shard[a]
+            elif i in sliced:
+                with self.graph.inserting_before(op):
+                    flat = self._rows(a, t, op)
                     end = b.arith(operator.add, t.start, t.chunk, like=op)
                     args[i] = b.call(aten.slice.Tensor, (flat, 0, t.start, end), like=op)
-                    facts.sliced[args[i]] = a
-        with graph.inserting_before(op):
+                    self.facts.sliced[args[i]] = a
+        with self.graph.inserting_before(op):
             new = b.call(op.target, tuple(args), dict(op.kwargs), like=op)
         new.meta.update({k: v for k, v in op.meta.items() if k != "val"})
         if kind is None:
-            shard[op], tokens[op] = new, t
-            continue
-        items = _getitems(op)
-        with graph.inserting_after(new):
-            for idx, item in items.items():
+            self.shard[op], self.tokens[op] = new, t
+            return
+        with self.graph.inserting_after(new):
+            for idx, item in _getitems(op).items():
                 new_item = b.call(operator.getitem, (new, idx), like=item)
                 if item in p.sharded:
-                    shard[item], tokens[item] = new_item, t
+                    self.shard[item], self.tokens[item] = new_item, t
                 else:
                     item.replace_all_uses_with(new_item)
-        label = "add_rms_norm" if kind == "add_rms_norm" else "rms_norm"
-        result.match(f"{label}_on_shard", layer=where(op), nodes=[op], sliced=sorted(sliced.get(op, [])))
+        self.result.match(f"{kind}_on_shard", layer=where(op), nodes=[op], sliced=sorted(sliced))
 
-    # 3. other consumers read sharded values through one all_gather each
-    order = {n: i for i, n in enumerate(graph.nodes)}
-    for value in sorted(p.gathered, key=order.__getitem__):
-        t = tokens[value]
-        part = shard[value]
-        foreign = [u for u in value.users if u not in p.ops and u not in p.views]
-        # right before the first consumer: everything the original value's shape refers to exists there
-        with graph.inserting_before(min(foreign, key=order.__getitem__)):
-            gathered = b.call(c10d.all_gather_into_tensor.default, (part, world_size, group_name), like=value)
-            gathered = b.call(c10d.wait_tensor.default, (gathered,), like=value)
-            if t.needs_pad:
-                gathered = b.call(aten.slice.Tensor, (gathered, 0, 0, t.n), like=value)
-            full = b.call(aten.view.default, (gathered, list(t.shape)), like=value)
-        for user in foreign:
-            user.replace_input_with(value, full)
-        facts.gathered[full] = part
-        result.match("all_gather", layer=where(value), nodes=[value], world_size=world_size)
+    def gather(self) -> None:
+        """3. Other consumers read sharded values through one all_gather each."""
+        b, order = self.b, self._order()
+        for value in sorted(self.p.gathered, key=order.__getitem__):
+            t = self.tokens[value]
+            part = self.shard[value]
+            foreign = [u for u in value.users if u not in self.p.ops and u not in self.p.views]
+            # right before the first consumer: everything the original value's shape refers to exists there
+            with self.graph.inserting_before(min(foreign, key=order.__getitem__)):
+                gathered = b.call(c10d.all_gather_into_tensor.default, (part, self.world_size, self.group_name),
+                                  like=value)
+                gathered = b.call(c10d.wait_tensor.default, (gathered,), like=value)
+                if t.needs_pad:
+                    gathered = b.call(aten.slice.Tensor, (gathered, 0, 0, t.n), like=value)
+                full = b.call(aten.view.default, (gathered, list(t.shape)), like=value)
+            for user in foreign:
+                user.replace_input_with(value, full)
+            self.facts.gathered[full] = part
+            self.result.match("all_gather", layer=where(value), nodes=[value], world_size=self.world_size)
 
-    # 4. the replaced nodes are dead now (collectives are never dead code to fx: erase them by hand)
-    old = [*p.views, *p.ops, *p.all_reduces, *(next(iter(ar.users)) for ar in p.all_reduces)]
-    old += [item for op in p.ops for item in _getitems(op).values()]
-    order = {n: i for i, n in enumerate(graph.nodes)}
-    for node in sorted(set(old), key=order.__getitem__, reverse=True):
-        if not node.users:
-            graph.erase_node(node)
-    graph.eliminate_dead_code()
-    log.debug("sequence_parallel: %d all_reduce -> reduce_scatter, %d norms on shards, %d all_gather",
-              len(p.all_reduces), len(p.norms), len(p.gathered))
-    return facts
+    def erase_replaced(self) -> None:
+        """4. The replaced nodes are dead now (collectives are never dead code to fx: erase them by hand)."""
+        p = self.p
+        old = [*p.views, *p.ops, *p.all_reduces, *(next(iter(ar.users)) for ar in p.all_reduces)]
+        old += [item for op in p.ops for item in _getitems(op).values()]
+        order = self._order()
+        for node in sorted(set(old), key=order.__getitem__, reverse=True):
+            if not node.users:
+                self.graph.erase_node(node)
+        self.graph.eliminate_dead_code()

@@ -218,7 +218,7 @@ def make_backend(config: AscendPassConfig | dict[str, Any] | None = None, *,
             real = _real_inputs_for(aten_inputs, dynamo_inputs)
             report = run_pipeline(cfg, aten_gm, aten_inputs, real_inputs=real, target=target,
                                   compiler=compiler, hooks=hooks, pipeline=pipeline)
-            compiled = compile_downstream(compiler, aten_gm, aten_inputs, decompose=cfg.inductor_decompose)
+            compiled = compile_downstream(compiler, aten_gm, aten_inputs, decompose=cfg.decompose_ops())
             if report.facts.get("eplb_layers"):  # reads EPLB tables: runs under the forward lock
                 from .eplb.sync import guarded
 

@@ -21,9 +21,6 @@ log = logging.getLogger("ascend_passes.config")
 DEFAULT_PIPELINE: tuple[str, ...] = tuple(PASS_TABLE)
 
 TARGETS = ("auto", "cpu", "cuda", "npu")
-# ascend ops whose decomposition Inductor compiles faster on CPU than the opaque op (measured with
-# tools/bench_model.py; the MoE routing / grouped matmul and gating ops stay C++ kernels)
-INDUCTOR_DECOMPOSE: tuple[str, ...] = ("rms_norm", "add_rms_norm", "swiglu", "mla_prolog")
 COMPILERS = ("auto", "eager", "inductor", "torchair", "npugraph_ex")
 # eplb.num_redundant_experts above this is refused at config time, before attach() sizes tables
 # and weights by it (num_experts + num_redundant physical slots per layer)
@@ -102,8 +99,11 @@ class AscendPassConfig:
     dump_dir: str | None = None
     # ascend ops handed to Inductor as their ATen decomposition (compiler="inductor" only): on CPU
     # Inductor fuses these pointwise / norm / small-matmul chains with their neighbours, which an
-    # opaque call prevents; the rewritten graph (what capture() and the CLI show) keeps them fused
-    inductor_decompose: tuple[str, ...] = INDUCTOR_DECOMPOSE
+    # opaque call prevents; the rewritten graph (what capture() and the CLI show) keeps them fused.
+    # None: every op whose record says it decomposes (rms_norm, add_rms_norm, swiglu, mla_prolog —
+    # measured faster than the opaque op with tools/bench_model.py; the MoE routing / grouped
+    # matmul and gating ops stay C++ kernels).  Names are checked by ``decompose_ops()``.
+    inductor_decompose: tuple[str, ...] | None = None
     sequence_parallel: SequenceParallelConfig = field(default_factory=SequenceParallelConfig)
     shared_expert_dp: bool = False
     eplb: EplbConfig = field(default_factory=EplbConfig)
@@ -127,7 +127,9 @@ class AscendPassConfig:
                 raise ConfigError(f"option 'dump_dir'={self.dump_dir!r} names no folder; give a "
                                   "folder to write the graphs to, or leave dump_dir unset (None) "
                                   "for no dump")
-        object.__setattr__(self, "inductor_decompose", _op_list("inductor_decompose", self.inductor_decompose))
+        if self.inductor_decompose is not None:
+            names = _names("inductor_decompose", self.inductor_decompose, "ascend op names")
+            object.__setattr__(self, "inductor_decompose", tuple(dict.fromkeys(names)))
         _typed("sequence_parallel", self.sequence_parallel, SequenceParallelConfig)
         _typed("eplb", self.eplb, EplbConfig)
         _typed("sequence_parallel.enabled", self.sequence_parallel.enabled, bool)
@@ -137,11 +139,6 @@ class AscendPassConfig:
                         "(set sequence_parallel=True to silence this warning)")
             object.__setattr__(self, "sequence_parallel",
                                dataclasses.replace(self.sequence_parallel, enabled=True))
-        if self.sequence_parallel.enabled:
-            from .passes.sequence_parallel import resolve_tp_group
-
-            _known_group("sequence_parallel.tp_group", self.sequence_parallel.tp_group)
-            resolve_tp_group(self.sequence_parallel.tp_group)  # ConfigError with the fix
         _typed("eplb.enabled", self.eplb.enabled, bool)
         _typed("eplb.record_load", self.eplb.record_load, bool)
         _typed("eplb.ep_size", self.eplb.ep_size, int)
@@ -152,8 +149,33 @@ class AscendPassConfig:
             raise ConfigError(f"option 'eplb.ep_group'={self.eplb.ep_group!r} must be a "
                               "torch.distributed ProcessGroup, a group name or None (the world group)")
         _choice("eplb.ep_tokens", self.eplb.ep_tokens, ("replicated", "sharded"))
+
+    # ----------------------------------------------------------------------------- checks at build
+    def check_environment(self) -> None:
+        """The checks that need the registered ops or torch.distributed's process groups.  The
+        ``PassManager`` runs them when it builds the pipeline; constructing a config never does
+        (a config is data: it registers no op and touches no process group)."""
+        self.decompose_ops()
+        if self.sequence_parallel.enabled:
+            from .passes.sequence_parallel import resolve_tp_group
+
+            _known_group("sequence_parallel.tp_group", self.sequence_parallel.tp_group)
+            resolve_tp_group(self.sequence_parallel.tp_group)  # ConfigError with the fix
         if self.eplb.ep_size > 1:
             _known_group("eplb.ep_group", self.eplb.ep_group)
+
+    def decompose_ops(self) -> tuple[str, ...]:
+        """The ascend ops handed to Inductor as their decomposition (``inductor_decompose``, or
+        every op whose record decomposes when it is None); ConfigError for an op without one."""
+        from .ops import DECOMPOSABLE_OPS as valid
+
+        if self.inductor_decompose is None:
+            return valid
+        for item in self.inductor_decompose:
+            if item not in valid:
+                raise ConfigError(f"option 'inductor_decompose' names {item!r}, which is not an ascend op with a "
+                                  f"decomposition; valid ops are: {', '.join(valid)}")
+        return self.inductor_decompose
 
     # ----------------------------------------------------------------------------- building
     @classmethod
@@ -286,17 +308,6 @@ def _pass_list(name: str, value: Any) -> tuple[str, ...]:
     if len(set(items)) != len(items):
         raise ConfigError(f"option '{name}' lists a pass twice: {', '.join(items)}")
     return tuple(items)
-
-
-def _op_list(name: str, value: Any) -> tuple[str, ...]:
-    """Parse ``"rms_norm,swiglu"`` or a sequence of ascend op names that have a decomposition."""
-    from .ops import DECOMPOSABLE_OPS as valid
-
-    for item in (items := _names(name, value, "ascend op names")):
-        if item not in valid:
-            raise ConfigError(f"option '{name}' names {item!r}, which is not an ascend op with a "
-                              f"decomposition; valid ops are: {', '.join(valid)}")
-    return tuple(dict.fromkeys(items))
 
 
 def _jsonable(value: Any) -> Any:

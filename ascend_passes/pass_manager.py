@@ -373,6 +373,7 @@ class PassManager:
     def __init__(self, config: AscendPassConfig, passes: Sequence[Pass] | None = None) -> None:
         from .passes import build_passes
 
+        config.check_environment()  # ops / process-group checks: at build, never in the config
         self.config = config
         self.passes: list[Pass] = list(passes) if passes is not None else build_passes(config)
         check_pipeline(self.passes, config)

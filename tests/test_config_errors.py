@@ -70,7 +70,7 @@ def _unknown_group_names(rank: int, world_size: int) -> list[str]:  # a spawned 
     for options in ({"sequence_parallel": {"enabled": True, "tp_group": "nope"}},
                     {"eplb": {"enabled": True, "ep_size": 2, "ep_group": "nope"}}):
         try:
-            ap.AscendPassConfig.from_options(options)
+            ap.PassManager(ap.AscendPassConfig.from_options(options))  # the group is checked at build
             messages.append("accepted")
         except ap.ConfigError as exc:
             messages.append(str(exc))

@@ -297,7 +297,7 @@ def test_pass_uuid_covers_the_shared_modules_its_output_depends_on():
     from ascend_passes.passes import build_passes
 
     passes = {p.name: p for p in build_passes(ap.AscendPassConfig())}
-    shared = {"ascend_passes.pass_manager", "ascend_passes.config", "ascend_passes.ops", "ascend_passes.ops.fake",
+    shared = {"ascend_passes.pass_manager", "ascend_passes.config", "ascend_passes.ops", "ascend_passes.ops.moe",
               "ascend_passes.patterns.norm", "ascend_passes.patterns.moe_router", "ascend_passes.patterns.mla"}
     expected = {
         "norm": {"ascend_passes.passes.norm", "ascend_passes.passes._pattern", "ascend_passes.passes.layers"},

@@ -453,4 +453,4 @@ def test_inductor_gets_decompositions_of_the_fused_norms(decompose):
 
 def test_inductor_decompose_rejects_ops_without_a_decomposition():
     with pytest.raises(ap.ConfigError, match="'grouped_matmul', which is not an ascend op with a decomposition"):
-        ap.AscendPassConfig.from_options({"inductor_decompose": "rms_norm,grouped_matmul"})
+        ap.PassManager(ap.AscendPassConfig.from_options({"inductor_decompose": "rms_norm,grouped_matmul"}))

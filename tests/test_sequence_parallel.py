@@ -239,13 +239,13 @@ def test_sp_without_a_process_group_is_a_config_error() -> None:
 
     assert not dist.is_initialized()
     with pytest.raises(ConfigError, match="needs an initialised torch.distributed process group"):
-        ascend_passes.AscendPassConfig.from_options({"sequence_parallel": True})
+        ascend_passes.PassManager(ascend_passes.AscendPassConfig.from_options({"sequence_parallel": True}))
 
 
 def test_shared_expert_dp_turns_sp_on_with_a_warning(caplog: Any) -> None:
     with caplog.at_level(logging.WARNING, logger="ascend_passes.config"):
         with pytest.raises(ConfigError, match="needs an initialised torch.distributed process group"):
-            ascend_passes.AscendPassConfig.from_options({"shared_expert_dp": True})
+            ascend_passes.PassManager(ascend_passes.AscendPassConfig.from_options({"shared_expert_dp": True}))
     assert "shared_expert_dp needs sequence parallelism; turning sequence_parallel on" in caplog.text
 
 
@@ -255,7 +255,7 @@ def test_sp_over_one_rank_is_a_config_error() -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
         with pytest.raises(ConfigError, match="TP group of size 1 has nothing to split"):
-            ascend_passes.AscendPassConfig.from_options({"sequence_parallel": True})
+            ascend_passes.PassManager(ascend_passes.AscendPassConfig.from_options({"sequence_parallel": True}))
         cfg = ascend_passes.AscendPassConfig.from_options({"sequence_parallel": False, "shared_expert_dp": False})
         assert not cfg.sequence_parallel.enabled
     finally:

@@ -1,7 +1,8 @@
 """``ascend.eplb_*``: the EPLB expert indirection as ops — logical→physical expert ids, per-slot
 load counting, and the logical view of physically laid-out expert weights.
 
-Importing this module registers the ops (schema, fake impl, reference impl); it is idempotent.
+This module holds their records (``OPS``): schema, reference, fake, checks; ``ascend_passes.ops``
+registers them.
 They are ours (no torch_npu counterpart); on an NPU they lower to the same small gather /
 scatter-add ATen kernels they run here.
 
@@ -46,27 +47,11 @@ every backend (``CompositeExplicitAutograd``); a C++ kernel would gain nothing o
 from __future__ import annotations
 
 import torch
-from torch.library import Library
 
 from ascend_passes.eplb.sync import FORWARD_LOCK
 
-from ._define import define_ops
+from ._define import Op
 from .checks import check_dim, fail
-
-
-SCHEMAS: dict[str, str] = {
-    "eplb_map": (
-        "eplb_map(Tensor expert_idx, Tensor log2phy, Tensor replica_count, *, int rank=0) -> Tensor"
-    ),
-    "eplb_record_load": (
-        "eplb_record_load(Tensor(a!) expert_load, Tensor expert_idx, Tensor record, *, "
-        "int[] active_expert_range=[]) -> ()"
-    ),
-    "eplb_logical_weight": (
-        "eplb_logical_weight(Tensor phy_weight, Tensor log2phy, Tensor replica_count, "
-        "Tensor expert_load, Tensor record) -> Tensor"
-    ),
-}
 
 
 # ------------------------------------------------------------------------------------ checks
@@ -161,19 +146,17 @@ def eplb_logical_weight_fake(phy_weight, log2phy, replica_count, expert_load, re
     return phy_weight.new_empty([log2phy.shape[0], *phy_weight.shape[1:]])
 
 
-_IMPLS = {
-    "eplb_map": (eplb_map, eplb_map_fake),
-    "eplb_record_load": (eplb_record_load, eplb_record_load_fake),
-    "eplb_logical_weight": (eplb_logical_weight, eplb_logical_weight_fake),
-}
+# ------------------------------------------------------------------------------------ records
+OPS = (
+    Op(schema="eplb_map(Tensor expert_idx, Tensor log2phy, Tensor replica_count, *, int rank=0) -> Tensor",
+       reference=eplb_map, fake=eplb_map_fake),
+    Op(schema="eplb_record_load(Tensor(a!) expert_load, Tensor expert_idx, Tensor record, *, "
+              "int[] active_expert_range=[]) -> ()",
+       reference=eplb_record_load, fake=eplb_record_load_fake),
+    Op(schema="eplb_logical_weight(Tensor phy_weight, Tensor log2phy, Tensor replica_count, "
+              "Tensor expert_load, Tensor record) -> Tensor",
+       reference=eplb_logical_weight, fake=eplb_logical_weight_fake),
+)
+SCHEMAS: dict[str, str] = {op.name: op.schema for op in OPS}
 
-
-# ------------------------------------------------------------------------------------ registration
-def _register() -> Library | None:
-    return define_ops(SCHEMAS, _IMPLS)
-
-
-# Kept alive for the life of the process (dropping the Library unregisters the ops).
-_LIB: Library | None = globals().get("_LIB") or _register()
-
-__all__ = ["SCHEMAS", "eplb_logical_weight", "eplb_map", "eplb_record_load"]
+__all__ = ["OPS", "SCHEMAS", "eplb_logical_weight", "eplb_map", "eplb_record_load"]

@@ -2,7 +2,8 @@
 projection + RMSNorm + RoPE, kv down projection + RMSNorm + RoPE) as one op, mirroring
 ``torch_npu.npu_mla_prolog_v3`` on the subset a graph without kv cache can express.
 
-Importing this module registers the op (schema, fake impl, reference impl); it is idempotent.
+This module is the op's record (``OPS``): schema, reference, fake, checks, NPU row and limits;
+``ascend_passes.ops`` registers it.
 
 Schema (names and order follow ``npu_mla_prolog_v3``)::
 
@@ -81,10 +82,12 @@ torch_npu mapping for the ``lower`` pass (``torch.ops.npu.npu_mla_prolog_v3(...)
 
 from __future__ import annotations
 
-import torch
-from torch.library import Library
+from typing import Any
 
-from ._define import define_ops
+import torch
+
+from ..npu import DOCS, Limit, NpuOp, arg_dtype
+from ._define import Op
 from .checks import check_dim, check_float, check_same_dtype, fail
 
 NAME = "mla_prolog"
@@ -211,12 +214,60 @@ def mla_prolog_fake(token_x, weight_dq, weight_uq_qr, weight_uk, weight_dkv_kr, 
             token_x.new_empty([*lead, hckv]), token_x.new_empty([*lead, dr]))
 
 
-# ------------------------------------------------------------------------------------ registration
-def _register() -> Library | None:
-    return define_ops({NAME: SCHEMA}, {NAME: (mla_prolog, mla_prolog_fake)})
+# ------------------------------------------------------------------------------------ NPU limits
+def _mla_required(a: dict[str, Any]) -> str | None:
+    missing = [n for n in ("weight_dq", "rmsnorm_gamma_cq", "weight_uk") if a[n] is None]
+    if not missing:
+        return None
+    why = " (the graph's attention takes the per-head query: npu_mla_prolog_v3 always absorbs W_UK)" \
+        if "weight_uk" in missing else " (q_lora_rank=None)"
+    return f"{', '.join(missing)} None{why}"
 
 
-# Kept alive for the life of the process (dropping the Library unregisters the op).
-_LIB: Library | None = globals().get("_LIB") or _register()
+def _mla_dtype(a: dict[str, Any]) -> str | None:
+    dt = arg_dtype(a["token_x"])
+    return None if dt == torch.bfloat16 else f"token_x dtype {dt} (npu_mla_prolog_v3: bfloat16 or int8)"
 
-__all__ = ["NAME", "SCHEMA", "TORCH_NPU_NAME", "mla_prolog", "mla_prolog_fake"]
+
+def _mla_sizes(a: dict[str, Any]) -> str | None:
+    he, hckv, n = a["token_x"].shape[-1], a["rmsnorm_gamma_ckv"].shape[0], a["head_num"]
+    bad = []
+    if he not in (7168, 7680, 6144):
+        bad.append(f"He={he} (7168, 7680 or 6144)")
+    if hckv != 512:
+        bad.append(f"Hckv={hckv} (512)")
+    if n not in (1, 2, 4, 8, 16, 32, 64, 128):
+        bad.append(f"N={n} (1, 2, 4, ..., 128)")
+    return ", ".join(bad) or None
+
+
+def _mla_rope(a: dict[str, Any]) -> str | None:
+    return "rope_interleave=True (the rope rows of weight_uq_qr / weight_dkv_kr must be de-interleaved at " \
+        "weight load, which lower does not do)" if a["rope_interleave"] else None
+
+
+
+# ------------------------------------------------------------------------------------ record
+OPS = (
+    Op(schema=SCHEMA, reference=mla_prolog, fake=mla_prolog_fake, decomposable=True,
+       npu=NpuOp(
+           "npu_mla_prolog_v3_functional",
+           "torch_npu.npu_mla_prolog_v3_functional(token_x, weight_dq, weight_uq_qr, weight_uk, weight_dkv_kr, "
+           "rmsnorm_gamma_cq, rmsnorm_gamma_ckv, rope_sin, rope_cos, kv_cache, kr_cache, *, cache_index=None, "
+           "..., rmsnorm_epsilon_cq=1e-05, rmsnorm_epsilon_ckv=1e-05, cache_mode='PA_BSND', ...) "
+           "-> (query, query_rope, dequant_scale_q_nope, query_norm, dequant_scale_q_norm, kv_cache, kr_cache)",
+           note="the graph has no kv cache: lower allocates one cache row per token (BlockNum=T, BlockSize=1, "
+           "Nkv=1) with cache_index=arange(T), so the returned caches are exactly our kv / k_rope.",
+           limits=(
+               Limit(f"{DOCS} npu_mla_prolog_v3: weight_dq, rmsnorm_gamma_cq, weight_uk 必选参数 (required)",
+                     _mla_required),
+               Limit(f"{DOCS} npu_mla_prolog_v3: token_x dtype支持bfloat16和int8", _mla_dtype),
+               Limit(f"{DOCS} npu_mla_prolog_v3: He 7168/7680/6144, Hckv 512, N 1..128 (powers of two)",
+                     _mla_sizes),
+               Limit("torch_npu rotates the halves of the rope dims (rope_interleave is not an argument)",
+                     _mla_rope),
+           ),
+       )),
+)
+
+__all__ = ["NAME", "OPS", "SCHEMA", "TORCH_NPU_NAME", "mla_prolog", "mla_prolog_fake"]

@@ -164,7 +164,7 @@ def general_plugin() -> None:
     """``vllm.general_plugins`` entry point, loaded by vLLM in every process: registers the ascend
     ops (a cached compiled artifact calls them) and ``VllmPostGradPass`` as an ``InductorPass``.
     Neither changes what vLLM does unless a config names ascend_passes."""
-    import ascend_passes  # noqa: F401  (torch.ops.ascend.*)
+    import ascend_passes.ops  # noqa: F401  (registers torch.ops.ascend.*, which artifacts call)
 
     register_with_vllm()
 

@@ -1,22 +1,28 @@
 """Times the whole pass pipeline on tiny-width DeepseekV3 graphs of 4, 16 and 61 layers, next to
-the time Dynamo + AOT tracing takes for the same graph.
+the time Dynamo + AOT tracing takes for the same graph (issue 18, goal 4: the pipeline costs at
+most 10% of tracing, warm and cold, and grows linearly with the node count).
 
     python tools/bench_passes.py                   # 4, 16, 61 layers, each in a fresh process
     python tools/bench_passes.py --layers 4 16     # fewer sizes
     python tools/bench_passes.py --json out.json   # also write the numbers
+    python tools/bench_passes.py --profile 61      # cProfile of one warm pipeline run, top functions
 
-Each size runs in its own process so that "cold" is a real first compile (the moe pass traces
-its patterns once per process); "warm" is the best of ``--warm`` further runs of a fresh
-PassManager over a fresh copy of the same ATen graph in that process.  Prints seconds per 1,000
-graph nodes, per pass too, and checks the done-when targets: pipeline time grows at most
-linearly with the layer count (largest ≤ largest/smallest × smallest-time × 1.3) and stays below
-the Dynamo + AOT tracing time.
+Each size runs in its own process so that "cold" is a real first compile (every pattern of the
+pattern passes is traced once per process, in this run); "warm" is the best of ``--warm``
+further runs of a fresh PassManager over a fresh copy of the same ATen graph in that process (a
+second compile).  Times are CPU seconds of the process (``time.process_time``: the machine may
+be shared; wall seconds are in the JSON), Dynamo + AOT tracing included.  Prints both ratios
+to tracing, seconds per 1,000 graph nodes (per pass too, from the pass manager's own timing)
+and the targets: pipeline time grows at most linearly with the node count (largest ≤
+largest/smallest × smallest-time × 1.3) and stays ≤ 10% of the Dynamo + AOT tracing time.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
+import pstats
 import subprocess
 import sys
 import time
@@ -24,8 +30,10 @@ from pathlib import Path
 from typing import Any
 
 
-def measure(num_layers: int, warm_runs: int) -> dict[str, Any]:
-    """One size, in this process: trace time, cold and warm pipeline times, per pass."""
+def measure(num_layers: int, warm_runs: int, profile: bool = False) -> dict[str, Any]:
+    """One size, in this process: trace time, cold and warm pipeline times, per pass (the
+    pass manager's wall seconds per pass); with ``profile``, a cProfile of the last warm run
+    goes to stderr."""
     import torch
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.aot_autograd import make_boxed_func
@@ -41,27 +49,36 @@ def measure(num_layers: int, warm_runs: int) -> dict[str, Any]:
     start: list[float] = []
 
     def inference_compiler(gm: fx.GraphModule, example_inputs: list[Any]) -> Any:
-        out["trace_s"] = time.perf_counter() - start[0]
+        out["trace_s"] = time.process_time() - start[0]
+        out["trace_wall_s"] = time.perf_counter() - start[1]
         out["nodes"] = len(gm.graph.nodes)
         runs = []
-        for _ in range(1 + warm_runs):
+        for i in range(1 + warm_runs):
             copy = fx.GraphModule(gm, copy_graph(gm.graph))
             ctx = PassContext(config, example_inputs, None, "none", "cpu")
-            t0 = time.perf_counter()
+            profiler = cProfile.Profile(time.process_time) if profile and i == warm_runs else None
+            t0, w0 = time.process_time(), time.perf_counter()
+            if profiler is not None:
+                profiler.enable()
             result = PassManager(config).run(copy, ctx)
-            runs.append((time.perf_counter() - t0,
+            if profiler is not None:
+                profiler.disable()
+                stats = pstats.Stats(profiler, stream=sys.stderr)
+                stats.sort_stats("cumulative").print_stats(40)
+                stats.sort_stats("tottime").print_stats(25)
+            runs.append((time.process_time() - t0, time.perf_counter() - w0,
                          {name: r.seconds for name, r in result.passes.items()},
                          {name: r.status for name, r in result.passes.items()},
                          sum(r.num_matches for r in result.passes.values())))
-        out["cold_s"], out["cold_pass_s"], out["status"], out["matches"] = runs[0]
+        out["cold_s"], out["cold_wall_s"], out["cold_pass_s"], out["status"], out["matches"] = runs[0]
         best = min(runs[1:], key=lambda r: r[0]) if warm_runs else runs[0]
-        out["warm_s"], out["warm_pass_s"] = best[0], best[1]
+        out["warm_s"], out["warm_wall_s"], out["warm_pass_s"] = best[0], best[1], best[2]
         return make_boxed_func(gm.forward)
 
     backend = aot_autograd(fw_compiler=inference_compiler, inference_compiler=inference_compiler)
     torch._dynamo.reset()
     with torch.no_grad():
-        start.append(time.perf_counter())
+        start.extend((time.process_time(), time.perf_counter()))
         torch.compile(model, backend=backend)(*inputs)
     return out
 
@@ -74,38 +91,48 @@ def _child(num_layers: int, warm_runs: int) -> dict[str, Any]:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+TARGET = 0.10  # issue 18 goal 4: pipeline / (Dynamo + AOT tracing)
+
+
 def report(rows: list[dict[str, Any]]) -> list[str]:
-    lines = [f"{'layers':>6} {'nodes':>6} {'dynamo+aot s':>12} {'cold s':>8} {'warm s':>8} "
-             f"{'cold s/1k':>9} {'warm s/1k':>9} {'warm/trace':>10} {'rewrites':>8}"]
+    lines = ["CPU seconds (time.process_time); ratios are pipeline / Dynamo+AOT tracing", "",
+             (f"{'layers':>6} {'nodes':>6} {'dynamo+aot s':>12} {'cold s':>8} {'warm s':>8} "
+             f"{'cold/trace':>10} {'warm/trace':>10} {'cold s/1k':>9} {'warm s/1k':>9} {'rewrites':>8}")]
     for r in rows:
         k = r["nodes"] / 1000
         lines.append(f"{r['layers']:>6} {r['nodes']:>6} {r['trace_s']:>12.2f} {r['cold_s']:>8.2f} "
-                     f"{r['warm_s']:>8.2f} {r['cold_s'] / k:>9.3f} {r['warm_s'] / k:>9.3f} "
-                     f"{r['warm_s'] / r['trace_s']:>10.2f} {r['matches']:>8}")
-    lines.append("")
-    lines.append("warm seconds per 1,000 nodes, per pass:")
-    passes = rows[0]["passes"]
-    lines.append(f"{'layers':>6} " + " ".join(f"{p:>11}" for p in passes))
-    for r in rows:
-        k = r["nodes"] / 1000
-        lines.append(f"{r['layers']:>6} " + " ".join(
-            f"{r['warm_pass_s'].get(p, 0.0) / k:>11.4f}" for p in passes))
+                     f"{r['warm_s']:>8.2f} {r['cold_s'] / r['trace_s']:>10.3f} "
+                     f"{r['warm_s'] / r['trace_s']:>10.3f} {r['cold_s'] / k:>9.3f} "
+                     f"{r['warm_s'] / k:>9.3f} {r['matches']:>8}")
+    passes = [p for p in rows[0]["passes"] if any(p in r["warm_pass_s"] for r in rows)]
+    for kind in ("warm", "cold"):
+        lines.append("")
+        lines.append(f"{kind} milliseconds per pass (wall, the pass manager's timing) and per 1,000 nodes:")
+        lines.append(f"{'layers':>6} " + " ".join(f"{p[:11]:>11}" for p in passes))
+        for r in rows:
+            lines.append(f"{r['layers']:>6} " + " ".join(
+                f"{r[f'{kind}_pass_s'].get(p, 0.0) * 1e3:>11.1f}" for p in passes))
+        for r in rows:
+            k = r["nodes"] / 1000
+            lines.append(f"{'/1k':>6} " + " ".join(
+                f"{r[f'{kind}_pass_s'].get(p, 0.0) * 1e3 / k:>11.1f}" for p in passes))
     bad = {p for r in rows for p, s in r["status"].items() if s != "ok"}
     if bad:
         lines.append(f"passes rolled back: {', '.join(sorted(bad))}")
+    lines.append("")
     if len(rows) >= 2:
         small, big = rows[0], rows[-1]
-        ratio = big["layers"] / small["layers"]
-        lines.append("")
+        ratio = big["nodes"] / small["nodes"]
         for kind in ("warm", "cold"):
             limit = ratio * small[f"{kind}_s"] * 1.3
             ok = big[f"{kind}_s"] <= limit
-            lines.append(f"linear ({kind}): {big['layers']} layers {big[f'{kind}_s']:.2f} s <= "
+            lines.append(f"linear in nodes ({kind}): {big['nodes']} nodes {big[f'{kind}_s']:.2f} s <= "
                          f"{ratio:.2f} x {small[f'{kind}_s']:.2f} s x 1.3 = {limit:.2f} s: "
                          f"{'yes' if ok else 'NO'}")
-        for kind in ("warm", "cold"):
-            ok = all(r[f"{kind}_s"] < r["trace_s"] for r in rows)
-            lines.append(f"below Dynamo+AOT tracing ({kind}): {'yes' if ok else 'NO'}")
+    for kind in ("warm", "cold"):
+        worst = max(r[f"{kind}_s"] / r["trace_s"] for r in rows)
+        lines.append(f"pipeline <= {TARGET:.0%} of Dynamo+AOT tracing ({kind}): worst {worst:.1%}: "
+                     f"{'yes' if worst <= TARGET else 'NO'}")
     return lines
 
 
@@ -114,10 +141,16 @@ def main() -> int:
     parser.add_argument("--layers", type=int, nargs="+", default=[4, 16, 61])
     parser.add_argument("--warm", type=int, default=2, help="warm runs per size (best is kept)")
     parser.add_argument("--json", default=None, help="also write the rows to this file")
+    parser.add_argument("--profile", type=int, default=None, metavar="LAYERS",
+                        help="cProfile one warm pipeline run at this many layers (to stderr)")
     parser.add_argument("--one", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one is not None:
         print(json.dumps(measure(args.one, args.warm)))
+        return 0
+    if args.profile is not None:
+        row = measure(args.profile, max(args.warm, 1), profile=True)
+        print("\n".join(report([row])))
         return 0
     rows = []
     for n in args.layers:

@@ -1,4 +1,5 @@
-"""End-to-end benchmark: a DeepSeek-V3-style model under eager, Inductor and ascend_passes.
+"""End-to-end benchmark: a DeepSeek-V3-style (or, ``--model deepseek_v4``, V4-style) model under eager,
+Inductor and ascend_passes.
 
 Config (issue "MoE, RMSNorm and SwiGLU rewrites"): H=1024, moe_intermediate=256, 64 routed experts,
 top-6, 4 layers (1 dense), n_group=8, topk_group=4, q_lora_rank=256, kv_lora_rank=128, one shared
@@ -14,9 +15,17 @@ that roofline each prefill reaches; for decode, the bytes the forward must read 
 the experts no token routes to and the embedding rows not looked up) and the fraction of copy
 bandwidth; and issue 18's ratios (bf16 prefill vs fp32 prefill and vs the best bf16 peer).
 
+``--model deepseek_v4`` (issue 19): Hugging Face DeepseekV4 at the same sizes where they apply (H=1024,
+moe_intermediate=256, 64 routed experts top-6, one shared expert, 4 layers: 1 hash-routed + 3
+sqrtsoftplus top-k, all MoE), V4's own parts at V4's proportions (mHC 4 streams, 20 Sinkhorn
+iterations; shared-KV MQA, 8 heads of 128, q_lora_rank 256; layers sliding / CSA (rate 4, indexer
+top-64) / HCA (rate 128) / sliding; swiglu_limit 10); same shapes, dtypes and peers.  Its routers stay
+ATen (sqrtsoftplus is no gating mode), its experts are the fused chain.
+
     python tools/bench_model.py                 # everything (several minutes on 2 cores)
     python tools/bench_model.py --quick         # fp32 only, fewer repetitions
     python tools/bench_model.py --shapes decode --dtypes float32 --variants eager,ascend_eager
+    python tools/bench_model.py --model deepseek_v4 --quick
 """
 
 from __future__ import annotations
@@ -40,6 +49,22 @@ CONFIG = dict(
     num_attention_heads=8, num_key_value_heads=8, qk_nope_head_dim=64, qk_rope_head_dim=32,
     v_head_dim=64, vocab_size=4096, first_k_dense_replace=1, n_shared_experts=1,
 )
+V4_CONFIG = dict(
+    hidden_size=1024, moe_intermediate_size=256, n_routed_experts=64, num_experts_per_tok=6, n_shared_experts=1,
+    q_lora_rank=256, num_attention_heads=8, num_key_value_heads=1, head_dim=128, partial_rotary_factor=0.5,
+    vocab_size=4096, hc_mult=4, hc_sinkhorn_iters=20, swiglu_limit=10.0, sliding_window=128, o_groups=2,
+    o_lora_rank=256, index_n_heads=8, index_head_dim=64, index_topk=64,
+    compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 128},
+    layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
+                 "sliding_attention"],
+)
+# --model -> (factory, its config, the table's title)
+MODELS = {
+    "deepseek_v3": (models.deepseek_v3, CONFIG,
+                    "DeepSeek-V3-style model (4 layers, H=1024, 64 experts top-6)"),
+    "deepseek_v4": (models.deepseek_v4, V4_CONFIG,
+                    "DeepSeek-V4-style model (4 layers: 1 hash + 3 sqrtsoftplus top-6 of 64, H=1024, mHC x4)"),
+}
 SHAPES = {"prefill256": (1, 256), "prefill1024": (1, 1024), "decode": (8, 1)}
 VARIANTS = ("eager", "inductor", "inductor_freezing", "inductor_batched_mm", "ascend_eager", "ascend_inductor")
 
@@ -141,17 +166,16 @@ class Facts:
 
 
 def bench(shapes: list[str], dtypes: list[str], variants: list[str], reps: int,
-          budget_s: float) -> tuple[list[Row], dict[tuple[str, str], Facts]]:
+          budget_s: float, model_name: str = "deepseek_v3") -> tuple[list[Row], dict[tuple[str, str], Facts]]:
+    factory, config, _ = MODELS[model_name]
     rows: list[Row] = []
     facts: dict[tuple[str, str], Facts] = {}
     for dtype_name in dtypes:
         dtype = getattr(torch, dtype_name)
         for shape in shapes:
             batch, tokens = SHAPES[shape]
-            model, (ids,) = models.deepseek_v3("grouped_mm", num_layers=4, tokens=tokens, batch=batch,
-                                               dtype=dtype, **CONFIG)
-            batched, _ = models.deepseek_v3("batched_mm", num_layers=4, tokens=tokens, batch=batch, dtype=dtype,
-                                            **CONFIG)
+            model, (ids,) = factory("grouped_mm", num_layers=4, tokens=tokens, batch=batch, dtype=dtype, **config)
+            batched, _ = factory("batched_mm", num_layers=4, tokens=tokens, batch=batch, dtype=dtype, **config)
             flops, bytes_read = model_facts(model, batched, ids)
             mm_rates, copy_rates = [dense_mm_flops(dtype)], [copy_bandwidth()]
             reference = None
@@ -181,11 +205,11 @@ def bench(shapes: list[str], dtypes: list[str], variants: list[str], reps: int,
     return rows, facts
 
 
-def print_table(rows: list[Row], facts: dict[tuple[str, str], Facts]) -> None:
+def print_table(rows: list[Row], facts: dict[tuple[str, str], Facts], model_name: str = "deepseek_v3") -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title="DeepSeek-V3-style model (4 layers, H=1024, 64 experts top-6): median ms per forward")
+    table = Table(title=f"{MODELS[model_name][2]}: median ms per forward")
     for col in ("shape", "dtype", "variant", "ms", "vs eager", "vs best peer", "of limit", "compile s", "notes"):
         table.add_column(col, justify="right" if col in ("ms", "vs eager", "vs best peer", "of limit",
                                                           "compile s") else "left")
@@ -232,6 +256,7 @@ def print_table(rows: list[Row], facts: dict[tuple[str, str], Facts]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=sorted(MODELS), default="deepseek_v3")
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--variants", default=",".join(VARIANTS))
@@ -248,8 +273,8 @@ def main() -> None:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, ascend kernels: "
           f"{__import__('ascend_passes.kernels', fromlist=['available']).available()}; {allocator}")
     print(cpu_features_line())
-    rows, facts = bench(args.shapes.split(","), dtypes, args.variants.split(","), reps, args.budget)
-    print_table(rows, facts)
+    rows, facts = bench(args.shapes.split(","), dtypes, args.variants.split(","), reps, args.budget, args.model)
+    print_table(rows, facts, args.model)
 
 
 if __name__ == "__main__":

@@ -1,19 +1,32 @@
-"""Shared machinery of the pattern passes (norm, activation, and later moe, mla): a table of
-``Rewrite`` entries — search/replacement function pairs from a ``patterns/<family>.py`` module —
-is traced for one compile with torch's pattern matcher, applied to the ATen graph, and every
-rewrite and rejected candidate is reported with the decoder layer it belongs to.
+"""The one pattern mechanism of the pattern passes (norm, activation, linear, attention, mla,
+moe): search functions traced once per process into immutable ``PatternExpr``s, matched by
+torch's pattern matcher, and replacements spliced in from replacement graphs also shared by every
+compile of the process; every rewrite and rejected candidate is reported with its decoder layer.
 
-A pattern module declares, and nothing else::
+A table-driven pass (norm, activation, linear, attention) is a ``patterns/<family>.py`` module
+that declares, and nothing else::
 
     def rms_norm_pattern(x, weight, eps): ...          # reads like the math
     def rms_norm_replacement(x, weight, eps): ...      # same signature
     REWRITES = [Rewrite("rms_norm", rms_norm_pattern, rms_norm_replacement, _norm_inputs,
                         check=_weight_fits, scalars={"eps": EPS})]
 
-and a pass is ``class NormPass(PatternPass): name = "norm"; patterns = "ascend_passes.patterns.norm"``.
+and ``class NormPass(PatternPass): name = "norm"; patterns = "ascend_passes.patterns.norm"``.
+A pass whose matches need code to read constants and build the replacement (mla, moe) registers
+``traced_pattern(...).pattern`` with its own handler and splices with ``replace(match, fn,
+args)``, which returns the new nodes.
 
-No global state: every run builds its own ``PatternMatcherPass`` objects (torch's duplicate-pattern
-bookkeeping lives on them), so a target model and its MTP drafter can compile in one process.
+What is cached, per process, and keyed by everything that changes the trace (function objects,
+example-input makers, dtypes, decompositions, scalar stand-ins; never ``id``s):
+- ``traced_pattern``: the initial trace (ints, floats, dtypes, devices ignored);
+- the re-trace of a search function on a match's shapes (torch's ``register_replacement``
+  re-check that shapes baked into a pattern fit) — static shapes only;
+- ``replacement_graph``: a replacement traced on a match's shapes, static shapes only, kept
+  without fake values; the nodes spliced from it get values computed under the target graph's
+  fake mode, so no fake tensor crosses compiles.
+Only the ``PatternMatcherPass`` objects (torch's bookkeeping lives on them) are built per run,
+so a target model and its MTP drafter can compile in one process.  ``copy_location`` is the one
+place a new node gets its ``stack_trace`` / ``nn_module_stack`` / ``ascend_*`` tags.
 """
 
 from __future__ import annotations
@@ -29,8 +42,8 @@ from typing import Any, Callable, ClassVar, Iterable, Mapping, Sequence
 
 import torch
 import torch.fx as fx
-from torch._inductor import pattern_matcher as pm
 from torch._guards import detect_fake_mode
+from torch._inductor import pattern_matcher as pm
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
@@ -103,12 +116,14 @@ class _Lru:
         self.items: dict[Any, Any] = {}
 
     def get(self, key: Any, make: Callable[[], Any]) -> Any:
-        if key is None:
-            return make()
         try:
             return self.items[key]
         except KeyError:
             pass
+        except TypeError:  # an unhashable part (a closure's constants): not shared
+            return make()
+        if key is None:
+            return make()
         value = make()
         self.items[key] = value
         while len(self.items) > self.size:
@@ -135,17 +150,21 @@ class TracedPattern:
 # keeps them alive), example-input makers, dtypes, decompositions, scalar stand-ins.
 _TRACED = _Lru(4096)  # initial patterns: a few per rewrite and dtype
 _SPECIFIC = _Lru(4096)  # search functions re-traced on a match's shapes (static shapes only)
-_REPLACEMENTS = _Lru(4096)  # replacement graphs per shapes, fake values stripped
+_REPLACEMENTS = _Lru(1024)  # replacement graphs per shapes, fake values stripped
 
 
 def _trace_initial(fn: Callable[..., Any], example_inputs: Callable[[], Sequence[Any]],
                    argnames: Sequence[str], decompositions: str, scalars: Mapping[str, Any],
-                   ignore_types: tuple[type, ...]) -> TracedPattern:
+                   ignore_types: tuple[type, ...], fake_inputs: bool,
+                   transform: Callable[[fx.GraphModule], None] | None) -> TracedPattern:
     get_decomp_fn = _decomp_fn(decompositions)
-    with torch._guards.tracing(None), unset_fake_temporarily(), FakeTensorMode():
+    mode = FakeTensorMode() if fake_inputs else contextlib.nullcontext()
+    with torch._guards.tracing(None), unset_fake_temporarily(), mode:
         args = iter(example_inputs())
         flat = [scalars[name] if name in scalars else next(args) for name in argnames]
         gm = pm.fwd_only(fn, flat, get_decomp_fn=get_decomp_fn)
+    if transform is not None:
+        transform(gm)
     pattern = pm.fx_to_pattern(gm, ignore_types=ignore_types, argnames=list(argnames),
                                scalar_workaround=dict(scalars))
     return TracedPattern(pattern, pm.PatternPrettyPrinter.run(pattern), str(gm.graph))
@@ -154,17 +173,21 @@ def _trace_initial(fn: Callable[..., Any], example_inputs: Callable[[], Sequence
 def traced_pattern(key: Any, fn: Callable[..., Any], example_inputs: Callable[[], Sequence[Any]], *,
                    decompositions: str = "none", argnames: Sequence[str] | None = None,
                    scalars: Mapping[str, float | int] | None = None,
-                   ignore_types: tuple[type, ...] = IGNORED_TYPES) -> TracedPattern:
-    """``fn`` traced on ``example_inputs()`` (made under a fresh fake mode) the way the searched
-    graph was made, once per process per ``(key, decompositions)``: ``key`` must name whatever
-    else changes the trace (the example inputs' dtypes, a form, ...).  Arguments named in
-    ``scalars`` are Python numbers in the graph: traced with the stand-in value, matched as
-    keyword arguments."""
+                   ignore_types: tuple[type, ...] = IGNORED_TYPES, fake_inputs: bool = True,
+                   transform: Callable[[fx.GraphModule], None] | None = None) -> TracedPattern:
+    """``fn`` traced on ``example_inputs()`` the way the searched graph was made, once per
+    process per ``(key, fn, decompositions, ...)``: ``key`` must name whatever else changes the
+    trace (the example inputs' dtypes, a form, ...).  The inputs are made under a fresh fake mode
+    unless ``fake_inputs`` is False (a search function with data-dependent shapes needs real
+    ones).  Arguments named in ``scalars`` are Python numbers in the graph: traced with the
+    stand-in value, matched as keyword arguments.  ``transform(gm)`` edits the traced graph
+    before it becomes a pattern (e.g. into the form Inductor's post-grad passes give a graph)."""
     names = tuple(argnames if argnames is not None else inspect.signature(fn).parameters)
     stand_ins = dict(scalars or {})
     return _TRACED.get(
-        (key, fn, decompositions, tuple(sorted(stand_ins.items())), ignore_types),
-        lambda: _trace_initial(fn, example_inputs, names, decompositions, stand_ins, ignore_types))
+        (key, fn, decompositions, tuple(sorted(stand_ins.items())), ignore_types, fake_inputs, transform),
+        lambda: _trace_initial(fn, example_inputs, names, decompositions, stand_ins, ignore_types,
+                               fake_inputs, transform))
 
 
 def _signature(fn: Any, values: Sequence[Any], decompositions: str) -> Any:

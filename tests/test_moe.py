@@ -146,3 +146,45 @@ def test_model_without_transformers_loaded_compiles_with_every_pass_ok():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert "'moe'" in out.stdout
+
+
+# ------------------------------------------------------------------------------ constants read off the match
+def _traced_router(fn, decompositions: str):
+    """A router search function traced as the moe pass traces it (post-grad form under "inductor")."""
+    from torch._inductor import pattern_matcher as pm
+
+    from ascend_passes.passes import moe
+    from ascend_passes.passes._pattern import _decomp_fn
+
+    gm = pm.fwd_only(fn, moe._router_inputs(torch.float32), get_decomp_fn=_decomp_fn(decompositions))
+    if decompositions == "inductor":
+        moe._as_post_grad(gm)
+    return list(gm.graph.nodes)
+
+
+@pytest.mark.parametrize("decompositions", ["none", "inductor"])
+def test_deepseek_constants_read_off_view_or_reshape(decompositions):
+    """Post-grad (inductor_pass) the group view is an aten.reshape and the -inf fill a full([], -inf):
+    the group count, top-k groups and the fill are still read, not defaulted."""
+    from ascend_passes.passes.moe import _deepseek_constants
+    from ascend_passes.patterns import moe_router
+
+    nodes = _traced_router(lambda x, b: moe_router.deepseek_router(x, b, num_groups=4, topk_groups=3), decompositions)
+    targets = {n.target for n in nodes}
+    view = torch.ops.aten.reshape.default if decompositions == "inductor" else torch.ops.aten.view.default
+    assert view in targets
+    c, scale, reason = _deepseek_constants(nodes, 2, 16, True)
+    assert reason is None and scale is None
+    assert (c.num_groups, c.topk_groups, c.routed_scaling_factor, c.eps) == (4, 3, 2.5, 1e-20)
+
+
+def test_deepseek_constants_missing_node_is_a_reason_not_a_default():
+    """A grouped reader given a router without the group view must not assume one group."""
+    from ascend_passes.passes.moe import _deepseek_constants
+    from ascend_passes.patterns import moe_router
+
+    nodes = _traced_router(lambda x, b: moe_router.sigmoid_router(x, b), "none")
+    c, _, reason = _deepseek_constants(nodes, 2, 16, True, grouped=True)
+    assert c is None and reason.startswith("the number of groups: its node is not in the matched router")
+    c, _, reason = _deepseek_constants(nodes, 2, 16, True, grouped=False)  # the no-groups reader: eps 0
+    assert reason is None and (c.num_groups, c.topk_groups, c.eps) == (1, 1, 0.0)

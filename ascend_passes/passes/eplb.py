@@ -248,7 +248,8 @@ class EplbPass(Pass):
         instead of the logical view; the ``eplb_logical_weight`` nodes become dead."""
         for gmm, anchor in zip(layer.gmms, layer.anchors):
             with graph.inserting_before(gmm):
-                weight = graph.call_function(aten.transpose.int, (anchor.args[0], 1, 2))
+                # permute, not transpose.int: post-grad Inductor (inductor_pass) has no lowering for it
+                weight = graph.call_function(aten.permute.default, (anchor.args[0], [0, 2, 1]))
             copy_location(gmm, weight)
             set_val(weight)
             gmm.update_arg(1, [weight])

@@ -608,8 +608,8 @@ _DEFAULT_DIM = {aten.topk.default: -1}
 def _dims_problem(nodes: Sequence[fx.Node]) -> str | None:
     """A router selects and reduces over the experts, the last dimension; the traced pattern said
     so with ints that the matcher ignored, so they are checked here: every top-k, softmax, sum,
-    max, gather and scatter of the match works on its input's last dimension, and every top-k
-    takes the largest.  Returns why not, or None."""
+    max, gather and scatter of the match works on its input's last dimension, every top-k takes
+    the largest, and the sum a division renormalises by keeps its dim.  Returns why not, or None."""
     for n in nodes:
         if n.target not in _LAST_DIM:
             continue
@@ -624,6 +624,11 @@ def _dims_problem(nodes: Sequence[fx.Node]) -> str | None:
             largest = n.args[3] if len(n.args) > 3 else n.kwargs.get("largest", True)
             if largest is not True:
                 return f"{n.name} takes the smallest {n.args[1]} scores, not the largest"
+        divides = any(u.target in (aten.div.Tensor, aten.add.Tensor) for u in n.users)
+        if n.target is aten.sum.dim_IntList and divides:  # the renormalisation's sum broadcasts over k
+            keepdim = n.args[2] if len(n.args) > 2 else n.kwargs.get("keepdim", False)
+            if keepdim is not True:
+                return f"{n.name} sums the k weights without keepdim (the division broadcasts another way)"
     return None
 
 

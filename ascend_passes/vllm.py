@@ -262,6 +262,9 @@ def _compiler_class() -> type:
                     compiler_config: dict[str, Any], compile_range: Any,
                     key: str | None = None) -> tuple[Any, Any]:
             STATS["compiles"] += 1
+            from . import inductor_fixes
+
+            inductor_fixes.install()  # Inductor bugs that give wrong results on these graphs
             piece = (key or "").rpartition("_subgraph_")[2] or str(STATS["compiles"] - 1)
             name = f"{self.prefix or 'model'}.piece{piece}.range{compile_range.start}-{compile_range.end}"
             with graph_id(name):

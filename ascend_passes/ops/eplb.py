@@ -47,6 +47,7 @@ every backend (``CompositeExplicitAutograd``); a C++ kernel would gain nothing o
 from __future__ import annotations
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from ascend_passes.eplb.sync import FORWARD_LOCK
 
@@ -71,6 +72,16 @@ def _check_ids(op: str, expert_idx: torch.Tensor) -> None:
         fail(op, f"expert_idx must hold integer expert ids, got {expert_idx.dtype}")
 
 
+def _check_id_values(op: str, name: str, ids: torch.Tensor, bound: int, what: str) -> None:
+    """Every value of ``ids`` in ``[0, bound)``, else the first bad one (flat order) named.  A value
+    check of the reference (real tensors only: a fake or traced call has no values to read)."""
+    if is_fake(ids) or ids.numel() == 0:
+        return
+    bad = (ids < 0) | (ids >= bound)
+    if bad.any():
+        fail(op, f"{name} holds {what} {int(ids[bad].reshape(-1)[0])} out of range [0, {bound})")
+
+
 # ------------------------------------------------------------------------------------ reference
 def eplb_map(expert_idx: torch.Tensor, log2phy: torch.Tensor, replica_count: torch.Tensor, *,
              rank: int = 0) -> torch.Tensor:
@@ -78,6 +89,7 @@ def eplb_map(expert_idx: torch.Tensor, log2phy: torch.Tensor, replica_count: tor
     _check_tables("eplb_map", log2phy, replica_count)
     _check_ids("eplb_map", expert_idx)
     check_dim("eplb_map", "expert_idx", expert_idx, (2,))
+    _check_id_values("eplb_map", "expert_idx", expert_idx, log2phy.shape[0], "logical expert id")
     expert = expert_idx.long()
     token = torch.arange(expert.shape[0], device=expert.device).unsqueeze(1)
     replica = (token + rank + expert) % replica_count.index_select(0, expert.flatten()).view_as(expert)
@@ -104,6 +116,7 @@ def eplb_record_load(expert_load: torch.Tensor, expert_idx: torch.Tensor, record
     if record.numel() != 1:
         fail("eplb_record_load", f"record must hold one value, got shape {tuple(record.shape)}")
     start, end = _check_range("eplb_record_load", active_expert_range, expert_load.shape[0])
+    _check_id_values("eplb_record_load", "expert_idx", expert_idx, expert_load.shape[0], "physical slot")
     ids = expert_idx.reshape(-1).long()
     on = record.reshape(1).to(torch.int64).expand(ids.numel())
     if (start, end) != (0, expert_load.shape[0]):
@@ -121,6 +134,7 @@ def eplb_logical_weight(phy_weight: torch.Tensor, log2phy: torch.Tensor, replica
              "(expert parallelism across processes): the logical expert weights are not all here, so "
              "the attached model runs only compiled, with eplb enabled (torch.compile(model, "
              "backend='ascend_passes', options={'eplb': {...}}))")
+    _check_id_values("eplb_logical_weight", "log2phy[:, 0]", log2phy[:, 0], phy_weight.shape[0], "physical slot")
     # the eager attached model's read of tables + weights: one consistent gather even while
     # rebalance() runs in another thread (re-entrant inside a compiled forward, which holds it)
     with FORWARD_LOCK.reading():

@@ -30,13 +30,23 @@ class CMakeExtension(Extension):
 
 
 class CMakeBuild(build_ext):
-    """Configure and build ``CMakeLists.txt``; place the library where ``ext.name`` imports."""
+    """Configure and build ``CMakeLists.txt``; place the library where ``ext.name`` imports.
+
+    A skipped or failed (non-strict) kernel build drops the extension from this command's
+    extensions, so nothing later (the editable install's copy into the source tree, the list
+    of outputs) looks for a library that was never built."""
+
+    def build_extensions(self) -> None:
+        self._not_built: list[Extension] = []
+        super().build_extensions()
+        self.extensions = [ext for ext in self.extensions if ext not in self._not_built]
 
     def build_extension(self, ext: Extension) -> None:
         if not isinstance(ext, CMakeExtension):
             return super().build_extension(ext)
         if os.environ.get("ASCEND_PASSES_BUILD_KERNELS", "1") == "0":
             print("ascend_passes: ASCEND_PASSES_BUILD_KERNELS=0, skipping the C++ kernels")
+            self._not_built.append(ext)
             return
         try:
             self._cmake_build(ext)
@@ -48,6 +58,7 @@ class CMakeBuild(build_ext):
                 "the ascend ops will use their reference implementations",
                 file=sys.stderr,
             )
+            self._not_built.append(ext)
 
     def _cmake_build(self, ext: CMakeExtension) -> None:
         if shutil.which("cmake") is None:

@@ -7,7 +7,21 @@ before/after the pass is written to $DUMP (default /tmp/vllm_postgrad_dump).
 
 KEEP keeps only those rows of patterns/norm.py's REWRITES (bisection).  CKPT_DIR is written on first
 use with tests/test_vllm.py's checkpoint.  Measured (2 busy cores, ~2 min a run): inductor ==
-postgrad(cleanup) == postgrad(KEEP=0,1: weighted norms only); postgrad(cleanup,norm) gives NaN.
+postgrad(cleanup) == postgrad(KEEP=0,1: weighted norms only); postgrad(cleanup,norm) gave NaN in
+some runs and other tokens than inductor in all of them.
+
+Root cause (found with TORCH_COMPILE_DEBUG=1: ir_pre_fusion.txt / ir_post_fusion.txt /
+output_code.py): not the rewrite, an Inductor scheduler bug (pytorch#185509, fixed upstream after
+torch 2.13) that the rewrite exposed.  vLLM's router gate is ``weight_packed_linear(out=empty)``
+(auto_functionalized, re-inplaced); the router reads it as ``sigmoid(logits.float())``.  Before
+fusion the sigmoid node depends on the write (its read of the ``empty`` buffer is renamed to the
+MutationOutput); the CPU backend then fuses it with the 2-D ``+ e_score_correction_bias`` node and
+``SchedulerNode.recompute_size_and_body`` recomputes its reads without re-applying the rename, so
+the fused router no longer depends on the gate.  In vLLM's own Inductor route the same dependency
+is lost, but the peak-memory reordering happens to keep the gate first; with the norm rewrite (other
+buffer sizes: fp32 add_rms_norm outputs) it moved both gates to the end of the graph, and the
+router read uninitialised memory.  Fix: ``ascend_passes.inductor_fixes`` (installed by the Inductor
+routes) re-applies the renames; tests/test_postgrad_norm.py reproduces it outside vLLM.
 """
 
 from __future__ import annotations

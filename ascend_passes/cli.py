@@ -382,7 +382,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="compile the bundled DeepSeek-V3-style model (+ MTP drafter)")
     common(demo)
-    demo.add_argument("--model", default=None, help="one bundled model instead of the demo set")
+    demo.add_argument("--model", default=None, help="one bundled model instead of the demo set "
+                      "(`ascend-passes models` lists them, e.g. deepseek_v4_grouped_mm)")
     demo.set_defaults(func=cmd_demo)
 
     dump = sub.add_parser("dump", help="write the graph before/after each pass, diffs and a summary")

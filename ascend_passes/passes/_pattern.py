@@ -48,6 +48,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..pass_manager import Pass, PassContext, PassResult
+from ._nodes import copy_location  # the one copy of a node's location (re-exported)
 from .layers import layer_of, module_path
 
 log = logging.getLogger("ascend_passes.passes.pattern")
@@ -285,16 +286,6 @@ def _specific_pattern(fn: Callable[..., Any], values: Sequence[Any], argnames: S
         return pm.fx_to_pattern(gm, argnames=names, scalar_workaround=dict(scalars))
 
     return _SPECIFIC.get(_signature(fn, values, decompositions), trace)
-
-
-def copy_location(src: fx.Node, dsts: Iterable[fx.Node]) -> None:
-    """Give ``dsts`` (nodes a rewrite made) where ``src``'s code came from — ``stack_trace``,
-    ``nn_module_stack``, ``source_fn_stack`` — and our own ``ascend_*`` tags (e.g. the MTP
-    layer), so dumps stay readable and later passes read layers off them."""
-    location = {k: v for k, v in src.meta.items()
-                if k in ("stack_trace", "nn_module_stack", "source_fn_stack") or k.startswith("ascend_")}
-    for node in dsts:
-        node.meta.update(location)
 
 
 def _set_values(nodes: Sequence[fx.Node], inputs: Sequence[Any]) -> None:

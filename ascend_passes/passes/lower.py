@@ -26,7 +26,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from .. import npu
 from ..errors import AscendPassesError
 from ..pass_manager import Pass, PassContext, PassResult
-from ._nodes import set_val
+from ._nodes import copy_location, set_val
 from .layers import where
 
 log = logging.getLogger("ascend_passes.lower")
@@ -265,7 +265,7 @@ def decompose(gm: fx.GraphModule, node: fx.Node, name: str) -> None:
         out = graph.graph_copy(sub.graph, val_map)
     for new in val_map.values():
         if isinstance(new, fx.Node) and new not in leaves:
-            _copy_meta(new, node)
+            copy_location(node, new)
     _replace(graph, node, out)
 
 
@@ -289,12 +289,6 @@ def _replace(graph: fx.Graph, node: fx.Node, out: Any) -> None:
     else:
         node.replace_all_uses_with(out)
     graph.erase_node(node)
-
-
-def _copy_meta(new: fx.Node, old: fx.Node) -> None:
-    for key in ("nn_module_stack", "stack_trace", "source_fn_stack", "ascend_mtp_layer"):
-        if key in old.meta:
-            new.meta[key] = old.meta[key]
 
 
 def _dropped_pairs(bound: dict[str, Any]) -> bool:
@@ -337,7 +331,7 @@ def lower_node(gm: fx.GraphModule, node: fx.Node, name: str, result: PassResult)
         kw = GRAPH_ADAPT.get(name, lambda g, k, v: k)(graph, kw, vals)
         args, kwargs = order_for(op, kw)
         call = graph.call_function(op, args, kwargs)
-        _copy_meta(call, node)
+        copy_location(node, call)
         set_val(call)
         out = _outputs(name, graph, call, bound, vals)
     _replace(graph, node, out)

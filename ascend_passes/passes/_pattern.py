@@ -285,7 +285,8 @@ def _specific_pattern(fn: Callable[..., Any], values: Sequence[Any], argnames: S
                 return None
         return pm.fx_to_pattern(gm, argnames=names, scalar_workaround=dict(scalars))
 
-    return _SPECIFIC.get(_signature(fn, values, decompositions), trace)
+    key = (fn, tuple(argnames), tuple(sorted(scalars.items())))  # all that changes this trace
+    return _SPECIFIC.get(_signature(key, values, decompositions), trace)
 
 
 def _set_values(nodes: Sequence[fx.Node], inputs: Sequence[Any]) -> None:

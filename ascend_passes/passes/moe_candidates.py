@@ -20,7 +20,7 @@ import torch
 import torch.fx as fx
 
 from ._nodes import const_float, const_int
-from .layers import where
+from .layers import layer_of, where
 
 aten = torch.ops.aten
 
@@ -149,6 +149,7 @@ def _walk(sources: list[Candidate]) -> None:
     owner: dict[fx.Node, int] = {}
     parent: dict[fx.Node, fx.Node | None] = {}
     queue: deque[tuple[fx.Node, int, int]] = deque()
+    home = [layer_of(cand.source) for cand in sources]
     for i, cand in enumerate(sources):
         for start in {cand.source, cand.ids}:
             owner[start], parent[start] = i, None
@@ -167,9 +168,9 @@ def _walk(sources: list[Candidate]) -> None:
                 continue
             if name in _MATMULS or depth + 1 >= MAX_DEPTH:
                 continue
-            layer = where(user)
-            if cand.layer is not None and layer is not None and layer != cand.layer and "layers." in layer:
-                continue
+            layer = layer_of(user)
+            if layer is not None and home[i] is not None and layer != home[i]:
+                continue  # another decoder / MTP layer: its own router is nearer to its experts
             queue.append((user, i, depth + 1))
 
 

@@ -92,7 +92,9 @@ def _moe_block(lm: torch.nn.Module) -> torch.nn.Module:
 
 def _compile_block(block: torch.nn.Module, compiler: str) -> tuple[float, Any]:
     """The block compiled with ``compiler`` downstream against the uncompiled block: (rel diff, report)."""
-    first = lambda out: out[0] if isinstance(out, tuple) else out  # noqa: E731  (gpt-oss: (hidden, scores))
+    def first(out: Any) -> torch.Tensor:  # gpt-oss's block returns (hidden, router scores)
+        return out[0] if isinstance(out, tuple) else out
+
     hidden = torch.randn(2, 5, 64, generator=torch.Generator().manual_seed(1))  # every config: hidden 64
     torch._dynamo.reset()
     with torch.no_grad(), ap.capture() as reports:
@@ -178,5 +180,5 @@ def test_deepseek_router_through_inductor_pass_reads_its_group_count():
     assert match.pattern == "deepseek_router"
     assert (match.details["num_groups"], match.details["topk_groups"]) == (4, 2)
     assert torch.equal(ids.sort(-1).values, ref_ids.sort(-1).values)
-    order = lambda w, i: w.gather(1, i.argsort(-1))  # noqa: E731  (top-k order may differ)
-    assert rel_diff(order(weights, ids), order(ref_weights, ref_ids)) <= 1e-6
+    by_expert = weights.gather(1, ids.argsort(-1)), ref_weights.gather(1, ref_ids.argsort(-1))  # top-k order may differ
+    assert rel_diff(*by_expert) <= 1e-6

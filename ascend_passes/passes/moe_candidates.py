@@ -261,7 +261,8 @@ def explain(cand: Candidate, parts: Iterable[str]) -> str:
         said.append(f"experts not fused: {_experts_reason(cand)}")
     elif cand.experts_fused:
         said.append("experts fused")
-    return "MoE block not fused: " + "; ".join(said)
+    head = "partly fused" if cand.router_fused or cand.experts_fused else "not fused"
+    return f"MoE block {head}: " + "; ".join(said)
 
 
 def _scores_chain(topk: fx.Node) -> tuple[list[str], bool]:

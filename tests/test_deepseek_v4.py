@@ -243,3 +243,17 @@ def test_sequence_parallel_refuses_mhc_residual_without_changing_results():
     assert res["sp_matches"] == 0 and len(res["sp"]) == 1 and "all_reduce" in res["sp"][0]
     assert res["dp"] == ["sequence parallelism did not rewrite this graph, so there are no token shards to run "
                          "the shared expert on"]
+
+
+def test_factory_bounds_and_hash_tables():
+    from ascend_passes.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"num_hash_layers=3: use 0..num_layers \(2\)"):
+        models.deepseek_v4(num_layers=2, num_hash_layers=3)
+    with pytest.raises(ConfigError, match="experts_implementation"):
+        models.deepseek_v4("eager")
+    model, _ = models.deepseek_v4(num_layers=2, num_hash_layers=1)
+    assert model.config.mlp_layer_types == ["hash_moe", "moe"]
+    table = model.lm.model.layers[0].mlp.gate.tid2eid  # k distinct experts per token id, all used
+    assert table.shape == (256, 4) and all(len(set(row)) == 4 for row in table.tolist())
+    assert set(table.flatten().tolist()) == set(range(16))

@@ -26,15 +26,13 @@ from ..pass_manager import Pass, PassContext, PassResult
 from ..patterns import moe_experts, moe_router, moe_v4
 from ..patterns.moe_router import RouterConstants
 from . import moe_candidates
-from ._pattern import _decomp_fn
+from ._pattern import replace, traced_pattern
 from ._nodes import (VIEWS, const_float, const_int, const_ints, graph_input_of, is_scalar_tensor,
                      not_constant)
 from .layers import layer_of, where
 
 log = logging.getLogger("ascend_passes.passes.moe")
 aten = torch.ops.aten
-
-_IGNORED = (int, float, list, torch.device, torch.dtype)
 
 
 @dataclass
@@ -54,28 +52,35 @@ class MoeLayer:
 
 
 # ----------------------------------------------------------------------------- tracing
-def _trace_fn(decompositions: str) -> Callable[..., fx.GraphModule]:
-    """Trace patterns and replacements the way the searched graph was made."""
-    return functools.partial(pm.fwd_only, get_decomp_fn=_decomp_fn(decompositions))
+def _trace_fn(decompositions: str) -> Callable[..., list[fx.Node]]:
+    """How a handler splices a replacement in: ``trace(match, fn, args)`` → the new nodes
+    (``_pattern.replace``: traced once per process for these shapes, with the source info of
+    the match's innermost-module node)."""
+    return functools.partial(_splice, decompositions=decompositions)
+
+
+def _splice(match: pm.Match, fn: Callable[..., Any], args: list[Any], *, decompositions: str) -> list[fx.Node]:
+    anchor = max(match.nodes, key=lambda n: len(n.meta.get("nn_module_stack", {}) or {}))
+    return replace(match, fn, args, decompositions=decompositions, key=getattr(fn, "trace_key", None),
+                   location=anchor)
 
 
 @functools.lru_cache(maxsize=None)
 def _patterns(name: str, decompositions: str) -> tuple[pm.PatternExpr, ...]:
     """Traced patterns of one search function, one per variant (keyword arguments that change the
     traced form, e.g. one expert group) and dtype combination that changes the graph (casts appear
-    or vanish); identical traces are kept once.  Cached: a PatternExpr is
-    immutable, so sharing it between compiles shares no state."""
+    or vanish); identical traces are kept once.  Traced once per process
+    (``_pattern.traced_pattern``, on real example inputs: the expert searches have data-dependent
+    shapes)."""
     spec = _SEARCH[name]
-    trace = _trace_fn(decompositions)
-    seen: dict[str, pm.PatternExpr] = {}
+    seen: dict[tuple[str, str], pm.PatternExpr] = {}
     for variant, dtypes in ((v, d) for v in spec.variants for d in spec.dtypes):
-        args = spec.example_inputs(*dtypes)
-        gm = trace(functools.partial(spec.fn, **variant), args)
-        if decompositions == "inductor":
-            _as_post_grad(gm)
-        key = gm.code
-        if key not in seen:
-            seen[key] = pm.fx_to_pattern(gm, ignore_types=_IGNORED, argnames=spec.argnames)
+        traced = traced_pattern(
+            (name, tuple(sorted(variant.items())), dtypes), functools.partial(spec.fn, **variant),
+            functools.partial(spec.example_inputs, *dtypes), decompositions=decompositions,
+            argnames=spec.argnames, fake_inputs=False,
+            transform=_as_post_grad if decompositions == "inductor" else None)
+        seen.setdefault(traced.identity, traced.pattern)
     return tuple(seen.values())
 
 
@@ -245,18 +250,6 @@ def _match_layer(match: pm.Match) -> str | None:
     return next((w for w in map(where, match.nodes) if w is not None), None)
 
 
-def _stamp(graph: fx.Graph, before: set[fx.Node], match: pm.Match) -> list[fx.Node]:
-    """Give the replacement's new nodes the source info of the nodes they replaced, and our own
-    ``ascend_*`` tags (e.g. the MTP layer), as the PatternPass infrastructure does."""
-    anchor = max(match.nodes, key=lambda n: len(n.meta.get("nn_module_stack", {}) or {}))
-    location = {k: v for k, v in anchor.meta.items()
-                if k in ("stack_trace", "nn_module_stack") or k.startswith("ascend_")}
-    new = [n for n in graph.nodes if n not in before]
-    for n in new:
-        n.meta.update(location)
-    return new
-
-
 # ----------------------------------------------------------------------------- the pass
 class MoePass(Pass):
     name = "moe"
@@ -349,10 +342,9 @@ class MoePass(Pass):
             entry.unsupported = reason
             result.near_miss(name, f"router not fused into {op}: {reason}", layer=layer, node=final_topk)
             return
-        before = set(gm.graph.nodes)
-        if not _replace(match, _as_fn(replacement, len(call_args)), call_args, trace, result, name, layer):
+        new = _replace(match, _as_fn(replacement, len(call_args)), call_args, trace, result, name, layer)
+        if new is None:
             return
-        new = _stamp(gm.graph, before, match)
         gating = next((n for n in new if n.target is getattr(torch.ops.ascend, op).default), None)
         entry.gating = gating.name if gating is not None else None
         result.match(name, layer=layer, nodes=[final_topk], op=f"ascend.{op}", **{**vars(c), **details})
@@ -405,10 +397,9 @@ class MoePass(Pass):
             return moe_v4.hash_router_fused(*a, c=c)
 
         fn = (lambda a, b, d: replacement(a, b, d)) if scale is None else (lambda a, b, d, e: replacement(a, b, d, e))
-        before = set(gm.graph.nodes)
-        if not _replace(match, fn, call_args, trace, result, name, layer):
+        new = _replace(match, fn, call_args, trace, result, name, layer)
+        if new is None:
             return
-        new = _stamp(gm.graph, before, match)
         gating = next((n for n in new if n.target is torch.ops.ascend.moe_gating_top_k.default), None)
         entry.gating = gating.name if gating is not None else None
         result.match(name, layer=layer, nodes=[anchor] if anchor is not None else [], op="ascend.moe_gating_top_k",
@@ -448,11 +439,10 @@ class MoePass(Pass):
             result.near_miss(name, f"experts not fused: {reason}", layer=layer)
             return
         output = match.output_node()
-        before = set(gm.graph.nodes)
-        if not _replace(match, fused, [hidden, index, weights, gate_up, down],
-                        trace, result, name, layer):
+        new = _replace(match, fused, [hidden, index, weights, gate_up, down],
+                        trace, result, name, layer)
+        if new is None:
             return
-        new = _stamp(gm.graph, before, match)
         entry = layer_entry(layer)
         entry.num_experts = int(gu.shape[0])
         ops = torch.ops.ascend
@@ -514,15 +504,15 @@ class MoePass(Pass):
             entry.num_experts = entry.num_experts or found.num_experts
 
 def _replace(match: pm.Match, fn: Callable[..., Any], args: list[Any], trace: Callable[..., Any],
-             result: PassResult, name: str, layer: str | None) -> bool:
-    """Trace ``fn`` on the match's inputs and splice it in; a replacement that cannot be traced
-    (the fused op rejects these inputs) leaves the graph untouched and becomes a near-miss."""
+             result: PassResult, name: str, layer: str | None) -> list[fx.Node] | None:
+    """Splice ``fn`` traced on the match's inputs in (``trace``: ``_trace_fn``) and return the new
+    nodes; a replacement that cannot be traced (the fused op rejects these inputs) leaves the
+    graph untouched and becomes a near-miss (None)."""
     try:
-        match.replace_by_example(fn, args, trace_fn=trace)
+        return trace(match, fn, args)
     except Exception as exc:  # tracing happens before any graph change
         result.near_miss(name, f"replacement failed: {type(exc).__name__}: {exc}", layer=layer)
-        return False
-    return True
+        return None
 
 
 def _always(match: pm.Match) -> bool:
@@ -530,12 +520,18 @@ def _always(match: pm.Match) -> bool:
 
 
 def _as_fn(fn: Callable[..., Any], nargs: int) -> Callable[..., Any]:
-    """make_fx wants a function whose positional parameters are exactly the traced inputs."""
+    """make_fx wants a function whose positional parameters are exactly the traced inputs.  A
+    ``functools.partial`` (the fused router with its constants) gives the wrapper a ``trace_key``,
+    so that equal routers share one trace per process."""
     if nargs == 1:
-        return lambda a: fn(a)
-    if nargs == 2:
-        return lambda a, b: fn(a, b)
-    return lambda a, b, c: fn(a, b, c)
+        wrapper = lambda a: fn(a)
+    elif nargs == 2:
+        wrapper = lambda a, b: fn(a, b)
+    else:
+        wrapper = lambda a, b, c: fn(a, b, c)
+    if isinstance(fn, functools.partial):
+        wrapper.trace_key = (fn.func, fn.args, tuple(sorted(fn.keywords.items())), nargs)  # type: ignore[attr-defined]
+    return wrapper
 
 
 def _deepseek_constants(nodes: Sequence[fx.Node], top_k: int, num_experts: int, renormalize: bool,

@@ -52,10 +52,6 @@ def test_copy_location_copies_exactly_the_location_and_ascend_tags():
     copy_location(src, many)  # several; what src has replaces what they had
     assert all(n.meta == where for n in many)
 
-    kept = _node(graph, "kept", stack_trace="the exact node it replaced")
-    copy_location(src, (kept,), overwrite=False)  # fills only what is missing
-    assert kept.meta == {**where, "stack_trace": "the exact node it replaced"}
-
     bare = _node(graph, "bare")
     copy_location(_node(graph, "nothing"), bare)  # a source without location gives nothing
     assert bare.meta == {}

@@ -48,19 +48,14 @@ def location_of(node: fx.Node) -> dict[str, object]:
     return {k: v for k, v in node.meta.items() if k in LOCATION_KEYS or k.startswith(TAG_PREFIX)}
 
 
-def copy_location(src: fx.Node, dst: fx.Node | Iterable[fx.Node], *, overwrite: bool = True) -> None:
+def copy_location(src: fx.Node, dst: fx.Node | Iterable[fx.Node]) -> None:
     """Give the replacement node(s) ``dst`` the source location and ``ascend_*`` tags of the node
     ``src`` they replace: ``stack_trace``, ``nn_module_stack``, ``source_fn_stack`` and every
-    ``ascend_*`` key of ``src.meta``; nothing else (``val`` is the new node's own, ``set_val``).
-    With ``overwrite=False`` a key the new node already has is kept (e.g. what torch's pattern
-    matcher copied from the exact node it replaced)."""
+    ``ascend_*`` key of ``src.meta`` (replacing what ``dst`` had under those keys); nothing else
+    (``val`` is the new node's own: ``set_val``)."""
     location = location_of(src)
     for node in [dst] if isinstance(dst, fx.Node) else dst:
-        if overwrite:
-            node.meta.update(location)
-        else:
-            for key, value in location.items():
-                node.meta.setdefault(key, value)
+        node.meta.update(location)
 
 
 # ----------------------------------------------------------------------------- constants

@@ -153,3 +153,53 @@ def test_custom_pass_objects_are_checked_too():
         PassManager(config, [_Consumer(config), _Producer(config)])
     with pytest.raises(ap.ConfigError, match=r"^pass 'consumer' needs 'producer' before it"):
         PassManager(config, [_Consumer(config)])
+
+
+def test_second_compile_traces_no_pattern_and_keeps_its_own_fake_values(monkeypatch):
+    """Patterns, their shape-specific re-traces and replacement graphs are traced once per process
+    (issue 15 item 2): a second compile of the same model (a new Dynamo/AOT trace, a new fake mode)
+    makes the same rewrites without tracing anything, and every fake value of its rewritten graph
+    belongs to its own fake mode (the shared replacement graphs carry none across compiles)."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.aot_autograd import make_boxed_func
+    from torch._inductor import pattern_matcher as pm
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    from ascend_passes import models
+
+    model, inputs = models.deepseek_v3("grouped_mm", num_layers=2)
+    config = ap.AscendPassConfig()
+    traced: list[object] = []
+    real_fwd_only = pm.fwd_only
+
+    def counting_fwd_only(fn, *args, **kwargs):
+        traced.append(fn)
+        return real_fwd_only(fn, *args, **kwargs)
+
+    monkeypatch.setattr(pm, "fwd_only", counting_fwd_only)
+    runs = []
+
+    def compiler(gm, example_inputs):
+        traced.clear()
+        result = PassManager(config).run(gm, PassContext(config, example_inputs, None, "none", "cpu"))
+        runs.append((list(traced), {name: r.counts() for name, r in result.passes.items()}, gm))
+        return make_boxed_func(gm.forward)
+
+    backend = aot_autograd(fw_compiler=compiler, inference_compiler=compiler)
+    outputs = []
+    for _ in range(2):
+        torch._dynamo.reset()
+        with torch.no_grad():
+            outputs.append(torch.compile(model, backend=backend)(*inputs))
+    (_, first, _), (second_traces, second, gm) = runs
+    assert first == second
+    assert second["norm"] and second["moe"] and second["mla"] and second["activation"]
+    assert second_traces == []
+    modes = {leaf.fake_mode for node in gm.graph.nodes if node.op == "placeholder"
+             for leaf in torch.utils._pytree.tree_leaves(node.meta.get("val")) if isinstance(leaf, FakeTensor)}
+    assert len(modes) == 1
+    for node in gm.graph.nodes:
+        for leaf in torch.utils._pytree.tree_leaves(node.meta.get("val")):
+            if isinstance(leaf, FakeTensor):
+                assert leaf.fake_mode in modes, node.name
+    torch.testing.assert_close(outputs[0], outputs[1])

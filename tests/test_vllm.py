@@ -36,7 +36,7 @@ pytestmark = pytest.mark.xdist_group("vllm")  # one LLM at a time: each wants bo
 
 PROMPTS = [[3 + i, 17, 42 + i, 5, 99, 7 + 3 * i] for i in range(4)]
 MAX_TOKENS = 8
-RUN_TIMEOUT_S = 600
+RUN_TIMEOUT_S = 900  # one LLM: ~2 min on 2 idle cores, past 600 s measured under load 20
 TIE = 0.05  # eager's top-2 logprobs closer than this: a greedy token may flip on bf16 rounding
 
 

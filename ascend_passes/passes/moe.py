@@ -23,7 +23,7 @@ import torch.fx as fx
 from torch._inductor import pattern_matcher as pm
 
 from ..pass_manager import Pass, PassContext, PassResult
-from ..patterns import moe_experts, moe_router, moe_v4
+from ..patterns import moe_experts, moe_gptoss, moe_router, moe_v4
 from ..patterns.moe_router import RouterConstants
 from . import moe_candidates
 from ._pattern import replace, traced_pattern
@@ -228,6 +228,21 @@ _ROUTERS += _V4_ROUTERS
 _EXPERTS += _V4_EXPERTS
 _NEEDS_TRANSFORMERS_OP = ("grouped_mm_experts", "v4_grouped_mm_experts")  # transformers' grouped_mm_fallback
 
+# gpt-oss (patterns/moe_gptoss.py): biased experts, interleaved clamped SwiGLU variant kept in ATen between
+# the grouped matmuls
+_GPTOSS_EXPERTS = ("gptoss_grouped_mm_experts", "gptoss_torch_grouped_mm_experts", "gptoss_batched_mm_experts")
+_SEARCH.update({
+    "gptoss_grouped_mm_experts": _Search(moe_gptoss.grouped_mm_experts(moe_experts.transformers_grouped_mm),
+                                         moe_gptoss.ARGNAMES, moe_gptoss.example_inputs, _EXPERT_DTYPES),
+    "gptoss_torch_grouped_mm_experts": _Search(
+        moe_gptoss.grouped_mm_experts(moe_experts.torch_grouped_mm), moe_gptoss.ARGNAMES, moe_gptoss.example_inputs,
+        tuple((d, w) for d, w in _EXPERT_DTYPES if d == torch.bfloat16)),
+    "gptoss_batched_mm_experts": _Search(moe_gptoss.batched_mm_experts, moe_gptoss.ARGNAMES,
+                                         moe_gptoss.example_inputs, _EXPERT_DTYPES),
+})
+_EXPERTS += _GPTOSS_EXPERTS
+_NEEDS_TRANSFORMERS_OP += ("gptoss_grouped_mm_experts",)
+
 
 # ----------------------------------------------------------------------------- helpers
 def _val(node: Any) -> Any:
@@ -409,6 +424,8 @@ class MoePass(Pass):
     def _experts(self, name: str, gm: fx.GraphModule, result: PassResult,
                  layer_entry: Callable[[str | None], MoeLayer], trace: Callable[..., Any],
                  match: pm.Match, *args: Any, **kwargs: Any) -> None:
+        if name in _GPTOSS_EXPERTS:
+            return self._gptoss_experts(name, result, layer_entry, trace, match, kwargs)
         layer = _match_layer(match)
         hidden, index, weights = kwargs["hidden"], kwargs["top_k_index"], kwargs["top_k_weights"]
         gate_up, down = kwargs["gate_up_proj"], kwargs["down_proj"]
@@ -454,6 +471,45 @@ class MoePass(Pass):
             entry.shared_expert_add = _shared_expert_add(fin)
         result.match(name, layer=layer, nodes=[output] if output is not None else [],
                      num_experts=int(gu.shape[0]), shared_expert=entry.shared_expert_add is not None, **details)
+
+    def _gptoss_experts(self, name: str, result: PassResult, layer_entry: Callable[[str | None], MoeLayer],
+                        trace: Callable[..., Any], match: pm.Match, kwargs: dict[str, Any]) -> None:
+        """gpt-oss's experts: biases go into the grouped matmuls, the activation (interleaved gate/up,
+        clamped, ``(up + 1) * gate * sigmoid(alpha * gate)``: no swiglu mode) stays ATen between them."""
+        layer = _match_layer(match)
+        args = [kwargs[a] for a in moe_gptoss.ARGNAMES]
+        x, _, _, gu, gub, dn, dnb = map(_val, args)
+        sizes = (*gu.shape, *gub.shape, *dn.shape, *dnb.shape, x.shape[-1])
+        c, reason = None, None
+        if const_ints(sizes) is None:
+            reason = not_constant("an expert weight size", next(d for d in sizes if const_int(d) is None))
+        else:
+            reason = moe_gptoss.check_shapes(x, gu, gub, dn, dnb)
+        if reason is None:
+            c, reason = moe_gptoss.read_activation(match.nodes)
+        if reason is None and layer_entry(layer).unsupported is not None:
+            reason = f"left unfused with this layer's router ({layer_entry(layer).unsupported})"
+        if reason is not None:
+            layer_entry(layer).unsupported = reason
+            result.near_miss(name, f"experts not fused: {reason}", layer=layer)
+            return
+        output = match.output_node()
+        fused = lambda h, i, w, a, b, d, e: moe_gptoss.fused_experts(h, i, w, a, b, d, e, c=c)  # noqa: E731
+        new = _replace(match, fused, args, trace, result, name, layer)
+        if new is None:
+            return
+        entry = layer_entry(layer)
+        entry.num_experts = int(gu.shape[0])
+        ops = torch.ops.ascend
+        init = next((n for n in new if n.target is ops.moe_init_routing_v2.default), None)
+        fin = next((n for n in new if n.target is ops.moe_finalize_routing.default), None)
+        entry.init_routing = init.name if init is not None else None
+        entry.finalize = fin.name if fin is not None else None
+        if fin is not None:
+            entry.shared_expert_add = _shared_expert_add(fin)
+        result.match(name, layer=layer, nodes=[output] if output is not None else [], num_experts=int(gu.shape[0]),
+                     shared_expert=entry.shared_expert_add is not None, biases=True, activation="gpt-oss clamped swiglu",
+                     **vars(c))
 
     # ------------------------------------------------------------------ unfused blocks
     def _check_unfused_blocks(self, gm: fx.GraphModule, result: PassResult,

@@ -1,0 +1,88 @@
+"""gpt-oss experts fused (issue 19): transformers 5.24's ``GptOssExperts`` (weights in × out,
+per-expert biases on both projections, interleaved gate/up columns, clamped
+``(up + 1) * gate * sigmoid(alpha * gate)``) become ``moe_init_routing_v2 → grouped_matmul(bias) →
+<the activation in ATen> → grouped_matmul(bias) → moe_finalize_routing``.
+
+One tiny gpt-oss MoE block (router + experts) is compiled alone, both experts implementations under
+eager and ``grouped_mm`` under Inductor downstream, and compared with the uncompiled block in fp32.
+The limit and alpha are not transformers' defaults and the limit is small, so the clamps cut real
+values: a replacement with wrong (default) constants would not be exact.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ascend_passes as ap
+from _helpers import rel_diff
+from ascend_passes import models
+
+transformers = pytest.importorskip("transformers")
+
+TOL = 1e-4  # fp32, relative to the output scale
+LIMIT, ALPHA = 0.5, 1.3
+
+
+def _block(experts: str, **fields) -> torch.nn.Module:
+    config = transformers.GptOssConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=32, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=64, num_local_experts=8,
+        num_experts_per_tok=2, swiglu_limit=LIMIT, swiglu_alpha=ALPHA, **fields)
+    config._experts_implementation = experts
+    torch.manual_seed(0)
+    lm = transformers.GptOssForCausalLM(config)
+    with torch.no_grad():
+        models._init_weights(lm)
+        for name, p in lm.named_parameters():
+            if name.endswith("_bias"):  # nonzero biases: a dropped bias is visible
+                p.copy_(torch.randn_like(p))
+    return lm.model.layers[0].mlp.eval()
+
+
+def _compile(block: torch.nn.Module, compiler: str):
+    hidden = torch.randn(2, 5, 64, generator=torch.Generator().manual_seed(1))
+    torch._dynamo.reset()
+    with torch.no_grad(), ap.capture() as reports:
+        ref = block(hidden)[0]
+        out = torch.compile(block, backend="ascend_passes", options={"compiler": compiler})(hidden)[0]
+    (report,) = reports
+    return ref, out, report
+
+
+@pytest.mark.parametrize("experts, compiler", [("grouped_mm", "eager"), ("batched_mm", "eager"),
+                                               ("grouped_mm", "inductor")])
+def test_gpt_oss_experts_fused_exact(experts, compiler):
+    block = _block(experts)
+    ref, out, report = _compile(block, compiler)
+    assert rel_diff(out, ref) <= TOL
+    # the clamps cut real values in this block (else the test could not tell a wrong limit)
+    with torch.no_grad():
+        x = torch.randn(10, 64, generator=torch.Generator().manual_seed(1))
+        gate_up = x @ block.experts.gate_up_proj[0] + block.experts.gate_up_proj_bias[0]
+    assert (gate_up.abs() > LIMIT).float().mean() > 0.2
+    moe = report.passes["moe"]
+    (match,) = [m for m in moe.matches if m.pattern.startswith("gptoss_")]
+    assert match.pattern == f"gptoss_{experts}_experts"
+    assert {k: match.details[k] for k in ("gate_max", "up_min", "up_max", "alpha", "up_add")} == {
+        "gate_max": LIMIT, "up_min": -LIMIT, "up_max": LIMIT, "alpha": ALPHA, "up_add": 1.0}
+    assert report.count("ascend.moe_init_routing_v2") == 1
+    assert report.count("ascend.grouped_matmul") == 2
+    assert report.count("ascend.moe_finalize_routing") == 1
+    assert report.count("ascend.moe_gating_top_k_softmax") == 1  # the router too: the whole block fused
+    assert report.count("ascend.swiglu") == 0  # no swiglu mode computes gpt-oss's activation
+    assert not [nm for nm in moe.near_misses if "experts" in nm.reason]
+
+
+def test_gpt_oss_grouped_matmul_bias_is_per_expert():
+    """The op's ``bias`` with one ``[E, K, N]`` weight: row group ``g`` gets ``bias[g]`` (what the
+    replacement relies on), in the C++ kernel and the reference alike."""
+    from ascend_passes.ops import moe as ops_moe
+
+    gen = torch.Generator().manual_seed(0)
+    x, w, b = torch.randn(7, 5, generator=gen), torch.randn(3, 5, 4, generator=gen), torch.randn(3, 4, generator=gen)
+    counts = torch.tensor([2, 0, 5])
+    want = torch.cat([x[:2] @ w[0] + b[0], x[2:] @ w[2] + b[2]])
+    for fn in (torch.ops.ascend.grouped_matmul, ops_moe.grouped_matmul):
+        (y,) = fn([x], [w], bias=[b], group_list=counts, split_item=2, group_type=0, group_list_type=1)
+        torch.testing.assert_close(y, want)

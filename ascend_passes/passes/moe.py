@@ -412,6 +412,7 @@ class MoePass(Pass):
             return moe_v4.hash_router_fused(*a, c=c)
 
         fn = (lambda a, b, d: replacement(a, b, d)) if scale is None else (lambda a, b, d, e: replacement(a, b, d, e))
+        fn.trace_key = ("v4_hash_router", c, scale is None)  # equal routers share one trace per process
         new = _replace(match, fn, call_args, trace, result, name, layer)
         if new is None:
             return
@@ -446,6 +447,7 @@ class MoePass(Pass):
             if limits is not None:
                 details = vars(limits)
                 fused = lambda h, i, w, gu, dn: moe_v4.fused_experts(h, i, w, gu, dn, limits=limits)  # noqa: E731
+                fused.trace_key = ("v4_experts", limits)  # equal limits share one trace per process
         router_problem = layer_entry(layer).unsupported
         if reason is None and router_problem is not None:
             # all or nothing per layer: a layer is either one fused MoE block or untouched, so

@@ -257,3 +257,22 @@ def test_factory_bounds_and_hash_tables():
     table = model.lm.model.layers[0].mlp.gate.tid2eid  # k distinct experts per token id, all used
     assert table.shape == (256, 4) and all(len(set(row)) == 4 for row in table.tolist())
     assert set(table.flatten().tolist()) == set(range(16))
+
+
+def test_inductor_post_grad_route_fuses_the_experts():
+    """Through ``inductor_pass`` (Inductor's post-grad custom pass, Inductor's decompositions): the
+    clamps are ``clamp_max`` / ``clamp_min`` there and are read all the same."""
+    from torch._inductor import config as inductor_config
+
+    module, inputs = _blocks("grouped_mm")
+    with torch.no_grad():
+        ref = module(*inputs)
+    torch._dynamo.reset()
+    with torch.no_grad(), ap.capture() as reports, inductor_config.patch(
+            post_grad_custom_post_pass=ap.inductor_pass(compiler="inductor"), fx_graph_cache=False):
+        out = torch.compile(module)(*inputs)
+    (report,) = reports
+    for o, r in zip(out, ref):
+        assert rel_diff(o, r) <= 1e-4
+    assert report.count("ascend.moe_init_routing_v2") == 2
+    assert sorted(_experts_matches(report.passes["moe"])) == LAYERS

@@ -743,28 +743,41 @@ def _v4_hash_constants(nodes: Sequence[fx.Node], top_k: int, num_experts: int, n
 def _v4_clamp_limits(nodes: Sequence[fx.Node]) -> tuple[moe_v4.ClampLimits | None, str | None]:
     """DeepSeek-V4's clamp of the experts' gate and up halves, read off the match: the gate (first
     half of the last dim) clamped from above, the up (second half) from both sides, or a reason
-    (a limit that is not a constant keeps the layer unfused: the replacement needs the number)."""
-    clamps = [n for n in nodes if n.target is aten.clamp.default]
-    gate = next((n for n in clamps if len(n.args) > 2 and n.args[1] is None), None)
-    up = next((n for n in clamps if len(n.args) > 2 and n.args[1] is not None), None)
+    (a limit that is not a constant keeps the layer unfused: the replacement needs the number).
+    The clamps are ``clamp(x, lo, hi)``, or ``clamp_min`` / ``clamp_max`` under Inductor's
+    decompositions (``inductor_pass``)."""
+    in_match = set(nodes)
+    clamps = {aten.clamp.default, aten.clamp_min.default, aten.clamp_max.default}
+    split = _find(nodes, aten.split.Tensor)
+    rank = _val(split.args[0]).dim() if split is not None else None
+    dim = (split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)) if split is not None else None
+    halves = {u.args[1]: u for u in (split.users if split is not None else ()) if u.target is operator.getitem}
+    if split is None or const_int(dim) is None or dim % rank != rank - 1 or set(halves) != {0, 1}:
+        return None, ("the clamps are not gate = first half / up = second half of the gate·up rows' last dim "
+                      "(a form the V4 reader does not know)")
 
-    def half(node: fx.Node | None) -> int | None:  # which chunk of the gate·up rows a clamp reads
-        item = node.args[0] if node is not None else None
-        if not (isinstance(item, fx.Node) and item.target is operator.getitem
-                and isinstance(item.args[0], fx.Node) and item.args[0].target is aten.split.Tensor):
-            return None
-        split = item.args[0]
-        rank = _val(split.args[0]).dim()
-        dim = split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
-        return item.args[1] if const_int(dim) is not None and dim % rank == rank - 1 else None
+    def bounds(node: fx.Node) -> tuple[Any, Any]:  # (lo, hi) of the clamps applied to a half, in order
+        lo = hi = None
+        while True:
+            users = [u for u in node.users if u in in_match and u.target in clamps]
+            if len(users) != 1:
+                return lo, hi
+            node = users[0]
+            if node.target is aten.clamp.default:
+                lo, hi = (node.args[1] if len(node.args) > 1 else None), (node.args[2] if len(node.args) > 2 else None)
+            elif node.target is aten.clamp_min.default:
+                lo = node.args[1]
+            else:
+                hi = node.args[1]
 
-    if half(gate) != 0 or half(up) != 1:
+    (gate_lo, gate_hi), (up_lo, up_hi) = bounds(halves[0]), bounds(halves[1])
+    if gate_lo is not None or gate_hi is None or up_lo is None or up_hi is None:
         return None, ("the clamps are not gate = first half / up = second half of the gate·up rows' last dim "
                       "(a form the V4 reader does not know)")
     values = {}
-    for what, arg in (("swiglu_limit (the gate's clamp max)", gate.args[2]),
-                      ("swiglu_limit (the up clamp's min)", up.args[1]),
-                      ("swiglu_limit (the up clamp's max)", up.args[2])):
+    for what, arg in (("swiglu_limit (the gate's clamp max)", gate_hi),
+                      ("swiglu_limit (the up clamp's min)", up_lo),
+                      ("swiglu_limit (the up clamp's max)", up_hi)):
         values[what] = const_float(arg)
         if values[what] is None:
             return None, not_constant(what, arg)

@@ -35,9 +35,9 @@ def measure(num_layers: int, warm_runs: int, profile: bool = False) -> dict[str,
     pass manager's wall seconds per pass); with ``profile``, a cProfile of the last warm run
     goes to stderr."""
     import torch
+    import torch.fx as fx
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.aot_autograd import make_boxed_func
-    import torch.fx as fx
 
     from ascend_passes.config import AscendPassConfig
     from ascend_passes.models import deepseek_v3

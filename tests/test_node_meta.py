@@ -121,7 +121,7 @@ _SP_SCRIPT = textwrap.dedent("""
     import ascend_passes
     from ascend_passes import models_tp
     torch._dynamo.reset()
-    model, _ = models_tp.deepseek_v3_tp(0, 2, num_layers=2, shared_expert="moe_replicated")
+    model, _ = models_tp.deepseek_v3_tp(0, 2, num_layers=2, shared_expert="replicated")
     ids = torch.randint(0, 256, (1, 7), generator=torch.Generator().manual_seed(0))
     added, before = {}, {}
     def hook(name, stage, gm, result):

@@ -41,7 +41,53 @@ def _load() -> bool:
             libs[0], exc,
         )
         return False
+    # The library defines only torch.ops.ascend_kernels.*; its kernels become the CPU kernels of
+    # torch.ops.ascend.* below, once their schemas are known to equal the Python records (a stale
+    # library, built before a schema changed, would otherwise abort the process).
+    import ascend_passes.ops  # noqa: F401  (defines torch.ops.ascend; its import calls available())
+
+    stale = stale_schemas()
+    if stale:
+        log.warning(
+            "ascend_passes C++ kernels in %s were built for other op schemas (%s); the ascend ops "
+            "use their reference implementations. Rebuild with `pip install --no-build-isolation -e .`.",
+            libs[0], "; ".join(stale),
+        )
+        return False
+    if not hasattr(torch.ops.ascend_kernels, "register_cpu_impls"):  # a library older than this check
+        log.warning(
+            "ascend_passes C++ kernels in %s are older than this package (no register_cpu_impls); the "
+            "ascend ops use their reference implementations. Rebuild with `pip install --no-build-isolation -e .`.",
+            libs[0],
+        )
+        return False
+    torch.ops.ascend_kernels.register_cpu_impls()
     return True
+
+
+_NOT_KERNELS = ("version", "register_cpu_impls")
+
+
+def _signature(schema: torch._C.FunctionSchema) -> str:
+    return str(schema).split("::", 1)[1]
+
+
+def stale_schemas() -> list[str]:
+    """``"op: library schema != package schema"`` for every kernel of the loaded library whose
+    schema differs from ``torch.ops.ascend``'s (or that is no ascend op); empty when they agree."""
+    names = sorted(n.split("::", 1)[1] for n in torch._C._dispatch_get_all_op_names()
+                   if n.startswith("ascend_kernels::") and n.split("::", 1)[1] not in _NOT_KERNELS)
+    stale = []
+    for name in names:
+        built = _signature(getattr(torch.ops.ascend_kernels, name).default._schema)
+        try:
+            expected = _signature(getattr(torch.ops.ascend, name).default._schema)
+        except (AttributeError, RuntimeError):
+            stale.append(f"{name}: not an ascend op")
+            continue
+        if built != expected:
+            stale.append(f"{name}: library {built} != package {expected}")
+    return stale
 
 
 def available() -> bool:

@@ -1,18 +1,28 @@
 // Registers the C++ kernels twice:
+//  * under torch.ops.ascend_kernels.* with the same schemas as the portable ops, so tests and
+//    benchmarks can call the C++ kernels explicitly next to the reference implementation;
 //  * as the CPU kernels of the portable ops torch.ops.ascend.* (schemas, fake and reference
-//    implementations are defined in ascend_passes/ops); no Python runs per call;
-//  * under torch.ops.ascend_kernels.* with the same schemas, so tests and benchmarks can call the
-//    C++ kernels explicitly next to the reference implementation.
+//    implementations are defined in ascend_passes/ops); no Python runs per call.  This second
+//    registration is NOT done when the library loads: ascend_passes.kernels first checks that the
+//    library's schemas equal the Python records, then calls ascend_kernels::register_cpu_impls().
+//    A stale library (built before a schema change) then falls back to the reference ops with a
+//    warning instead of aborting the process (a static TORCH_LIBRARY_IMPL whose schema does not
+//    match throws during dlopen, where nothing can catch it).
 #include <torch/library.h>
+
+#include <memory>
 
 #include "kernels.h"
 
 namespace {
-int64_t version() { return 5; }
+int64_t version() { return 6; }
+
+bool register_cpu_impls();
 }  // namespace
 
 TORCH_LIBRARY(ascend_kernels, m) {
   m.def("version", &version);
+  m.def("register_cpu_impls", &register_cpu_impls);
   m.def("rms_norm(Tensor self, Tensor gamma, float epsilon=1e-06) -> (Tensor, Tensor)");
   m.def("add_rms_norm(Tensor x1, Tensor x2, Tensor gamma, float epsilon=1e-06) -> (Tensor, Tensor, Tensor)");
   m.def("swiglu(Tensor self, int dim=-1) -> Tensor");
@@ -51,4 +61,19 @@ TORCH_LIBRARY(ascend_kernels, m) {
 
 TORCH_LIBRARY_IMPL(ascend_kernels, CPU, m) { ASCEND_IMPLS(m); }
 
-TORCH_LIBRARY_IMPL(ascend, CPU, m) { ASCEND_IMPLS(m); }
+namespace {
+// Registers ascend::* CPU kernels once per process; true on the call that registered them.  A
+// schema mismatch throws c10::Error here, inside an op call, so Python sees a RuntimeError; the
+// Library being built unregisters what it had registered (nothing half-applied).
+bool register_cpu_impls() {
+  static std::unique_ptr<torch::Library> lib;
+  if (lib) {
+    return false;
+  }
+  auto fresh = std::make_unique<torch::Library>(torch::Library::IMPL, "ascend", c10::DispatchKey::CPU, __FILE__,
+                                                __LINE__);
+  ASCEND_IMPLS((*fresh));
+  lib = std::move(fresh);
+  return true;
+}
+}  // namespace

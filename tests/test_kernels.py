@@ -557,3 +557,34 @@ def test_bf16_prefill_runs_on_amx_where_the_cpu_has_it(isa):
         assert bf16_calls and all("amx" in line for line in bf16_calls), kernels_out[-3000:]
     else:
         assert bf16_calls == [], bf16_calls[:3]
+
+
+STALE_SCRIPT = textwrap.dedent("""
+    import logging, sys
+    import torch
+    logging.basicConfig(level=logging.WARNING, stream=sys.stdout)
+    # a kernel the package has no op for: what a library built for other schemas looks like
+    extra = torch.library.Library("ascend_kernels", "FRAGMENT")
+    extra.define("zz_retired(Tensor x) -> Tensor")
+    import ascend_passes.ops as ops
+    from ascend_passes import kernels
+    print("backend", ops.kernel_backend(), kernels.stale_schemas())
+    x, g = torch.randn(3, 8), torch.ones(8)
+    y, _ = torch.ops.ascend.rms_norm(x, g, 1e-6)
+    torch.testing.assert_close(y, ops.reference.rms_norm(x, g, 1e-6)[0])
+    print("ran")
+""")
+
+
+def test_library_built_for_other_schemas_falls_back_instead_of_aborting():
+    """A stale library (built before an op's schema changed) used to abort the process while it
+    loaded (a static registration against the new schema throws where nothing can catch it); now
+    the schemas are compared first and the ops fall back to the reference with one warning."""
+    assert kernels.stale_schemas() == []  # the library under test matches the package
+    proc = subprocess.run([sys.executable, "-c", STALE_SCRIPT], capture_output=True, text=True, timeout=300,
+                          env={k: v for k, v in os.environ.items() if k != "ASCEND_PASSES_KERNELS"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = proc.stdout.splitlines()
+    warnings = [l for l in lines if l.startswith("WARNING:ascend_passes.kernels")]
+    assert len(warnings) == 1 and "were built for other op schemas (zz_retired: not an ascend op)" in warnings[0]
+    assert "backend reference ['zz_retired: not an ascend op']" in lines and lines[-1] == "ran"

@@ -20,7 +20,7 @@ from .vllm import default_pass as _default_vllm_pass
 # at import time)
 vllm_pass = _default_vllm_pass()
 
-from .inspect.trace import register_torch_logs as _register_torch_logs
+from .inspect.trace import register_torch_logs as _register_torch_logs  # noqa: E402
 
 _register_torch_logs()  # TORCH_LOGS="+ascend_passes" shows the passes' INFO/DEBUG lines
 

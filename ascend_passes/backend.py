@@ -10,7 +10,8 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import logging
-from typing import Any, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -19,10 +20,10 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from . import inductor_fixes
 from .config import AscendPassConfig
 from .errors import ConfigError
-from .pass_manager import Pass, PassContext, PassHook, PassManager
-from .report import CompileReport, publish
 from .inspect.trace import trace_pass_graphs
 from .npu import torch_npu_available
+from .pass_manager import Pass, PassContext, PassHook, PassManager
+from .report import CompileReport, publish
 from .weights import record_execution_weights
 
 log = logging.getLogger("ascend_passes.backend")
@@ -70,8 +71,9 @@ def _boxed(fn: Callable[..., Any]) -> Compiled:
     return call
 
 
-def compile_downstream(compiler: str, gm: fx.GraphModule, example_inputs: Sequence[Any], *,
-                       decompose: Sequence[str] = ()) -> Compiled:
+def compile_downstream(
+    compiler: str, gm: fx.GraphModule, example_inputs: Sequence[Any], *, decompose: Sequence[str] = ()
+) -> Compiled:
     """Hand the rewritten ATen graph to the downstream compiler; returns a boxed callable.
 
     ``decompose`` names ascend ops that Inductor receives as their ATen decomposition (added to
@@ -116,8 +118,7 @@ def compile_downstream(compiler: str, gm: fx.GraphModule, example_inputs: Sequen
 def _ensure_lowered(gm: fx.GraphModule) -> None:
     """The NPU compilers know torch.ops.npu.*, not ascend.*: lower what the pipeline left (the
     ``lower`` pass normally ran last; this covers a pipeline without it)."""
-    if not any(n.op == "call_function" and getattr(n.target, "namespace", None) == "ascend"
-               for n in gm.graph.nodes):
+    if not any(n.op == "call_function" and getattr(n.target, "namespace", None) == "ascend" for n in gm.graph.nodes):
         return
     from .passes.lower import LowerPass
 
@@ -127,8 +128,7 @@ def _ensure_lowered(gm: fx.GraphModule) -> None:
 
 
 # --------------------------------------------------------------------------- pipeline
-_GRAPH_ID: contextvars.ContextVar[str | None] = contextvars.ContextVar("ascend_passes_graph_id",
-                                                                        default=None)
+_GRAPH_ID: contextvars.ContextVar[str | None] = contextvars.ContextVar("ascend_passes_graph_id", default=None)
 
 
 @contextlib.contextmanager
@@ -167,10 +167,18 @@ def _real_inputs_for(aten_inputs: Sequence[Any], real: Sequence[Any] | None) -> 
     return list(real)
 
 
-def run_pipeline(config: AscendPassConfig, gm: fx.GraphModule, example_inputs: Sequence[Any], *,
-                 real_inputs: Sequence[Any] | None = None, target: str = "cpu",
-                 compiler: str = "eager", decompositions: str = "none",
-                 hooks: Sequence[PassHook] = (), pipeline: Sequence[Pass] | None = None) -> CompileReport:
+def run_pipeline(
+    config: AscendPassConfig,
+    gm: fx.GraphModule,
+    example_inputs: Sequence[Any],
+    *,
+    real_inputs: Sequence[Any] | None = None,
+    target: str = "cpu",
+    compiler: str = "eager",
+    decompositions: str = "none",
+    hooks: Sequence[PassHook] = (),
+    pipeline: Sequence[Pass] | None = None,
+) -> CompileReport:
     """Run the configured passes (or the ``pipeline`` pass objects) over ``gm`` in place and
     publish a ``CompileReport``."""
     manager = PassManager(config, pipeline)
@@ -184,19 +192,35 @@ def run_pipeline(config: AscendPassConfig, gm: fx.GraphModule, example_inputs: S
     # mark the parameters the rewritten graph reads through fused kernels (weights.prepare/restore)
     ctx.facts["execution_weights"] = record_execution_weights(gm, ctx.real_inputs)
     report = CompileReport(
-        graph_id=_compile_id(), passes=result.passes, graph=gm, compiler=compiler, target=target,
-        config_hash=config.hash(), seconds=result.seconds, verified=result.verified,
+        graph_id=_compile_id(),
+        passes=result.passes,
+        graph=gm,
+        compiler=compiler,
+        target=target,
+        config_hash=config.hash(),
+        seconds=result.seconds,
+        verified=result.verified,
         facts=ctx.facts,
     )
-    log.info("ascend_passes: graph %s, %d passes, %d rewrites in %.1f ms -> %s", report.graph_id,
-             len(report.passes), report.num_matches, report.seconds * 1e3, compiler)
+    log.info(
+        "ascend_passes: graph %s, %d passes, %d rewrites in %.1f ms -> %s",
+        report.graph_id,
+        len(report.passes),
+        report.num_matches,
+        report.seconds * 1e3,
+        compiler,
+    )
     publish(report)
     return report
 
 
-def make_backend(config: AscendPassConfig | dict[str, Any] | None = None, *,
-                 pipeline: Sequence[Pass] | None = None, hooks: Sequence[PassHook] = (),
-                 **options: Any) -> Callable[[fx.GraphModule, list[Any]], Compiled]:
+def make_backend(
+    config: AscendPassConfig | dict[str, Any] | None = None,
+    *,
+    pipeline: Sequence[Pass] | None = None,
+    hooks: Sequence[PassHook] = (),
+    **options: Any,
+) -> Callable[[fx.GraphModule, list[Any]], Compiled]:
     """A Dynamo backend running ``config``'s pipeline: ``torch.compile(m, backend=make_backend(cfg))``.
 
     ``pipeline`` replaces the configured passes with pass objects of your own (for example a
@@ -211,13 +235,22 @@ def make_backend(config: AscendPassConfig | dict[str, Any] | None = None, *,
         compiler = resolve_compiler(cfg, target)
         dynamo_inputs = list(example_inputs)
         if _aot_precompiling():
-            return _precompile_with_inductor(cfg, gm, example_inputs, target=target,
-                                             compiler=compiler, hooks=hooks, pipeline=pipeline)
+            return _precompile_with_inductor(
+                cfg, gm, example_inputs, target=target, compiler=compiler, hooks=hooks, pipeline=pipeline
+            )
 
         def inference_compiler(aten_gm: fx.GraphModule, aten_inputs: list[Any]) -> Compiled:
             real = _real_inputs_for(aten_inputs, dynamo_inputs)
-            report = run_pipeline(cfg, aten_gm, aten_inputs, real_inputs=real, target=target,
-                                  compiler=compiler, hooks=hooks, pipeline=pipeline)
+            report = run_pipeline(
+                cfg,
+                aten_gm,
+                aten_inputs,
+                real_inputs=real,
+                target=target,
+                compiler=compiler,
+                hooks=hooks,
+                pipeline=pipeline,
+            )
             compiled = compile_downstream(compiler, aten_gm, aten_inputs, decompose=cfg.decompose_ops())
             if report.facts.get("eplb_layers"):  # reads EPLB tables: runs under the forward lock
                 from .eplb.sync import guarded
@@ -236,8 +269,9 @@ def make_backend(config: AscendPassConfig | dict[str, Any] | None = None, *,
         def backward_compiler(aten_gm: fx.GraphModule, aten_inputs: list[Any]) -> Compiled:
             return make_boxed_func(aten_gm.forward)
 
-        return aot_autograd(fw_compiler=training_compiler, bw_compiler=backward_compiler,
-                            inference_compiler=inference_compiler)(gm, example_inputs)
+        return aot_autograd(
+            fw_compiler=training_compiler, bw_compiler=backward_compiler, inference_compiler=inference_compiler
+        )(gm, example_inputs)
 
     backend.config = cfg  # type: ignore[attr-defined]
     return backend
@@ -252,9 +286,16 @@ def _aot_precompiling() -> bool:
     return should_bundle_autograd_cache()
 
 
-def _precompile_with_inductor(cfg: AscendPassConfig, gm: fx.GraphModule, example_inputs: list[Any],
-                              *, target: str, compiler: str, hooks: Sequence[PassHook],
-                              pipeline: Sequence[Pass] | None) -> Any:
+def _precompile_with_inductor(
+    cfg: AscendPassConfig,
+    gm: fx.GraphModule,
+    example_inputs: list[Any],
+    *,
+    target: str,
+    compiler: str,
+    hooks: Sequence[PassHook],
+    pipeline: Sequence[Pass] | None,
+) -> Any:
     """The ahead-of-time route: Inductor's own ``compile_fx`` (its AOTAutograd, decompositions and
     bundled, serializable output code) with the pipeline run on the inference graph between
     AOTAutograd and Inductor's lowering (``inner_compile``).  Inductor's FX-graph cache keys on
@@ -264,7 +305,8 @@ def _precompile_with_inductor(cfg: AscendPassConfig, gm: fx.GraphModule, example
             "ahead-of-time compile (torch.compile(...).aot_compile, vLLM's default on torch >= 2.10) "
             f"stores Inductor's compiled code; compiler={compiler!r} produces a Python callable it "
             "cannot store: use compiler='inductor', or switch the ahead-of-time compile off "
-            "(VLLM_USE_AOT_COMPILE=0 for vLLM)")
+            "(VLLM_USE_AOT_COMPILE=0 for vLLM)"
+        )
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
     inductor_fixes.install()
@@ -273,28 +315,39 @@ def _precompile_with_inductor(cfg: AscendPassConfig, gm: fx.GraphModule, example
     def inner_compile(aten_gm: fx.GraphModule, aten_inputs: Sequence[Any], **kwargs: Any) -> Any:
         if kwargs.get("is_inference") and not kwargs.get("is_backward"):
             real = _real_inputs_for(aten_inputs, dynamo_inputs)
-            report = run_pipeline(cfg, aten_gm, aten_inputs, real_inputs=real, target=target,
-                                  compiler=compiler, decompositions="inductor", hooks=hooks,
-                                  pipeline=pipeline)
+            report = run_pipeline(
+                cfg,
+                aten_gm,
+                aten_inputs,
+                real_inputs=real,
+                target=target,
+                compiler=compiler,
+                decompositions="inductor",
+                hooks=hooks,
+                pipeline=pipeline,
+            )
             _refresh_eager_input_vals(aten_gm.graph)
             if report.facts.get("eplb_layers"):
                 raise ConfigError(
                     "EPLB graphs run under a forward lock that an ahead-of-time compiled artifact "
                     "cannot carry: switch the ahead-of-time compile off (VLLM_USE_AOT_COMPILE=0 for "
-                    "vLLM) or disable eplb")
+                    "vLLM) or disable eplb"
+                )
         elif not kwargs.get("is_backward"):
             log.warning(
                 "ascend_passes rewrites inference graphs only; this graph needs autograd, so it "
                 "runs without rewrites. Call the model under torch.no_grad() or "
-                "torch.inference_mode() to get the fused kernels.")
+                "torch.inference_mode() to get the fused kernels."
+            )
         return compile_fx_inner(aten_gm, aten_inputs, **kwargs)
 
     log.info("ahead-of-time compile: the passes run inside Inductor's compile_fx (inner_compile)")
     return compile_fx(gm, example_inputs, inner_compile=inner_compile)
 
 
-def ascend_passes_backend(gm: fx.GraphModule, example_inputs: list[Any],
-                          options: dict[str, Any] | None = None) -> Compiled:
+def ascend_passes_backend(
+    gm: fx.GraphModule, example_inputs: list[Any], options: dict[str, Any] | None = None
+) -> Compiled:
     """The ``backend="ascend_passes"`` entry point (``torch_dynamo_backends`` group).
 
     Without ``options`` (an engine that names the backend by string, e.g. vLLM's
@@ -315,11 +368,14 @@ def _env_options() -> dict[str, Any] | None:
     try:
         options = json.loads(text)
     except json.JSONDecodeError as e:
-        raise ConfigError("ASCEND_PASSES_OPTIONS must be a JSON object of ascend_passes options "
-                          f"(e.g. '{{\"passes\": \"cleanup,norm\"}}'): {e}") from None
+        raise ConfigError(
+            "ASCEND_PASSES_OPTIONS must be a JSON object of ascend_passes options "
+            f'(e.g. \'{{"passes": "cleanup,norm"}}\'): {e}'
+        ) from None
     if not isinstance(options, dict):
-        raise ConfigError("ASCEND_PASSES_OPTIONS must be a JSON object of ascend_passes options, "
-                          f"got {type(options).__name__}")
+        raise ConfigError(
+            f"ASCEND_PASSES_OPTIONS must be a JSON object of ascend_passes options, got {type(options).__name__}"
+        )
     return options
 
 
@@ -347,8 +403,7 @@ class AscendInductorPass(CustomGraphPass):
             gm = fx.GraphModule(torch.nn.Module(), graph)
         inputs = [n.meta.get("val") for n in graph.nodes if n.op == "placeholder"]
         target = "cpu" if self.config.target == "auto" else self.config.target
-        run_pipeline(self.config, gm, inputs, target=target, compiler="inductor",
-                     decompositions="inductor")
+        run_pipeline(self.config, gm, inputs, target=target, compiler="inductor", decompositions="inductor")
         _refresh_eager_input_vals(graph)
 
     def uuid(self) -> str:
@@ -361,6 +416,7 @@ def _refresh_eager_input_vals(graph: fx.Graph) -> None:
     pass that re-wires such a node (sequence parallelism feeds a norm the 2-D reduce-scattered
     shard instead of the 3-D activation) leaves those stale and the lowering fails.  Record the
     inputs' current values instead, as Inductor's own pattern replacement does."""
+
     def current(arg: Any) -> Any:
         return arg.meta.get("val") if isinstance(arg, fx.Node) else None
 
@@ -369,8 +425,7 @@ def _refresh_eager_input_vals(graph: fx.Graph) -> None:
             node.meta["eager_input_vals"] = fx.node.map_aggregate((node.args, node.kwargs), current)
 
 
-def inductor_pass(config: AscendPassConfig | dict[str, Any] | None = None,
-                  **options: Any) -> AscendInductorPass:
+def inductor_pass(config: AscendPassConfig | dict[str, Any] | None = None, **options: Any) -> AscendInductorPass:
     """An Inductor ``CustomGraphPass`` running ``config``'s pipeline (for
     ``post_grad_custom_post_pass``)."""
     return AscendInductorPass(AscendPassConfig.from_options(config, **options))

@@ -1,10 +1,10 @@
 """``ascend-passes``: compile bundled or user models and show what every pass did.
 
-    ascend-passes demo                      compile the bundled DeepSeek-V3-style model (+ MTP)
-    ascend-passes dump MODULE:FACTORY|NAME  graph before/after each pass, diffs, summary
-                                            (--format html: also a report page with pictures)
-    ascend-passes passes                    the passes, in pipeline order
-    ascend-passes models                    the bundled models
+ascend-passes demo                      compile the bundled DeepSeek-V3-style model (+ MTP)
+ascend-passes dump MODULE:FACTORY|NAME  graph before/after each pass, diffs, summary
+                                        (--format html: also a report page with pictures)
+ascend-passes passes                    the passes, in pipeline order
+ascend-passes models                    the bundled models
 """
 
 from __future__ import annotations
@@ -16,16 +16,16 @@ import logging
 import sys
 import tempfile
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import torch
 
 from .config import AscendPassConfig
 from .errors import AscendPassesError
 from .report import CompileReport, capture
-
 
 # The demo: the DeepSeek-V3-style target model and its MTP drafter, compiled in one process.
 DEMO_MODELS = ("deepseek_v3_grouped_mm", "deepseek_v3_mtp1")
@@ -50,22 +50,24 @@ def load_target(spec: str) -> tuple[torch.nn.Module, tuple[Any, ...]]:
     if ":" in spec:
         module_name, _, attr = spec.partition(":")
         if not module_name or not attr:
-            raise AscendPassesError(f"target {spec!r} names no factory; give MODULE:FACTORY "
-                                    "(e.g. my_models:build) or a bundled model name")
+            raise AscendPassesError(
+                f"target {spec!r} names no factory; give MODULE:FACTORY (e.g. my_models:build) or a bundled model name"
+            )
         try:
             factory = getattr(importlib.import_module(module_name), attr)
         except (ImportError, AttributeError, ValueError) as exc:
             raise AscendPassesError(f"cannot load factory {spec!r}: {exc}") from exc
         if not callable(factory):
-            raise AscendPassesError(f"factory {spec!r} is not callable (type {type(factory).__name__}); "
-                                    "give a function returning (model, example_inputs)")
+            raise AscendPassesError(
+                f"factory {spec!r} is not callable (type {type(factory).__name__}); "
+                "give a function returning (model, example_inputs)"
+            )
     else:
         from . import models
 
         if spec not in models.BUNDLED:
             raise AscendPassesError(
-                f"unknown model {spec!r}; bundled models: {', '.join(models.BUNDLED)} "
-                "(or give MODULE:FACTORY)"
+                f"unknown model {spec!r}; bundled models: {', '.join(models.BUNDLED)} (or give MODULE:FACTORY)"
             )
         factory = models.BUNDLED[spec]
     try:
@@ -73,32 +75,42 @@ def load_target(spec: str) -> tuple[torch.nn.Module, tuple[Any, ...]]:
     except Exception as exc:  # the user's code: one line that names it (the traceback is theirs)
         raise AscendPassesError(f"factory {spec!r} raised {type(exc).__name__}: {exc}") from exc
     if not (isinstance(result, (tuple, list)) and len(result) == 2):
-        got = (f"a {len(result)}-tuple" if isinstance(result, (tuple, list))
-               else "None" if result is None else f"a {type(result).__name__} object")
-        raise AscendPassesError(f"factory {spec!r} returned {got}; it must return "
-                                "(model, example_inputs), e.g. return model, (x,)")
+        got = (
+            f"a {len(result)}-tuple"
+            if isinstance(result, (tuple, list))
+            else "None"
+            if result is None
+            else f"a {type(result).__name__} object"
+        )
+        raise AscendPassesError(
+            f"factory {spec!r} returned {got}; it must return (model, example_inputs), e.g. return model, (x,)"
+        )
     model, inputs = result
     if not isinstance(model, torch.nn.Module):
-        raise AscendPassesError(f"factory {spec!r} returned a {type(model).__name__} as the model; "
-                                "it must return (torch.nn.Module, example_inputs)")
+        raise AscendPassesError(
+            f"factory {spec!r} returned a {type(model).__name__} as the model; "
+            "it must return (torch.nn.Module, example_inputs)"
+        )
     if not isinstance(inputs, (tuple, list)):
-        raise AscendPassesError(f"factory {spec!r} returned a {type(inputs).__name__} as "
-                                "example_inputs; return a tuple of the model's inputs, e.g. (x,)")
+        raise AscendPassesError(
+            f"factory {spec!r} returned a {type(inputs).__name__} as "
+            "example_inputs; return a tuple of the model's inputs, e.g. (x,)"
+        )
     return model, tuple(inputs)
 
 
 def check_out_dir(out: Path) -> None:
     """Create ``out`` and check a file can be written in it, before anything is compiled."""
     if out.exists() and not out.is_dir():
-        raise AscendPassesError(f"--out {out} is an existing file; give a folder (it is created "
-                                "if missing)")
+        raise AscendPassesError(f"--out {out} is an existing file; give a folder (it is created if missing)")
     try:
         out.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryFile(dir=out):
             pass
     except OSError as exc:
-        raise AscendPassesError(f"--out {out} cannot be written ({exc.strerror or exc}); give a "
-                                "folder you can write to") from exc
+        raise AscendPassesError(
+            f"--out {out} cannot be written ({exc.strerror or exc}); give a folder you can write to"
+        ) from exc
 
 
 @dataclass
@@ -134,9 +146,15 @@ def _ours(exc: BaseException) -> AscendPassesError | None:
     return None
 
 
-def compile_and_compare(name: str, model: torch.nn.Module, inputs: Sequence[Any],
-                        config: AscendPassConfig, *, hooks: Sequence[Any] = (),
-                        pipeline: Sequence[Any] | None = None) -> CompileRun:
+def compile_and_compare(
+    name: str,
+    model: torch.nn.Module,
+    inputs: Sequence[Any],
+    config: AscendPassConfig,
+    *,
+    hooks: Sequence[Any] = (),
+    pipeline: Sequence[Any] | None = None,
+) -> CompileRun:
     """Compile ``model`` with ``config`` (``hooks`` see every pass; ``pipeline`` replaces the
     configured pass objects), run it once, and compare with the uncompiled model."""
     from .backend import make_backend
@@ -160,8 +178,7 @@ def compile_and_compare(name: str, model: torch.nn.Module, inputs: Sequence[Any]
                     raise
                 raise ours from exc
             seconds = time.perf_counter() - t0
-    diff = max(((a.double() - b.double()).abs().max().item() for a, b in zip(expected, got)),
-               default=0.0)
+    diff = max(((a.double() - b.double()).abs().max().item() for a, b in zip(expected, got)), default=0.0)
     scale = max((a.double().abs().max().item() for a in expected), default=0.0)
     return CompileRun(name, list(reports), diff, scale, seconds)
 
@@ -172,33 +189,49 @@ def print_run(run: CompileRun, console: Any) -> None:
 
     for report in run.reports:
         table = Table(title=f"{run.name}: graph {report.graph_id} → {report.compiler} ({report.target})")
-        for col, just in (("pass", "left"), ("status", "left"), ("matches", "right"),
-                          ("near-misses", "right"), ("nodes", "right"), ("ms", "right"),
-                          ("rewrites", "left")):
+        for col, just in (
+            ("pass", "left"),
+            ("status", "left"),
+            ("matches", "right"),
+            ("near-misses", "right"),
+            ("nodes", "right"),
+            ("ms", "right"),
+            ("rewrites", "left"),
+        ):
             table.add_column(col, justify=just)  # type: ignore[arg-type]
         for r in report.passes.values():
             counts = ", ".join(f"{k}×{v}" for k, v in sorted(r.counts().items())) or "-"
-            table.add_row(r.name, r.status, str(r.num_matches), str(len(r.near_misses)),
-                          f"{r.nodes_before}→{r.nodes_after}", f"{r.seconds * 1e3:.1f}", counts)
+            table.add_row(
+                r.name,
+                r.status,
+                str(r.num_matches),
+                str(len(r.near_misses)),
+                f"{r.nodes_before}→{r.nodes_after}",
+                f"{r.seconds * 1e3:.1f}",
+                counts,
+            )
         console.print(table)
         lower = report.passes.get("lower")
         if lower is not None and lower.status == "ok":
             decomposed = sum(1 for m in lower.matches if m.pattern.endswith("->aten"))
-            console.print(f"  lowered to torch_npu: {lower.num_matches - decomposed} npu ops, {decomposed} "
-                          "ascend ops decomposed to ATen (outside the NPU limits: see the near-misses)")
+            console.print(
+                f"  lowered to torch_npu: {lower.num_matches - decomposed} npu ops, {decomposed} "
+                "ascend ops decomposed to ATen (outside the NPU limits: see the near-misses)"
+            )
         else:
             console.print(f"  not lowered to torch_npu (target {report.target}: the ascend ops stay)")
         ops = report.rewritten_ops()
         if ops:
-            console.print("  fused ops in the final graph: "
-                          + ", ".join(f"{k}×{v}" for k, v in ops.items()))
+            console.print("  fused ops in the final graph: " + ", ".join(f"{k}×{v}" for k, v in ops.items()))
         for r in report.passes.values():
             for nm in r.near_misses:
                 console.print(f"  near-miss [{r.name}] {nm.pattern} at {nm.layer or nm.node}: {nm.reason}")
             if r.error:
                 console.print(f"  [{r.name}] rolled back: {r.error}")
-    console.print(f"  {run.name}: max |compiled - eager| = {run.max_abs_diff:.3g} "
-                  f"(output scale {run.output_scale:.3g}); compile + first run {run.compile_seconds:.1f} s\n")
+    console.print(
+        f"  {run.name}: max |compiled - eager| = {run.max_abs_diff:.3g} "
+        f"(output scale {run.output_scale:.3g}); compile + first run {run.compile_seconds:.1f} s\n"
+    )
 
 
 # --------------------------------------------------------------------------- commands
@@ -288,20 +321,23 @@ def _dump_tp_rank(rank: int, world_size: int, args: argparse.Namespace) -> int: 
     from . import models_tp
 
     _, factory, options, _ = models_tp.BUNDLED_TP[args.target]
-    logging.basicConfig(level=logging.WARNING if rank == 0 else logging.ERROR,
-                        format=f"%(levelname)s rank{rank} %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.WARNING if rank == 0 else logging.ERROR, format=f"%(levelname)s rank{rank} %(name)s: %(message)s"
+    )
     model, inputs = factory(rank, world_size)
     return _dump(args, model, inputs, rank=rank, **options)
 
 
-def _dump(args: argparse.Namespace, model: torch.nn.Module, inputs: Sequence[Any], *, rank: int = 0,
-          **options: Any) -> int:
+def _dump(
+    args: argparse.Namespace, model: torch.nn.Module, inputs: Sequence[Any], *, rank: int = 0, **options: Any
+) -> int:
     """Compile ``model`` with the dump hooks and print / write what every pass did (only rank 0 of a TP
     run prints and writes; the other ranks compile the same graphs so that the collectives match)."""
     console = _console()
     out = Path(args.out)
-    config = _config(args, dump_dir=str(out) if rank == 0 else None, verify_each=args.verify_each,
-                     strict=args.strict, **options)
+    config = _config(
+        args, dump_dir=str(out) if rank == 0 else None, verify_each=args.verify_each, strict=args.strict, **options
+    )
     pipeline = _pipeline(args, config)
     names = [p.name for p in pipeline] if pipeline is not None else list(config.pipeline())
     hooks: list[Any] = []
@@ -324,11 +360,16 @@ def _dump(args: argparse.Namespace, model: torch.nn.Module, inputs: Sequence[Any
     if recorder is not None:
         from .inspect.html import write_html
 
-        page = write_html(out / "report.html", [(args.target, r) for r in run.reports], recorder,
-                          title=f"ascend_passes: {args.target}")
+        page = write_html(
+            out / "report.html",
+            [(args.target, r) for r in run.reports],
+            recorder,
+            title=f"ascend_passes: {args.target}",
+        )
         console.print(f"HTML report written to {page}")
-    rolled_back = [f"{r.name} ({r.error})" for report in run.reports for r in report.passes.values()
-                   if r.status != "ok"]
+    rolled_back = [
+        f"{r.name} ({r.error})" for report in run.reports for r in report.passes.values() if r.status != "ok"
+    ]
     if rolled_back:
         console.print("[red]rolled back: " + "; ".join(rolled_back) + "[/red]")
         return 1
@@ -368,40 +409,68 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ascend-passes", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("-v", "--verbose", action="count", default=0,
-                        help="log INFO (-v) or DEBUG (-vv) lines of the passes")
+    parser = argparse.ArgumentParser(
+        prog="ascend-passes", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "-v", "--verbose", action="count", default=0, help="log INFO (-v) or DEBUG (-vv) lines of the passes"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     def common(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--compiler", default="eager", choices=["eager", "inductor", "auto"],
-                       help="downstream compiler after the passes (default: eager)")
+        p.add_argument(
+            "--compiler",
+            default="eager",
+            choices=["eager", "inductor", "auto"],
+            help="downstream compiler after the passes (default: eager)",
+        )
         p.add_argument("--passes", default=None, help="pipeline, e.g. 'cleanup,norm,moe'")
         p.add_argument("--progress", action="store_true", help="show a progress bar across the passes")
 
     demo = sub.add_parser("demo", help="compile the bundled DeepSeek-V3-style model (+ MTP drafter)")
     common(demo)
-    demo.add_argument("--model", default=None, help="one bundled model instead of the demo set "
-                      "(`ascend-passes models` lists them, e.g. deepseek_v4_grouped_mm)")
+    demo.add_argument(
+        "--model",
+        default=None,
+        help="one bundled model instead of the demo set "
+        "(`ascend-passes models` lists them, e.g. deepseek_v4_grouped_mm)",
+    )
     demo.set_defaults(func=cmd_demo)
 
     dump = sub.add_parser("dump", help="write the graph before/after each pass, diffs and a summary")
     dump.add_argument("target", help="MODULE:FACTORY returning (model, example_inputs), or a bundled name")
     dump.add_argument("--out", default="ascend_passes_dump", help="output folder")
     dump.add_argument("--print-after-all", action="store_true", help="also print each graph after each pass")
-    dump.add_argument("--verify-each", action="store_true",
-                      help="run the graph after every pass and compare with the original")
-    dump.add_argument("--strict", action="store_true",
-                      help="stop at the first failing pass (error, exit status 2) instead of rolling it back")
-    dump.add_argument("--target", dest="device_target", choices=["auto", "cpu", "npu"], default=None,
-                      help="npu: also lower to torch_npu ops (works on CPU with the torch_npu wheel as data; "
-                           "the compiled model then runs the graph before lowering)")
-    dump.add_argument("--format", choices=["txt", "html"], default="txt",
-                      help="txt: .py/.diff/summary.txt per graph; html: those and OUT/report.html "
-                           "(passes, per-layer rewrites, near-misses, before/after pictures)")
-    dump.add_argument("--pipeline-extra", action="append", default=[], metavar="MODULE:CLASS",
-                      help="append a Pass subclass of your own to the pipeline (repeatable)")
+    dump.add_argument(
+        "--verify-each", action="store_true", help="run the graph after every pass and compare with the original"
+    )
+    dump.add_argument(
+        "--strict",
+        action="store_true",
+        help="stop at the first failing pass (error, exit status 2) instead of rolling it back",
+    )
+    dump.add_argument(
+        "--target",
+        dest="device_target",
+        choices=["auto", "cpu", "npu"],
+        default=None,
+        help="npu: also lower to torch_npu ops (works on CPU with the torch_npu wheel as data; "
+        "the compiled model then runs the graph before lowering)",
+    )
+    dump.add_argument(
+        "--format",
+        choices=["txt", "html"],
+        default="txt",
+        help="txt: .py/.diff/summary.txt per graph; html: those and OUT/report.html "
+        "(passes, per-layer rewrites, near-misses, before/after pictures)",
+    )
+    dump.add_argument(
+        "--pipeline-extra",
+        action="append",
+        default=[],
+        metavar="MODULE:CLASS",
+        help="append a Pass subclass of your own to the pipeline (repeatable)",
+    )
     common(dump)
     dump.set_defaults(func=cmd_dump)
 

@@ -9,8 +9,9 @@ import json
 import logging
 import math
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any, Mapping
+from typing import Any
 
 from .errors import ConfigError
 from .passes import PASS_TABLE
@@ -72,10 +73,12 @@ class EplbConfig:
                 "typical); use a count of the order of the routed experts"
             )
         if self.placement_file is not None and (
-                not isinstance(self.placement_file, (str, os.PathLike))
-                or not str(self.placement_file).strip()):
-            raise ConfigError(f"option 'eplb.placement_file'={self.placement_file!r} must be "
-                              "the path of a placement JSON file (str or os.PathLike), or None")
+            not isinstance(self.placement_file, (str, os.PathLike)) or not str(self.placement_file).strip()
+        ):
+            raise ConfigError(
+                f"option 'eplb.placement_file'={self.placement_file!r} must be "
+                "the path of a placement JSON file (str or os.PathLike), or None"
+            )
 
 
 @dataclass(frozen=True)
@@ -119,14 +122,15 @@ class AscendPassConfig:
             value = getattr(self, name)
             _typed(name, value, (int, float))
             if not math.isfinite(value) or value < 0:  # NaN compares false: it would pass any check
-                raise ConfigError(f"option '{name}'={value!r} is not a tolerance; use a finite "
-                                  "number >= 0 (e.g. 1e-4)")
+                raise ConfigError(f"option '{name}'={value!r} is not a tolerance; use a finite number >= 0 (e.g. 1e-4)")
         if self.dump_dir is not None:
             _typed("dump_dir", self.dump_dir, str)
             if not self.dump_dir.strip():
-                raise ConfigError(f"option 'dump_dir'={self.dump_dir!r} names no folder; give a "
-                                  "folder to write the graphs to, or leave dump_dir unset (None) "
-                                  "for no dump")
+                raise ConfigError(
+                    f"option 'dump_dir'={self.dump_dir!r} names no folder; give a "
+                    "folder to write the graphs to, or leave dump_dir unset (None) "
+                    "for no dump"
+                )
         if self.inductor_decompose is not None:
             names = _names("inductor_decompose", self.inductor_decompose, "ascend op names")
             object.__setattr__(self, "inductor_decompose", tuple(dict.fromkeys(names)))
@@ -135,19 +139,23 @@ class AscendPassConfig:
         _typed("sequence_parallel.enabled", self.sequence_parallel.enabled, bool)
         if self.shared_expert_dp and not self.sequence_parallel.enabled:
             # shared-expert DP computes on the SP token shards: it cannot run without SP
-            log.warning("shared_expert_dp needs sequence parallelism; turning sequence_parallel on "
-                        "(set sequence_parallel=True to silence this warning)")
-            object.__setattr__(self, "sequence_parallel",
-                               dataclasses.replace(self.sequence_parallel, enabled=True))
+            log.warning(
+                "shared_expert_dp needs sequence parallelism; turning sequence_parallel on "
+                "(set sequence_parallel=True to silence this warning)"
+            )
+            object.__setattr__(self, "sequence_parallel", dataclasses.replace(self.sequence_parallel, enabled=True))
         _typed("eplb.enabled", self.eplb.enabled, bool)
         _typed("eplb.record_load", self.eplb.record_load, bool)
         _typed("eplb.ep_size", self.eplb.ep_size, int)
         if self.eplb.ep_size < 1:
             raise ConfigError(f"option 'eplb.ep_size'={self.eplb.ep_size} must be 1 or more")
         if self.eplb.ep_group is not None and not (
-                isinstance(self.eplb.ep_group, str) or hasattr(self.eplb.ep_group, "size")):
-            raise ConfigError(f"option 'eplb.ep_group'={self.eplb.ep_group!r} must be a "
-                              "torch.distributed ProcessGroup, a group name or None (the world group)")
+            isinstance(self.eplb.ep_group, str) or hasattr(self.eplb.ep_group, "size")
+        ):
+            raise ConfigError(
+                f"option 'eplb.ep_group'={self.eplb.ep_group!r} must be a "
+                "torch.distributed ProcessGroup, a group name or None (the world group)"
+            )
         _choice("eplb.ep_tokens", self.eplb.ep_tokens, ("replicated", "sharded"))
 
     # ----------------------------------------------------------------------------- checks at build
@@ -173,14 +181,17 @@ class AscendPassConfig:
             return valid
         for item in self.inductor_decompose:
             if item not in valid:
-                raise ConfigError(f"option 'inductor_decompose' names {item!r}, which is not an ascend op with a "
-                                  f"decomposition; valid ops are: {', '.join(valid)}")
+                raise ConfigError(
+                    f"option 'inductor_decompose' names {item!r}, which is not an ascend op with a "
+                    f"decomposition; valid ops are: {', '.join(valid)}"
+                )
         return self.inductor_decompose
 
     # ----------------------------------------------------------------------------- building
     @classmethod
-    def from_options(cls, options: "AscendPassConfig | Mapping[str, Any] | None" = None,
-                     **overrides: Any) -> "AscendPassConfig":
+    def from_options(
+        cls, options: AscendPassConfig | Mapping[str, Any] | None = None, **overrides: Any
+    ) -> AscendPassConfig:
         """Build a config from ``torch.compile(options=...)``.
 
         Keys are the field names; sections take a dict (``{"eplb": {"num_redundant_experts": 4}}``)
@@ -195,9 +206,7 @@ class AscendPassConfig:
         if options is None:
             options = {}
         if not isinstance(options, Mapping):
-            raise ConfigError(
-                f"options must be a dict or an AscendPassConfig, got {type(options).__name__}"
-            )
+            raise ConfigError(f"options must be a dict or an AscendPassConfig, got {type(options).__name__}")
         merged: dict[str, Any] = {**options, **overrides}
         top: dict[str, Any] = {}
         sections: dict[str, dict[str, Any]] = {}
@@ -302,8 +311,7 @@ def _pass_list(name: str, value: Any) -> tuple[str, ...]:
     for item in items:
         if item not in DEFAULT_PIPELINE:
             raise ConfigError(
-                f"option '{name}' names unknown pass {item!r}; valid passes are: "
-                f"{', '.join(DEFAULT_PIPELINE)}"
+                f"option '{name}' names unknown pass {item!r}; valid passes are: {', '.join(DEFAULT_PIPELINE)}"
             )
     if len(set(items)) != len(items):
         raise ConfigError(f"option '{name}' lists a pass twice: {', '.join(items)}")

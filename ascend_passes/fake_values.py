@@ -104,8 +104,10 @@ def _receives_other_values(node: fx.Node, before: NodeInputs, changed: dict[fx.N
     pairs = _replaced_inputs(node, before)
     if pairs is None:
         return True
-    return any(not (isinstance(old, fx.Node) and isinstance(new, fx.Node)
-                    and _same(old.meta.get("val"), new.meta.get("val"))) for old, new in pairs)
+    return any(
+        not (isinstance(old, fx.Node) and isinstance(new, fx.Node) and _same(old.meta.get("val"), new.meta.get("val")))
+        for old, new in pairs
+    )
 
 
 def _fake_mode(graph: fx.Graph) -> FakeTensorMode | None:
@@ -141,8 +143,7 @@ def _same(a: Any, b: Any) -> bool:
             return False
         if a.dtype != b.dtype or a.dim() != b.dim():
             return False
-        return all(statically_known_true(x == y) for x, y in
-                   zip((*a.shape, *a.stride()), (*b.shape, *b.stride())))
+        return all(statically_known_true(x == y) for x, y in zip((*a.shape, *a.stride()), (*b.shape, *b.stride())))
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
     if isinstance(a, torch.SymInt) or isinstance(b, torch.SymInt):
@@ -162,8 +163,11 @@ def _cause(node: fx.Node, before: NodeInputs, changed: dict[fx.Node, str]) -> st
     """The rewrite behind ``node``'s inputs: an input the pass replaced (old and new strides),
     else the rewrite behind an input whose value changed upstream."""
     for old, new in (_replaced_inputs(node, before) or []) if node in before else []:
-        if isinstance(old, fx.Node) and isinstance(new, fx.Node) \
-                and not _same(old.meta.get("val"), new.meta.get("val")):
+        if (
+            isinstance(old, fx.Node)
+            and isinstance(new, fx.Node)
+            and not _same(old.meta.get("val"), new.meta.get("val"))
+        ):
             return f"{old.name} ({_strides(old)}) replaced by {new.name} ({new.target}, {_strides(new)})"
     return next((changed[a] for a in node.all_input_nodes if a in changed), None)
 
@@ -175,9 +179,11 @@ def _message(node: fx.Node, before: NodeInputs, changed: dict[fx.Node, str], exc
     place = where(node)
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     cause = _cause(node, before, changed)
-    return (f"{node.name} ({node.target}{', in ' + place if place else ''}) can no longer run on "
-            f"its inputs{' after the rewrite ' + cause if cause else ''}: {first}  A replacement "
-            "must keep the strides of the value it replaces where a later view relies on them")
+    return (
+        f"{node.name} ({node.target}{', in ' + place if place else ''}) can no longer run on "
+        f"its inputs{' after the rewrite ' + cause if cause else ''}: {first}  A replacement "
+        "must keep the strides of the value it replaces where a later view relies on them"
+    )
 
 
 __all__ = ["LayoutChangeError", "check_fake_values", "node_inputs"]

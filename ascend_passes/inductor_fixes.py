@@ -49,8 +49,9 @@ def install() -> None:
     current = SchedulerNode.recompute_size_and_body
     if not getattr(current, _MARK, False):
         SchedulerNode.recompute_size_and_body = _keep_mutation_renames(current)
-        log.debug("Inductor fix installed: SchedulerNode.recompute_size_and_body keeps mutation "
-                  "renames (pytorch#185509)")
+        log.debug(
+            "Inductor fix installed: SchedulerNode.recompute_size_and_body keeps mutation renames (pytorch#185509)"
+        )
 
 
 __all__ = ["install"]

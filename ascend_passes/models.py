@@ -1,6 +1,6 @@
-"""Tiny, deterministic Hugging Face models (DeepseekV3, DeepseekV4, Qwen3-MoE, DeepseekV3 MTP, Llama) that tests, the CLI
-demo and benchmarks compile; each factory returns ``(model, example_inputs)`` with ``model(*example_inputs)``
-returning tensors."""
+"""Tiny, deterministic Hugging Face models (DeepseekV3, DeepseekV4, Qwen3-MoE, DeepseekV3 MTP, Llama)
+that tests, the CLI demo and benchmarks compile; each factory returns ``(model, example_inputs)``
+with ``model(*example_inputs)`` returning tensors."""
 
 from __future__ import annotations
 
@@ -144,8 +144,17 @@ def _input_ids(vocab_size: int, batch: int, tokens: int) -> torch.Tensor:
 # DeepseekV3
 
 
-def _seeded_lm(lm_cls: Any, config: Any, name: str, dtype: torch.dtype, *, batch: int, tokens: int,
-               seed: int, init: Callable[[nn.Module], None] | None = None) -> tuple[CausalLMLogits, tuple[torch.Tensor]]:
+def _seeded_lm(
+    lm_cls: Any,
+    config: Any,
+    name: str,
+    dtype: torch.dtype,
+    *,
+    batch: int,
+    tokens: int,
+    seed: int,
+    init: Callable[[nn.Module], None] | None = None,
+) -> tuple[CausalLMLogits, tuple[torch.Tensor]]:
     """Build ``lm_cls(config)`` with seeded weights (caller's RNG state untouched; ``init``: a further
     model-specific initialisation, same RNG stream) and its ``input_ids``; returns
     ``(CausalLMLogits(lm), (input_ids,))``."""
@@ -219,8 +228,15 @@ def deepseek_v3(
     from transformers import DeepseekV3ForCausalLM
 
     config = _deepseek_v3_config(experts_implementation, num_layers, overrides)
-    return _seeded_lm(DeepseekV3ForCausalLM, config, f"deepseek_v3 ({experts_implementation})", dtype, batch=batch,
-                      tokens=tokens, seed=seed)
+    return _seeded_lm(
+        DeepseekV3ForCausalLM,
+        config,
+        f"deepseek_v3 ({experts_implementation})",
+        dtype,
+        batch=batch,
+        tokens=tokens,
+        seed=seed,
+    )
 
 
 def deepseek_v3_mtp(
@@ -345,8 +361,16 @@ def deepseek_v4(
     config = DeepseekV4Config(**fields)
     config._attn_implementation = "eager"
     config._experts_implementation = experts_implementation
-    return _seeded_lm(DeepseekV4ForCausalLM, config, f"deepseek_v4 ({experts_implementation})", dtype, batch=batch,
-                      tokens=tokens, seed=seed, init=_init_hash_tables)
+    return _seeded_lm(
+        DeepseekV4ForCausalLM,
+        config,
+        f"deepseek_v4 ({experts_implementation})",
+        dtype,
+        batch=batch,
+        tokens=tokens,
+        seed=seed,
+        init=_init_hash_tables,
+    )
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -390,8 +414,15 @@ def qwen3_moe(
     config = Qwen3MoeConfig(**fields)
     config._attn_implementation = "sdpa"
     config._experts_implementation = experts_implementation
-    return _seeded_lm(Qwen3MoeForCausalLM, config, f"qwen3_moe ({experts_implementation})", dtype, batch=batch,
-                      tokens=tokens, seed=seed)
+    return _seeded_lm(
+        Qwen3MoeForCausalLM,
+        config,
+        f"qwen3_moe ({experts_implementation})",
+        dtype,
+        batch=batch,
+        tokens=tokens,
+        seed=seed,
+    )
 
 
 def llama_dense(

@@ -165,16 +165,26 @@ def expected_all_reduce_count(num_layers: int) -> int:
 _VOCAB_PARALLEL = ("embed_tokens.weight", "lm_head.weight", "shared_head.weight")
 
 
-def _sharded_state_dict(full: dict[str, torch.Tensor], config: Any, rank: int, ws: int,
-                        shared_replicated: bool = False, moe_replicated: bool = False) -> dict[str, torch.Tensor]:
+def _sharded_state_dict(
+    full: dict[str, torch.Tensor],
+    config: Any,
+    rank: int,
+    ws: int,
+    shared_replicated: bool = False,
+    moe_replicated: bool = False,
+) -> dict[str, torch.Tensor]:
     """This rank's slices of a full (single-process) ``DeepseekV3ForCausalLM`` or ``MtpModel`` state dict."""
     out: dict[str, torch.Tensor] = {}
     i_moe = config.moe_intermediate_size
     for name, t in full.items():
         leaf = name.split(".")[-1]
         parent = name.split(".")[-2] if "." in name else ""
-        if (shared_replicated or moe_replicated) and ".shared_experts." in name \
-                or moe_replicated and ".mlp.experts." in name:
+        if (
+            (shared_replicated or moe_replicated)
+            and ".shared_experts." in name
+            or moe_replicated
+            and ".mlp.experts." in name
+        ):
             out[name] = t.clone()  # full weights on every rank
         elif name.endswith(_VOCAB_PARALLEL):
             out[name] = _shard(t, 0, rank, ws)  # vocab rows
@@ -193,8 +203,13 @@ def _sharded_state_dict(full: dict[str, torch.Tensor], config: Any, rank: int, w
 
 
 def _tp_config(config: Any, world_size: int) -> Any:
-    for field in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "moe_intermediate_size",
-                  "vocab_size"):
+    for field in (
+        "num_attention_heads",
+        "num_key_value_heads",
+        "intermediate_size",
+        "moe_intermediate_size",
+        "vocab_size",
+    ):
         if getattr(config, field) % world_size:
             raise ConfigError(f"{field}={getattr(config, field)} is not divisible by world_size={world_size}")
     if config.n_shared_experts != 1:
@@ -230,13 +245,15 @@ def _parallelize_layer(layer: nn.Module, config: Any, tp_config: Any, group: Any
         if shared_expert == "replicated":
             mlp.shared_replicated = True
             mlp.shared_experts = DeepseekV3MLP(
-                config=config, intermediate_size=config.moe_intermediate_size * config.n_shared_experts)
+                config=config, intermediate_size=config.moe_intermediate_size * config.n_shared_experts
+            )
     else:
         mlp.down_proj = RowParallelLinear(tp_config.intermediate_size, hidden, False, group)
 
 
-def _tp_lm(full_lm: nn.Module, rank: int, world_size: int, group: Any, shared_expert: str,
-           dtype: torch.dtype) -> nn.Module:
+def _tp_lm(
+    full_lm: nn.Module, rank: int, world_size: int, group: Any, shared_expert: str, dtype: torch.dtype
+) -> nn.Module:
     from transformers import DeepseekV3ForCausalLM
 
     config = full_lm.config
@@ -248,9 +265,18 @@ def _tp_lm(full_lm: nn.Module, rank: int, world_size: int, group: Any, shared_ex
     for layer in lm.model.layers:
         _parallelize_layer(layer, config, tp_config, group, shared_expert)
     lm = models._finish(lm, dtype)  # buffers (rotary) in dtype, router in fp32, like the reference
-    lm.load_state_dict(_sharded_state_dict(full_lm.state_dict(), config, rank, world_size,
-                                           shared_expert == "replicated", shared_expert == "moe_replicated"),
-                       strict=True, assign=True)
+    lm.load_state_dict(
+        _sharded_state_dict(
+            full_lm.state_dict(),
+            config,
+            rank,
+            world_size,
+            shared_expert == "replicated",
+            shared_expert == "moe_replicated",
+        ),
+        strict=True,
+        assign=True,
+    )
     return lm.eval()
 
 
@@ -258,8 +284,10 @@ def _check_rank(rank: int, world_size: int, shared_expert: str) -> None:
     if not 0 <= rank < world_size:
         raise ConfigError(f"rank={rank} is not in [0, {world_size})")
     if shared_expert not in ("tp", "replicated", "moe_replicated"):
-        raise ConfigError(f"shared_expert={shared_expert!r}: use 'tp' (sharded along I), 'replicated', or "
-                          "'moe_replicated' (the whole MoE block replicated, for expert parallelism)")
+        raise ConfigError(
+            f"shared_expert={shared_expert!r}: use 'tp' (sharded along I), 'replicated', or "
+            "'moe_replicated' (the whole MoE block replicated, for expert parallelism)"
+        )
 
 
 def deepseek_v3_tp(
@@ -314,9 +342,18 @@ def deepseek_v3_mtp_tp(
     for layer in mtp.layers:
         _parallelize_layer(layer.mtp_block, config, tp_config, group, shared_expert)
     mtp = models._finish(mtp, dtype)
-    mtp.load_state_dict(_sharded_state_dict(full_drafter.mtp.state_dict(), config, rank, world_size,
-                                            shared_expert == "replicated", shared_expert == "moe_replicated"),
-                        strict=True, assign=True)
+    mtp.load_state_dict(
+        _sharded_state_dict(
+            full_drafter.mtp.state_dict(),
+            config,
+            rank,
+            world_size,
+            shared_expert == "replicated",
+            shared_expert == "moe_replicated",
+        ),
+        strict=True,
+        assign=True,
+    )
     main = models.CausalLMLogits(lm).eval()
     return models.MtpDrafter(mtp.eval(), main, full_drafter.main_example_inputs).eval(), inputs
 
@@ -325,13 +362,15 @@ def deepseek_v3_mtp_tp(
 # bundled TP targets of the CLI: (world size, factory(rank, world_size), compile options, description)
 BUNDLED_TP: dict[str, tuple[int, Any, dict[str, Any], str]] = {
     "deepseek_v3_tp2": (
-        2, functools.partial(deepseek_v3_tp, shared_expert="replicated"),
+        2,
+        functools.partial(deepseek_v3_tp, shared_expert="replicated"),
         {"sequence_parallel": True, "shared_expert_dp": True},
         "the bundled DeepseekV3 tensor-parallel over 2 gloo ranks on this machine (replicated shared expert), "
         "with sequence parallelism and shared-expert DP; rank 0's graphs are shown",
     ),
     "deepseek_v3_mtp1_tp2": (
-        2, functools.partial(deepseek_v3_mtp_tp, num_mtp_layers=1, shared_expert="replicated"),
+        2,
+        functools.partial(deepseek_v3_mtp_tp, num_mtp_layers=1, shared_expert="replicated"),
         {"sequence_parallel": True, "shared_expert_dp": True},
         "its MTP drafter (1 MTP layer), tensor-parallel over 2 gloo ranks, SP + shared-expert DP",
     ),

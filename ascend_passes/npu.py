@@ -31,8 +31,13 @@ Kwargs = dict[str, Any]
 Check = Callable[[dict[str, Any]], "str | None"]
 
 # torch_npu's dtype numbers for ``int? output_dtype`` (op_plugin/meta/_meta_registrations.py, TORCH_DTYPE_MAP)
-NPU_DTYPE_NUMBER: dict[torch.dtype, int] = {torch.float16: 5, torch.bfloat16: 15, torch.float32: 6,
-                                             torch.int8: 1, torch.int32: 3}
+NPU_DTYPE_NUMBER: dict[torch.dtype, int] = {
+    torch.float16: 5,
+    torch.bfloat16: 15,
+    torch.float32: 6,
+    torch.int8: 1,
+    torch.int32: 3,
+}
 
 
 @dataclass(frozen=True)
@@ -113,7 +118,9 @@ def lowered_call(ascend_name: str, args: Args, kwargs: Kwargs) -> tuple[Callable
     """The NPU op and the (adapted) arguments for a call of ``torch.ops.ascend.<ascend_name>``."""
     op = npu_overload(ascend_name)
     if op is None:
-        raise RuntimeError(f"lowering ascend.{ascend_name} needs torch_npu's schemas: torch_npu does "
-                           "not import here and npu_schemas.load() has not run")
+        raise RuntimeError(
+            f"lowering ascend.{ascend_name} needs torch_npu's schemas: torch_npu does "
+            "not import here and npu_schemas.load() has not run"
+        )
     new_args, new_kwargs = _rows()[ascend_name].adapt(args, kwargs)
     return op, new_args, new_kwargs

@@ -60,8 +60,15 @@ STAND_INS: dict[str, Any] = {
     "_is_gte_cann_version": True,
 }
 # torch_npu's own dtype numbers (torch_npu/_C's enum) for the dtypes that torch lacks
-_NPU_DTYPES = {"int4": 285, "hifloat8": 290, "float8_e8m0fnu": 293, "float4_e2m1fn_x2": 296,
-               "float4_e1m2fn_x2": 297, "float4_e2m1": 296, "float4_e1m2": 297}
+_NPU_DTYPES = {
+    "int4": 285,
+    "hifloat8": 290,
+    "float8_e8m0fnu": 293,
+    "float4_e2m1fn_x2": 296,
+    "float4_e1m2fn_x2": 297,
+    "float4_e2m1": 296,
+    "float4_e1m2": 297,
+}
 
 
 class NpuSchemaError(AscendPassesError, RuntimeError):
@@ -80,8 +87,10 @@ def wheel_path() -> Path | None:
     if env:
         path = Path(env).expanduser()
         if not path.is_file():
-            raise NpuSchemaError(f"{WHEEL_ENV}={env} is not a file; point it at a torch_npu "
-                                 f"{TORCH_NPU_VERSION} wheel (pip download torch-npu=={TORCH_NPU_VERSION} --no-deps)")
+            raise NpuSchemaError(
+                f"{WHEEL_ENV}={env} is not a file; point it at a torch_npu "
+                f"{TORCH_NPU_VERSION} wheel (pip download torch-npu=={TORCH_NPU_VERSION} --no-deps)"
+            )
         return path
     found = sorted(cache_dir().glob(f"torch_npu-{TORCH_NPU_VERSION}-*.whl"))
     return found[0] if found else None
@@ -104,8 +113,9 @@ def _read(path: Path, mtime: float, member: str) -> str:
         with zipfile.ZipFile(path) as zf:
             return zf.read(member).decode("utf-8")
     except (OSError, zipfile.BadZipFile, KeyError) as exc:
-        raise NpuSchemaError(f"cannot read {member} from {path} ({type(exc).__name__}: {exc}); "
-                             f"download the wheel again (tools/setup.sh)") from exc
+        raise NpuSchemaError(
+            f"cannot read {member} from {path} ({type(exc).__name__}: {exc}); download the wheel again (tools/setup.sh)"
+        ) from exc
 
 
 def wheel_text(member: str, wheel: str | os.PathLike[str] | None = None) -> str:
@@ -123,8 +133,9 @@ def _wheel_names(path: Path) -> list[str]:
         with zipfile.ZipFile(path) as zf:
             return zf.namelist()
     except (OSError, zipfile.BadZipFile) as exc:
-        raise NpuSchemaError(f"cannot read the torch_npu wheel {path} ({exc}); download it again "
-                             f"(tools/setup.sh)") from exc
+        raise NpuSchemaError(
+            f"cannot read the torch_npu wheel {path} ({exc}); download it again (tools/setup.sh)"
+        ) from exc
 
 
 @functools.cache
@@ -199,8 +210,7 @@ def _stub_module(name: str, **attrs: Any) -> types.ModuleType:
     return mod
 
 
-def _exec_without_imports(source: str, filename: str, namespace: dict[str, Any],
-                          drop: tuple[str, ...]) -> None:
+def _exec_without_imports(source: str, filename: str, namespace: dict[str, Any], drop: tuple[str, ...]) -> None:
     """Execute ``source`` with its top-level imports of the modules in ``drop`` removed (the
     namespace provides those names)."""
     tree = ast.parse(source, filename)
@@ -218,8 +228,7 @@ def _exec_without_imports(source: str, filename: str, namespace: dict[str, Any],
 
 def _register_meta(path: Path, mtime: float) -> tuple[Library, int]:
     """Execute the wheel's meta registrations against the defined ops; returns the IMPL library."""
-    err_ns: dict[str, Any] = {"__name__": "torch_npu.utils._error_code",
-                              "_is_interactive_command_line": lambda: True}
+    err_ns: dict[str, Any] = {"__name__": "torch_npu.utils._error_code", "_is_interactive_command_line": lambda: True}
     _exec_without_imports(_read(path, mtime, ERROR_CODE_FILE), ERROR_CODE_FILE, err_ns, ("torch_npu",))
     npu_lib = Library("npu", "IMPL", "Meta")
     skipped = object()  # the meta file's aten Library: its overrides are not applied
@@ -237,24 +246,37 @@ def _register_meta(path: Path, mtime: float) -> tuple[Library, int]:
                 torch.library.impl(lib, name, *args, **kwargs)(fn)
                 count += 1
             return fn
+
         return register
 
-    utils = _stub_module("torch_npu.npu.utils", get_cann_version=lambda *a, **k: STAND_INS["get_cann_version"],
-                         _is_gte_cann_version=lambda *a, **k: STAND_INS["_is_gte_cann_version"])
-    torch_npu = _stub_module("torch_npu", npu=_stub_module("torch_npu.npu", utils=utils),
-                             uint8=torch.uint8, float8_e5m2=torch.float8_e5m2,
-                             float8_e4m3fn=torch.float8_e4m3fn, **_NPU_DTYPES)
+    utils = _stub_module(
+        "torch_npu.npu.utils",
+        get_cann_version=lambda *a, **k: STAND_INS["get_cann_version"],
+        _is_gte_cann_version=lambda *a, **k: STAND_INS["_is_gte_cann_version"],
+    )
+    torch_npu = _stub_module(
+        "torch_npu",
+        npu=_stub_module("torch_npu.npu", utils=utils),
+        uint8=torch.uint8,
+        float8_e5m2=torch.float8_e5m2,
+        float8_e4m3fn=torch.float8_e4m3fn,
+        **_NPU_DTYPES,
+    )
     namespace: dict[str, Any] = {
         "__name__": "torch_npu.op_plugin.meta._meta_registrations",
-        "torch_npu": torch_npu, "Library": library, "impl": impl,
+        "torch_npu": torch_npu,
+        "Library": library,
+        "impl": impl,
         "has_side_effect": torch.fx.node.has_side_effect,
-        "ErrCode": err_ns["ErrCode"], "ops_error": err_ns["ops_error"],
+        "ErrCode": err_ns["ErrCode"],
+        "ops_error": err_ns["ops_error"],
         "get_cann_version": utils.get_cann_version,
         "get_soc_version": lambda *a, **k: STAND_INS["get_soc_version"],
     }
     try:
-        _exec_without_imports(_read(path, mtime, META_FILE), META_FILE, namespace,
-                              ("torch_npu", "torch.library", "torch.fx.node"))
+        _exec_without_imports(
+            _read(path, mtime, META_FILE), META_FILE, namespace, ("torch_npu", "torch.library", "torch.fx.node")
+        )
     except Exception:
         npu_lib._destroy()
         raise
@@ -279,8 +301,10 @@ def load(wheel: str | os.PathLike[str] | None = None) -> bool:
     table = _schemas(path, mtime)
     clash = [k for k in table if defined(k.split(".")[0], "npu")]
     if clash:
-        raise NpuSchemaError(f"the npu namespace already defines {clash[0]} (and {len(clash) - 1} more) "
-                             "without torch_npu: something else registered npu ops")
+        raise NpuSchemaError(
+            f"the npu namespace already defines {clash[0]} (and {len(clash) - 1} more) "
+            "without torch_npu: something else registered npu ops"
+        )
     lib = Library("npu", "DEF")
     try:
         for func in table.values():
@@ -291,8 +315,10 @@ def load(wheel: str | os.PathLike[str] | None = None) -> bool:
         raise
     except Exception as exc:
         lib._destroy()
-        raise NpuSchemaError(f"the torch_npu wheel {path.name} did not load ({type(exc).__name__}: {exc}); "
-                             f"this package pairs with torch_npu {TORCH_NPU_VERSION}") from exc
+        raise NpuSchemaError(
+            f"the torch_npu wheel {path.name} did not load ({type(exc).__name__}: {exc}); "
+            f"this package pairs with torch_npu {TORCH_NPU_VERSION}"
+        ) from exc
     seconds = time.perf_counter() - t0
     _STATE["npu"] = _Loaded(path, [meta_lib, lib], count, seconds)
     log.info("npu ops from %s: %d schemas, %d meta kernels in %.2f s", path.name, len(table), count, seconds)
@@ -315,5 +341,18 @@ def schemas_available() -> bool:
     return loaded() or torch_npu_available()
 
 
-__all__ = ["NpuSchemaError", "STAND_INS", "TORCH_NPU_VERSION", "WHEEL_ENV", "cache_dir", "converters",
-           "load", "loaded", "schemas", "schemas_available", "unload", "wheel_path", "wheel_text"]
+__all__ = [
+    "NpuSchemaError",
+    "STAND_INS",
+    "TORCH_NPU_VERSION",
+    "WHEEL_ENV",
+    "cache_dir",
+    "converters",
+    "load",
+    "loaded",
+    "schemas",
+    "schemas_available",
+    "unload",
+    "wheel_path",
+    "wheel_text",
+]

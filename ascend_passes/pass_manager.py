@@ -11,9 +11,10 @@ import hashlib
 import importlib.util
 import logging
 import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Iterator, Mapping, Sequence
+from typing import Any, ClassVar
 
 import torch
 import torch.fx as fx
@@ -68,14 +69,16 @@ class PassResult:
     def changed(self) -> bool:
         return self.status == "ok" and (bool(self.matches) or self.nodes_before != self.nodes_after)
 
-    def match(self, pattern: str, *, layer: str | None = None, nodes: Sequence[fx.Node] | None = None,
-              **details: Any) -> Match:
+    def match(
+        self, pattern: str, *, layer: str | None = None, nodes: Sequence[fx.Node] | None = None, **details: Any
+    ) -> Match:
         m = Match(pattern, layer, [n.name for n in nodes or ()], dict(details))
         self.matches.append(m)
         return m
 
-    def near_miss(self, pattern: str, reason: str, *, layer: str | None = None,
-                  node: fx.Node | None = None) -> NearMiss:
+    def near_miss(
+        self, pattern: str, reason: str, *, layer: str | None = None, node: fx.Node | None = None
+    ) -> NearMiss:
         nm = NearMiss(pattern, reason, layer, node.name if node is not None else None)
         self.near_misses.append(nm)
         return nm
@@ -189,7 +192,7 @@ def source_digest(modules: Sequence[str]) -> str:
     return _source_digest(tuple(modules))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _source_digest(modules: tuple[str, ...]) -> str:
     h = hashlib.sha256()
     for name in modules:
@@ -217,7 +220,7 @@ def module_sources(modules: Sequence[str]) -> dict[str, str]:
     return found
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _module_file(name: str) -> str | None:
     """The ``.py`` file of module ``name``, or None (not a module: an attribute imported by
     name, a module without source, ``__main__``)."""
@@ -240,7 +243,7 @@ def _package_modules(package: str) -> list[str]:
     return out
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _imports(name: str, path: str) -> tuple[str, ...]:
     """The ``ascend_passes`` modules the source of ``name`` imports (``from X import y`` gives
     ``X.y`` when that is a module, else ``X``); none when it does not parse (its bytes are still
@@ -305,8 +308,10 @@ def check_pipeline(passes: Sequence[Pass], config: AscendPassConfig) -> None:
         for needed in p.requires:
             if needed in position:
                 continue
-            message = (f"pass '{p.name}' needs '{needed}' before it ({_reason(type(p), needed, classes)}), "
-                       f"and the pipeline {','.join(names)} has no '{needed}'")
+            message = (
+                f"pass '{p.name}' needs '{needed}' before it ({_reason(type(p), needed, classes)}), "
+                f"and the pipeline {','.join(names)} has no '{needed}'"
+            )
             if needed in config.disable:
                 fix = f"remove '{needed}' from disable"
             else:
@@ -384,8 +389,7 @@ class PassManager:
             h.update(p.uuid().encode())
         return h.hexdigest()
 
-    def run(self, gm: fx.GraphModule, ctx: PassContext,
-            hooks: Sequence[PassHook] = ()) -> PipelineResult:
+    def run(self, gm: fx.GraphModule, ctx: PassContext, hooks: Sequence[PassHook] = ()) -> PipelineResult:
         start = time.perf_counter()
         cfg = self.config
         reference = None
@@ -395,9 +399,11 @@ class PassManager:
         if check_numerics and _has_collectives(gm):
             # running a graph with collectives in the middle of a compile hung on gloo (an
             # all_gather_into_tensor never completed) — never risk a hang for a check
-            log.warning("verify requested, but this graph holds collectives (%s): it is not run during "
-                        "the compile; compare each rank's output with the single-process model instead",
-                        ", ".join(sorted(_collectives(gm))))
+            log.warning(
+                "verify requested, but this graph holds collectives (%s): it is not run during "
+                "the compile; compare each rank's output with the single-process model instead",
+                ", ".join(sorted(_collectives(gm))),
+            )
             check_numerics = False
         if check_numerics:
             reference = _run_graph(gm, ctx.real_inputs)
@@ -419,8 +425,9 @@ class PassManager:
                     )
         return PipelineResult(results, time.perf_counter() - start, verified)
 
-    def _run_one(self, p: Pass, gm: fx.GraphModule, ctx: PassContext, hooks: Sequence[PassHook],
-                 reference: Any) -> PassResult:
+    def _run_one(
+        self, p: Pass, gm: fx.GraphModule, ctx: PassContext, hooks: Sequence[PassHook], reference: Any
+    ) -> PassResult:
         snapshot = _Snapshot(gm)
         nodes_before = len(gm.graph.nodes)
         for hook in hooks:
@@ -442,8 +449,9 @@ class PassManager:
             snapshot.restore(gm)
             if self.config.strict:
                 raise PassError(p.name, f"{type(exc).__name__}: {exc}") from exc
-            log.warning("pass %s failed and was rolled back (%s: %s); compiling on without it",
-                        p.name, type(exc).__name__, exc)
+            log.warning(
+                "pass %s failed and was rolled back (%s: %s); compiling on without it", p.name, type(exc).__name__, exc
+            )
             result = PassResult(p.name, status="rolled_back", error=f"{type(exc).__name__}: {exc}")
         result.name = p.name
         result.seconds = time.perf_counter() - t0
@@ -460,11 +468,17 @@ def _log_result(result: PassResult) -> None:
         return
     counts = ", ".join(f"{k} x{v}" for k, v in sorted(result.counts().items())) or "nothing"
     extra = f"; {len(result.near_misses)} near-miss(es)" if result.near_misses else ""
-    log.info("pass %s: replaced %s (%d -> %d nodes, %.1f ms)%s", result.name, counts,
-             result.nodes_before, result.nodes_after, result.seconds * 1e3, extra)
+    log.info(
+        "pass %s: replaced %s (%d -> %d nodes, %.1f ms)%s",
+        result.name,
+        counts,
+        result.nodes_before,
+        result.nodes_after,
+        result.seconds * 1e3,
+        extra,
+    )
     for nm in result.near_misses:
-        log.debug("pass %s: near-miss %s at %s: %s", result.name, nm.pattern, nm.layer or nm.node,
-                  nm.reason)
+        log.debug("pass %s: near-miss %s at %s: %s", result.name, nm.pattern, nm.layer or nm.node, nm.reason)
 
 
 # --------------------------------------------------------------------------------- checks
@@ -492,8 +506,14 @@ class _Snapshot:
         env: dict[fx.Node, fx.Node] = {}
         for node, op, name, type_, meta in self.records:
             target, args, kwargs = self.node_inputs[node]
-            new = graph.create_node(op, target, fx.node.map_arg(args, env.__getitem__),
-                                    fx.node.map_arg(kwargs, env.__getitem__), name, type_)
+            new = graph.create_node(
+                op,
+                target,
+                fx.node.map_arg(args, env.__getitem__),
+                fx.node.map_arg(kwargs, env.__getitem__),
+                name,
+                type_,
+            )
             new.meta = dict(meta)
             env[node] = new
         return graph
@@ -570,9 +590,14 @@ def _check_graph(gm: fx.GraphModule, snapshot: _Snapshot) -> None:
 
 
 def _collectives(gm: fx.GraphModule) -> set[str]:
-    return {str(n.target) for n in gm.graph.nodes if n.op == "call_function"
-            and isinstance(n.target, torch._ops.OpOverload) and n.target.namespace == "_c10d_functional"
-            and n.target._opname != "wait_tensor"}
+    return {
+        str(n.target)
+        for n in gm.graph.nodes
+        if n.op == "call_function"
+        and isinstance(n.target, torch._ops.OpOverload)
+        and n.target.namespace == "_c10d_functional"
+        and n.target._opname != "wait_tensor"
+    }
 
 
 def _has_collectives(gm: fx.GraphModule) -> bool:

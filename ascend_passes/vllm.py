@@ -38,7 +38,8 @@ import hashlib
 import logging
 import os
 import sys
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
@@ -67,15 +68,21 @@ class VllmPostGradPass(CustomGraphPass):
     (``is_applicable_for_range``, which vLLM's pass manager calls per piece); None: every range.
     """
 
-    def __init__(self, config: AscendPassConfig | dict[str, Any] | None = None, *,
-                 compile_ranges: Iterable[tuple[int, int]] | None = None, **options: Any) -> None:
+    def __init__(
+        self,
+        config: AscendPassConfig | dict[str, Any] | None = None,
+        *,
+        compile_ranges: Iterable[tuple[int, int]] | None = None,
+        **options: Any,
+    ) -> None:
         self.config = AscendPassConfig.from_options(config, **options)
         if compile_ranges is not None:
             ranges = tuple((int(lo), int(hi)) for lo, hi in compile_ranges)
             for lo, hi in ranges:
                 if lo > hi:
-                    raise ConfigError(f"compile_ranges: ({lo}, {hi}) is empty; give (first, last) "
-                                      "token counts with first <= last")
+                    raise ConfigError(
+                        f"compile_ranges: ({lo}, {hi}) is empty; give (first, last) token counts with first <= last"
+                    )
             self.compile_ranges: tuple[tuple[int, int], ...] | None = ranges
         else:
             self.compile_ranges = None
@@ -105,16 +112,18 @@ class VllmPostGradPass(CustomGraphPass):
         ``Range`` with ``start``/``end``, both included)."""
         if self.compile_ranges is None:
             return True
-        return any(lo <= compile_range.start and compile_range.end <= hi
-                   for lo, hi in self.compile_ranges)
+        return any(lo <= compile_range.start and compile_range.end <= hi for lo, hi in self.compile_ranges)
 
     def __repr__(self) -> str:
         return f"VllmPostGradPass(passes={','.join(self.config.pipeline())!r}, ranges={self.compile_ranges})"
 
 
-def post_grad_pass(config: AscendPassConfig | dict[str, Any] | None = None, *,
-                   compile_ranges: Iterable[tuple[int, int]] | None = None,
-                   **options: Any) -> VllmPostGradPass:
+def post_grad_pass(
+    config: AscendPassConfig | dict[str, Any] | None = None,
+    *,
+    compile_ranges: Iterable[tuple[int, int]] | None = None,
+    **options: Any,
+) -> VllmPostGradPass:
     """A ``VllmPostGradPass`` for ``compilation_config={"inductor_passes":
     {"post_grad_custom_post_pass": <it>}}`` (vLLM takes the object itself, or a string naming a
     top-level attribute of a package)."""
@@ -177,8 +186,11 @@ def platform_plugin() -> str | None:
     from .npu import torch_npu_available
 
     if torch_npu_available():
-        log.warning("%s=1 is ignored on an Ascend NPU: vllm-ascend is the platform there "
-                    "(its AscendCompiler can run ascend_passes.backend.run_pipeline)", ENABLE_ENV)
+        log.warning(
+            "%s=1 is ignored on an Ascend NPU: vllm-ascend is the platform there "
+            "(its AscendCompiler can run ascend_passes.backend.run_pipeline)",
+            ENABLE_ENV,
+        )
         return None
     from vllm.platforms import cpu_platform_plugin
 
@@ -194,8 +206,10 @@ def config_from_vllm(vllm_config: Any) -> AscendPassConfig:
     extra = getattr(vllm_config, "additional_config", None)
     options = extra.get(ADDITIONAL_CONFIG_KEY) if isinstance(extra, dict) else None
     if options is not None and not isinstance(options, dict):
-        raise ConfigError(f"additional_config[{ADDITIONAL_CONFIG_KEY!r}] must be a dict of ascend_passes "
-                          f"options, got {type(options).__name__}")
+        raise ConfigError(
+            f"additional_config[{ADDITIONAL_CONFIG_KEY!r}] must be a dict of ascend_passes "
+            f"options, got {type(options).__name__}"
+        )
     return AscendPassConfig.from_options(options or {})
 
 
@@ -217,8 +231,9 @@ def _compiler_class() -> type:
 
         def __init__(self) -> None:
             vllm_config = get_current_vllm_config_or_none()  # vLLM sets it; None outside an engine
-            save_format = (vllm_config.compilation_config.compile_cache_save_format
-                           if vllm_config is not None else "binary")
+            save_format = (
+                vllm_config.compilation_config.compile_cache_save_format if vllm_config is not None else "binary"
+            )
             super().__init__(save_format)
             self._use(config_from_vllm(vllm_config))
             self.prefix = ""
@@ -229,7 +244,8 @@ def _compiler_class() -> type:
                 raise ConfigError(
                     f"vLLM's piecewise route compiles each piece with Inductor; compiler={compiler!r} "
                     "is not available there: use compiler='inductor' (or 'auto'), or the mode-2 route "
-                    "(compilation_config={'mode': 2, 'backend': 'ascend_passes'})")
+                    "(compilation_config={'mode': 2, 'backend': 'ascend_passes'})"
+                )
             self.config = config
             self.post_grad = VllmPostGradPass(config)
 
@@ -251,16 +267,23 @@ def _compiler_class() -> type:
                 return {**(compiler_config or {}), key: self.post_grad}
             passes = getattr(manager, "passes", None)
             if not hasattr(manager, "add") or passes is None:
-                raise ConfigError(f"Inductor's {key} is {type(manager).__name__}, not a vLLM pass "
-                                  "manager: ascend_passes cannot add its pass to it")
+                raise ConfigError(
+                    f"Inductor's {key} is {type(manager).__name__}, not a vLLM pass "
+                    "manager: ascend_passes cannot add its pass to it"
+                )
             if not any(isinstance(p, VllmPostGradPass) for p in passes):
                 register_with_vllm()
                 manager.add(self.post_grad)
             return compiler_config
 
-        def compile(self, graph: fx.GraphModule, example_inputs: list[Any],
-                    compiler_config: dict[str, Any], compile_range: Any,
-                    key: str | None = None) -> tuple[Any, Any]:
+        def compile(
+            self,
+            graph: fx.GraphModule,
+            example_inputs: list[Any],
+            compiler_config: dict[str, Any],
+            compile_range: Any,
+            key: str | None = None,
+        ) -> tuple[Any, Any]:
             STATS["compiles"] += 1
             from . import inductor_fixes
 
@@ -268,11 +291,11 @@ def _compiler_class() -> type:
             piece = (key or "").rpartition("_subgraph_")[2] or str(STATS["compiles"] - 1)
             name = f"{self.prefix or 'model'}.piece{piece}.range{compile_range.start}-{compile_range.end}"
             with graph_id(name):
-                return super().compile(graph, example_inputs, self._with_pass(compiler_config),
-                                       compile_range, key)
+                return super().compile(graph, example_inputs, self._with_pass(compiler_config), compile_range, key)
 
-        def load(self, handle: Any, graph: fx.GraphModule, example_inputs: list[Any],
-                 graph_index: int, compile_range: Any) -> Any:
+        def load(
+            self, handle: Any, graph: fx.GraphModule, example_inputs: list[Any], graph_index: int, compile_range: Any
+        ) -> Any:
             STATS["loads"] += 1
             return super().load(handle, graph, example_inputs, graph_index, compile_range)
 
@@ -356,6 +379,16 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["ADDITIONAL_CONFIG_KEY", "ENABLE_ENV", "OPTIONS_ENV", "STATS", "VllmPostGradPass",
-           "config_from_vllm", "default_pass", "general_plugin", "platform_plugin", "post_grad_pass",
-           "register_with_vllm"]
+__all__ = [
+    "ADDITIONAL_CONFIG_KEY",
+    "ENABLE_ENV",
+    "OPTIONS_ENV",
+    "STATS",
+    "VllmPostGradPass",
+    "config_from_vllm",
+    "default_pass",
+    "general_plugin",
+    "platform_plugin",
+    "post_grad_pass",
+    "register_with_vllm",
+]

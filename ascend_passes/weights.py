@@ -35,8 +35,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import operator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterator, Literal, Sequence
+from typing import Any, Literal
 
 import torch
 import torch.fx as fx
@@ -215,8 +216,12 @@ def _layout_lock(models: Sequence[nn.Module]) -> Any:
 
 def _nothing_marked(what: str, models: Sequence[nn.Module]) -> None:
     names = ", ".join(type(m).__name__ for m in models) or "no model"
-    log.info("%s: no weight of %s is read in another layout by an ascend_passes graph (never "
-             "compiled with backend='ascend_passes', or nothing was fused); nothing to do", what, names)
+    log.info(
+        "%s: no weight of %s is read in another layout by an ascend_passes graph (never "
+        "compiled with backend='ascend_passes', or nothing was fused); nothing to do",
+        what,
+        names,
+    )
 
 
 # ----------------------------------------------------------------------------- loading
@@ -253,7 +258,8 @@ def expert_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor, exper
     expert_id = _check_index(expert_id, param.shape[0])
     if tuple(loaded_weight.shape) != tuple(param.shape[1:]):
         raise WeightLoadError(
-            f"expects one expert's weight of shape {tuple(param.shape[1:])}, got {tuple(loaded_weight.shape)}")
+            f"expects one expert's weight of shape {tuple(param.shape[1:])}, got {tuple(loaded_weight.shape)}"
+        )
     with torch.no_grad():
         param[expert_id].copy_(loaded_weight)
 
@@ -263,26 +269,39 @@ def _check_tensor(name: str, loaded_weight: Any, target_dtype: torch.dtype) -> N
     and a dtype whose cast changes the values (integer / bool / complex into floating point, ...).
     Floating point into floating point (a bf16 checkpoint into fp32 weights) is a cast, allowed."""
     if not isinstance(loaded_weight, torch.Tensor):
-        raise WeightLoadError(f"cannot load a {type(loaded_weight).__name__} into {name!r}: loaded_weight must "
-                              "be a torch.Tensor (convert it with torch.as_tensor); the old weights are kept")
+        raise WeightLoadError(
+            f"cannot load a {type(loaded_weight).__name__} into {name!r}: loaded_weight must "
+            "be a torch.Tensor (convert it with torch.as_tensor); the old weights are kept"
+        )
     if loaded_weight.is_meta:
         raise WeightLoadError(f"cannot load a meta tensor (no data) into {name!r}; the old weights are kept")
     have = loaded_weight.dtype
-    if have == target_dtype or (have.is_floating_point and target_dtype.is_floating_point) or (
-            have.is_complex and target_dtype.is_complex):
+    if (
+        have == target_dtype
+        or (have.is_floating_point and target_dtype.is_floating_point)
+        or (have.is_complex and target_dtype.is_complex)
+    ):
         return
-    kind = ("floating-point" if target_dtype.is_floating_point else
-            "complex" if target_dtype.is_complex else f"{target_dtype}")
+    kind = (
+        "floating-point"
+        if target_dtype.is_floating_point
+        else "complex"
+        if target_dtype.is_complex
+        else f"{target_dtype}"
+    )
     raise WeightLoadError(
         f"cannot load a {have} tensor into {name!r} ({target_dtype}): a {kind} parameter takes "
         f"{kind} tensors only, a cast would change the values silently; convert the tensor first "
-        f"(e.g. tensor.to({target_dtype})) if that is meant; the old weights are kept")
+        f"(e.g. tensor.to({target_dtype})) if that is meant; the old weights are kept"
+    )
 
 
 def _check_module(model: Any, what: str) -> None:
     if not isinstance(model, nn.Module):
-        raise WeightLoadError(f"{what} takes models (torch.nn.Module: a target and its MTP drafter), "
-                              f"got {type(model).__name__} {model!r:.60}")
+        raise WeightLoadError(
+            f"{what} takes models (torch.nn.Module: a target and its MTP drafter), "
+            f"got {type(model).__name__} {model!r:.60}"
+        )
 
 
 def load_weight(model: nn.Module, name: str, loaded_weight: torch.Tensor, *args: Any, **kwargs: Any) -> None:
@@ -310,8 +329,9 @@ def load_weight(model: nn.Module, name: str, loaded_weight: torch.Tensor, *args:
     """
     _check_module(model, "load_weight()")
     if not isinstance(name, str):
-        raise WeightLoadError(f"load_weight() takes the parameter's name as a str, got {type(name).__name__} "
-                              f"{name!r:.60}")
+        raise WeightLoadError(
+            f"load_weight() takes the parameter's name as a str, got {type(name).__name__} {name!r:.60}"
+        )
     param = _parameter(model, name)
     if param is None:
         eplb = _eplb_target(model, name)
@@ -339,8 +359,9 @@ def _parameter(model: nn.Module, name: str) -> nn.Parameter | None:
     return param if isinstance(param, nn.Parameter) else None
 
 
-def _call_loader(name: str, param: nn.Parameter, loader: Any, loaded_weight: torch.Tensor, args: tuple,
-                 kwargs: dict) -> None:
+def _call_loader(
+    name: str, param: nn.Parameter, loader: Any, loaded_weight: torch.Tensor, args: tuple, kwargs: dict
+) -> None:
     try:
         if "expert_id" in kwargs:
             _as_index(kwargs["expert_id"])  # a str / float / bool id raises here, whatever the loader
@@ -348,7 +369,8 @@ def _call_loader(name: str, param: nn.Parameter, loader: Any, loaded_weight: tor
     except (RuntimeError, ValueError, IndexError, TypeError) as exc:
         raise WeightLoadError(
             f"cannot load a tensor of shape {tuple(loaded_weight.shape)} into {name!r} "
-            f"(shape {tuple(param.shape)}): {exc}; the old weights are kept") from exc
+            f"(shape {tuple(param.shape)}): {exc}; the old weights are kept"
+        ) from exc
 
 
 # ----------------------------------------------------------------------------- EPLB-attached experts
@@ -370,8 +392,10 @@ def _eplb_target(model: nn.Module, name: str) -> tuple[Any, Any, nn.Parameter] |
         return None
     parts = prefix.split(".") if prefix else []
     ancestors = (model.get_submodule(".".join(parts[:i])) for i in range(len(parts) + 1))
-    state = next((s for m in ancestors if (s := eplb_state.state_of(m)) is not None
-                  and any(lay is layer for lay in s.layers)), None)
+    state = next(
+        (s for m in ancestors if (s := eplb_state.state_of(m)) is not None and any(lay is layer for lay in s.layers)),
+        None,
+    )
     return layer, state, experts._parameters[physical]
 
 
@@ -391,7 +415,8 @@ def _refuse_one_replica(model: nn.Module, name: str, param: nn.Parameter, *, one
         raise WeightLoadError(
             f"{name!r} holds the physical slots of EPLB-attached experts (a redundant expert has several); "
             f"load expert weights through the logical name {f'{prefix}.{logical}'!r} with the logical "
-            "expert id (every replica is updated); the old weights are kept")
+            "expert id (every replica is updated); the old weights are kept"
+        )
     return True
 
 
@@ -405,8 +430,9 @@ def _expert_update_lock() -> Any:
     return FORWARD_LOCK.writing(what="load EPLB expert weights or change their layout")
 
 
-def _load_eplb(name: str, layer: Any, state: Any, param: nn.Parameter, loaded_weight: Any,
-               args: tuple, kwargs: dict) -> None:
+def _load_eplb(
+    name: str, layer: Any, state: Any, param: nn.Parameter, loaded_weight: Any, args: tuple, kwargs: dict
+) -> None:
     """:func:`load_weight` of a logical expert weight of an EPLB-attached block (see there)."""
     _check_tensor(name, loaded_weight, param.dtype)
     args, kwargs = list(args), dict(kwargs)
@@ -423,15 +449,18 @@ def _load_eplb(name: str, layer: Any, state: Any, param: nn.Parameter, loaded_we
             raise WeightLoadError(
                 f"cannot load {name!r}: this process holds {param.shape[0]} of {phy2log.numel()} physical "
                 "slots (expert parallelism) and the model passed is not the one eplb.attach() was called "
-                "on; pass that model (or one containing it)")
+                "on; pass that model (or one containing it)"
+            )
         loader = getattr(param, "weight_loader", None)
         one = tuple(param.shape[1:])
         try:
             if expert_id is None:  # a whole logical tensor [E, ...]: every local slot gets its expert
                 want = (num_logical, *one)
                 if tuple(loaded_weight.shape) != want:
-                    raise WeightLoadError(f"expects the logical shape {want} (or one expert's weight {one} "
-                                          f"with an expert id), got {tuple(loaded_weight.shape)}")
+                    raise WeightLoadError(
+                        f"expects the logical shape {want} (or one expert's weight {one} "
+                        f"with an expert id), got {tuple(loaded_weight.shape)}"
+                    )
                 slots = torch.arange(local.start, local.stop)
                 physical = loaded_weight.index_select(0, phy2log[slots].to(loaded_weight.device))
                 (loader or default_weight_loader)(param, physical, *args, **kwargs)
@@ -439,24 +468,40 @@ def _load_eplb(name: str, layer: Any, state: Any, param: nn.Parameter, loaded_we
             else:
                 expert = _check_index(expert_id, num_logical)
                 if tuple(loaded_weight.shape) != one:
-                    raise WeightLoadError(f"expects one expert's weight of shape {one}, got "
-                                          f"{tuple(loaded_weight.shape)}")
+                    raise WeightLoadError(
+                        f"expects one expert's weight of shape {one}, got {tuple(loaded_weight.shape)}"
+                    )
                 count = int(layer.replica_count[expert])
                 slots = [s - local.start for s in layer.log2phy[expert, :count].cpu().tolist() if s in local]
                 written = _write_replicas(param, loaded_weight, slots, loader, args, kwargs, by_keyword)
         except WeightLoadError as exc:
-            raise WeightLoadError(f"cannot load a tensor of shape {tuple(loaded_weight.shape)} into {name!r}: "
-                                  f"{exc}; the old weights are kept") from None
+            raise WeightLoadError(
+                f"cannot load a tensor of shape {tuple(loaded_weight.shape)} into {name!r}: "
+                f"{exc}; the old weights are kept"
+            ) from None
         except (RuntimeError, ValueError, IndexError, TypeError) as exc:
-            raise WeightLoadError(f"cannot load a tensor of shape {tuple(loaded_weight.shape)} into {name!r} "
-                                  f"(EPLB physical slots {tuple(param.shape)}): {exc}; the old weights are "
-                                  "kept") from exc
-    log.debug("load_weight %s%s: %d physical slots written", name,
-              "" if expert_id is None else f" expert {expert_id}", written)
+            raise WeightLoadError(
+                f"cannot load a tensor of shape {tuple(loaded_weight.shape)} into {name!r} "
+                f"(EPLB physical slots {tuple(param.shape)}): {exc}; the old weights are "
+                "kept"
+            ) from exc
+    log.debug(
+        "load_weight %s%s: %d physical slots written",
+        name,
+        "" if expert_id is None else f" expert {expert_id}",
+        written,
+    )
 
 
-def _write_replicas(param: nn.Parameter, loaded_weight: torch.Tensor, slots: list[int], loader: Any,
-                    args: list, kwargs: dict, by_keyword: bool) -> int:
+def _write_replicas(
+    param: nn.Parameter,
+    loaded_weight: torch.Tensor,
+    slots: list[int],
+    loader: Any,
+    args: list,
+    kwargs: dict,
+    by_keyword: bool,
+) -> int:
     """Write one expert's weight into the local ``slots`` of ``param`` (all of them or none)."""
     if not slots:
         return 0

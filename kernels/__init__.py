@@ -38,7 +38,8 @@ def _load() -> bool:
         log.warning(
             "ascend_passes C++ kernels in %s do not load (%s); the ascend ops use their reference "
             "implementations. Rebuild with `pip install --no-build-isolation -e .`.",
-            libs[0], exc,
+            libs[0],
+            exc,
         )
         return False
     # The library defines only torch.ops.ascend_kernels.*; its kernels become the CPU kernels of
@@ -51,7 +52,8 @@ def _load() -> bool:
         log.warning(
             "ascend_passes C++ kernels in %s were built for other op schemas (%s); the ascend ops "
             "use their reference implementations. Rebuild with `pip install --no-build-isolation -e .`.",
-            libs[0], "; ".join(stale),
+            libs[0],
+            "; ".join(stale),
         )
         return False
     if not hasattr(torch.ops.ascend_kernels, "register_cpu_impls"):  # a library older than this check
@@ -75,8 +77,11 @@ def _signature(schema: torch._C.FunctionSchema) -> str:
 def stale_schemas() -> list[str]:
     """``"op: library schema != package schema"`` for every kernel of the loaded library whose
     schema differs from ``torch.ops.ascend``'s (or that is no ascend op); empty when they agree."""
-    names = sorted(n.split("::", 1)[1] for n in torch._C._dispatch_get_all_op_names()
-                   if n.startswith("ascend_kernels::") and n.split("::", 1)[1] not in _NOT_KERNELS)
+    names = sorted(
+        n.split("::", 1)[1]
+        for n in torch._C._dispatch_get_all_op_names()
+        if n.startswith("ascend_kernels::") and n.split("::", 1)[1] not in _NOT_KERNELS
+    )
     stale = []
     for name in names:
         built = _signature(getattr(torch.ops.ascend_kernels, name).default._schema)

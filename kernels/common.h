@@ -48,8 +48,8 @@ inline Isa isa_level() {
     Isa cpu = Isa::kBaseline;
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
     __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
-        __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq")) {
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512dq")) {
       cpu = cpu_has_amx_bf16() && at::hasMKLDNN() ? Isa::kAmx : Isa::kAvx512;
     } else if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
       cpu = Isa::kAvx2;
@@ -80,17 +80,28 @@ namespace ascend_kernels {
 
 inline std::string dtype_name(at::ScalarType t) {
   switch (t) {
-    case at::kFloat: return "torch.float32";
-    case at::kBFloat16: return "torch.bfloat16";
-    case at::kHalf: return "torch.float16";
-    case at::kDouble: return "torch.float64";
-    case at::kInt: return "torch.int32";
-    case at::kLong: return "torch.int64";
-    case at::kShort: return "torch.int16";
-    case at::kChar: return "torch.int8";
-    case at::kByte: return "torch.uint8";
-    case at::kBool: return "torch.bool";
-    default: return std::string("torch.") + c10::toString(t);
+    case at::kFloat:
+      return "torch.float32";
+    case at::kBFloat16:
+      return "torch.bfloat16";
+    case at::kHalf:
+      return "torch.float16";
+    case at::kDouble:
+      return "torch.float64";
+    case at::kInt:
+      return "torch.int32";
+    case at::kLong:
+      return "torch.int64";
+    case at::kShort:
+      return "torch.int16";
+    case at::kChar:
+      return "torch.int8";
+    case at::kByte:
+      return "torch.uint8";
+    case at::kBool:
+      return "torch.bool";
+    default:
+      return std::string("torch.") + c10::toString(t);
   }
 }
 
@@ -188,7 +199,7 @@ ASCEND_INLINE float exp_f32(float x) {
   float n;
   const float p = exp_reduced(x, n);
   const int32_t ni = static_cast<int32_t>(n);  // in [-150, 128]
-  const int32_t n1 = ni >> 1, n2 = ni - n1;     // each in [-75, 64]: 2^n1, 2^n2 are normal floats
+  const int32_t n1 = ni >> 1, n2 = ni - n1;    // each in [-75, 64]: 2^n1, 2^n2 are normal floats
   return p * pow2i(n1) * pow2i(n2);
 }
 
@@ -196,10 +207,17 @@ ASCEND_INLINE float exp_f32(float x) {
 template <typename F>
 inline void dispatch_float(at::ScalarType t, F&& f) {
   switch (t) {
-    case at::kFloat: f(float{}); break;
-    case at::kBFloat16: f(c10::BFloat16{}); break;
-    case at::kHalf: f(c10::Half{}); break;
-    default: TORCH_CHECK_VALUE(false, "ascend kernels: unsupported dtype ", dtype_name(t));
+    case at::kFloat:
+      f(float{});
+      break;
+    case at::kBFloat16:
+      f(c10::BFloat16{});
+      break;
+    case at::kHalf:
+      f(c10::Half{});
+      break;
+    default:
+      TORCH_CHECK_VALUE(false, "ascend kernels: unsupported dtype ", dtype_name(t));
   }
 }
 

@@ -96,15 +96,24 @@ ASCEND_INLINE void top_k_fixed(uint64_t* keys, int64_t n, uint64_t* out) {
 // top[0..k) = the k largest of keys[0..n) (distinct), largest first; keys[] is overwritten.
 ASCEND_INLINE void top_k_keys(uint64_t* keys, int64_t n, int64_t k, uint64_t* top) {
   switch (k) {
-    case 1: return top_k_fixed<1>(keys, n, top);
-    case 2: return top_k_fixed<2>(keys, n, top);
-    case 3: return top_k_fixed<3>(keys, n, top);
-    case 4: return top_k_fixed<4>(keys, n, top);
-    case 5: return top_k_fixed<5>(keys, n, top);
-    case 6: return top_k_fixed<6>(keys, n, top);
-    case 7: return top_k_fixed<7>(keys, n, top);
-    case 8: return top_k_fixed<8>(keys, n, top);
-    default: break;
+    case 1:
+      return top_k_fixed<1>(keys, n, top);
+    case 2:
+      return top_k_fixed<2>(keys, n, top);
+    case 3:
+      return top_k_fixed<3>(keys, n, top);
+    case 4:
+      return top_k_fixed<4>(keys, n, top);
+    case 5:
+      return top_k_fixed<5>(keys, n, top);
+    case 6:
+      return top_k_fixed<6>(keys, n, top);
+    case 7:
+      return top_k_fixed<7>(keys, n, top);
+    case 8:
+      return top_k_fixed<8>(keys, n, top);
+    default:
+      break;
   }
   if (k > kInsertionMaxK) {
     std::partial_sort(keys, keys + k, keys + n, std::greater<uint64_t>());
@@ -272,21 +281,21 @@ ASCEND_INLINE void gating_row(const T* x, const T* bias, float* s, T* y, int32_t
 }
 
 // Non-template entry points so that target_clones applies (one clone set per element type).
-#define ASCEND_GATING_ENTRY(T)                                                                          \
-  ASCEND_HOT void softmax_topk_rows(const T* x, const bool* finished, T* y, int32_t* ids, int32_t* row_idx, \
-                                    int64_t b, int64_t e, int64_t rows, int64_t n, int64_t k) {         \
-    SoftmaxScratch w(n, k);                                                                             \
-    for (int64_t r = b; r < e; ++r) {                                                                   \
-      softmax_topk_row(x + r * n, y + r * k, ids + r * k, n, k, finished && finished[r], w);            \
-      for (int64_t j = 0; j < k; ++j) row_idx[r * k + j] = static_cast<int32_t>(j * rows + r);          \
-    }                                                                                                   \
-  }                                                                                                     \
-  ASCEND_HOT void gating_rows(const T* x, const T* bias, float* scores, T* y, int32_t* ids, int64_t b,  \
-                              int64_t e, const GatingArgs& a) {                                         \
-    GatingScratch w(a);                                                                                 \
-    for (int64_t r = b; r < e; ++r) {                                                                   \
-      gating_row(x + r * a.experts, bias, scores + r * a.experts, y + r * a.k, ids + r * a.k, a, w);    \
-    }                                                                                                   \
+#define ASCEND_GATING_ENTRY(T)                                                                                         \
+  ASCEND_HOT void softmax_topk_rows(const T* x, const bool* finished, T* y, int32_t* ids, int32_t* row_idx, int64_t b, \
+                                    int64_t e, int64_t rows, int64_t n, int64_t k) {                                   \
+    SoftmaxScratch w(n, k);                                                                                            \
+    for (int64_t r = b; r < e; ++r) {                                                                                  \
+      softmax_topk_row(x + r * n, y + r * k, ids + r * k, n, k, finished && finished[r], w);                           \
+      for (int64_t j = 0; j < k; ++j) row_idx[r * k + j] = static_cast<int32_t>(j * rows + r);                         \
+    }                                                                                                                  \
+  }                                                                                                                    \
+  ASCEND_HOT void gating_rows(const T* x, const T* bias, float* scores, T* y, int32_t* ids, int64_t b, int64_t e,      \
+                              const GatingArgs& a) {                                                                   \
+    GatingScratch w(a);                                                                                                \
+    for (int64_t r = b; r < e; ++r) {                                                                                  \
+      gating_row(x + r * a.experts, bias, scores + r * a.experts, y + r * a.k, ids + r * a.k, a, w);                   \
+    }                                                                                                                  \
   }
 ASCEND_GATING_ENTRY(float)
 ASCEND_GATING_ENTRY(c10::BFloat16)
@@ -318,8 +327,8 @@ void hash_expert_ids(const at::Tensor& input_ids, const at::Tensor& tid2eid, int
   const int64_t* tp = tokens.const_data_ptr<int64_t>();
   const int64_t rows = tokens.numel(), vocab = tid2eid.size(0), k = tid2eid.size(1);
   for (int64_t r = 0; r < rows; ++r) {
-    ASCEND_CHECK(0 <= tp[r] && tp[r] < vocab, kGating, "input_ids value ", tp[r], " out of range [0, tid2eid rows=",
-                 vocab, ")");
+    ASCEND_CHECK(0 <= tp[r] && tp[r] < vocab, kGating, "input_ids value ", tp[r],
+                 " out of range [0, tid2eid rows=", vocab, ")");
   }
   auto gather = [&](auto tag) {
     using I = decltype(tag);
@@ -375,21 +384,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_gating_top_k_softmax(const at
     using scalar_t = decltype(tag);
     const scalar_t* xp = x.const_data_ptr<scalar_t>();
     scalar_t* yp = y.data_ptr<scalar_t>();
-    at::parallel_for(0, rows, grain_rows(n), [&](int64_t b, int64_t e) {
-      softmax_topk_rows(xp, fp, yp, ip, rp, b, e, rows, n, k);
-    });
+    at::parallel_for(0, rows, grain_rows(n),
+                     [&](int64_t b, int64_t e) { softmax_topk_rows(xp, fp, yp, ip, rp, b, e, rows, n, k); });
   });
   return {y, ids, row_idx};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_gating_top_k(const at::Tensor& x_, int64_t k,
-                                                                const std::optional<at::Tensor>& bias_,
-                                                                const std::optional<at::Tensor>& input_ids,
-                                                                const std::optional<at::Tensor>& tid2eid,
-                                                                int64_t k_group, int64_t group_count,
-                                                                int64_t group_select_mode, int64_t renorm,
-                                                                int64_t norm_type, bool out_flag,
-                                                                double routed_scaling_factor, double eps) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_gating_top_k(
+    const at::Tensor& x_, int64_t k, const std::optional<at::Tensor>& bias_, const std::optional<at::Tensor>& input_ids,
+    const std::optional<at::Tensor>& tid2eid, int64_t k_group, int64_t group_count, int64_t group_select_mode,
+    int64_t renorm, int64_t norm_type, bool out_flag, double routed_scaling_factor, double eps) {
   at::AutoDispatchBelowADInplaceOrView below_autograd;
   (void)out_flag;  // the scores are always returned, as by the reference
   check_float(kGating, "x", x_);

@@ -19,11 +19,11 @@ namespace ascend_kernels {
 #if ASCEND_GEMM_AVX512
 namespace {
 
-constexpr int kNR = 64;          // columns of W per panel
-constexpr int kNV = kNR / 16;    // vectors per panel row
-constexpr int kMR = 6;           // rows of A per micro-kernel call
-constexpr int64_t kKC = 128;     // depth per panel (measured best of 128 / 192 / 256 for K = 256 and 1024)
-constexpr int64_t kLine = 64;    // bytes per cache line
+constexpr int kNR = 64;        // columns of W per panel
+constexpr int kNV = kNR / 16;  // vectors per panel row
+constexpr int kMR = 6;         // rows of A per micro-kernel call
+constexpr int64_t kKC = 128;   // depth per panel (measured best of 128 / 192 / 256 for K = 256 and 1024)
+constexpr int64_t kLine = 64;  // bytes per cache line
 
 #define ASCEND_AVX512 __attribute__((target("avx512f,avx512vl,avx512bw,avx512dq,fma")))
 #define ASCEND_AVX512_INLINE ASCEND_AVX512 inline __attribute__((always_inline))
@@ -111,11 +111,13 @@ struct Rows {
 };
 
 template <typename T>
-ASCEND_AVX512 void gemm_avx512(const float* a, int64_t lda, const T* w, int64_t ldw, float* c, int64_t ldc,
-                               int64_t m, int64_t n, int64_t k, const NextWeight& after) {
+ASCEND_AVX512 void gemm_avx512(const float* a, int64_t lda, const T* w, int64_t ldw, float* c, int64_t ldc, int64_t m,
+                               int64_t n, int64_t k, const NextWeight& after) {
   alignas(64) float panel[kKC * kNR];
   const int64_t m_blocks = (m + kMR - 1) / kMR, k_blocks = (k + kKC - 1) / kKC;
-  const auto lines_of = [](int64_t row_elems, int64_t elem_bytes) { return (row_elems * elem_bytes + kLine - 1) / kLine; };
+  const auto lines_of = [](int64_t row_elems, int64_t elem_bytes) {
+    return (row_elems * elem_bytes + kLine - 1) / kLine;
+  };
   for (int64_t n0 = 0; n0 < n; n0 += kNR) {
     const int nr = static_cast<int>(std::min<int64_t>(kNR, n - n0));
     Rows next;  // this call's next panel, else the first panel of the next weight
@@ -144,12 +146,24 @@ ASCEND_AVX512 void gemm_avx512(const float* a, int64_t lda, const T* w, int64_t 
         float* cb = c + m0 * ldc + n0;
         const bool acc = k0 > 0;
         switch (std::min<int64_t>(kMR, m - m0)) {
-          case 1: micro<1>(ab, lda, panel, kc, cb, ldc, nr, acc, pf, pf_lines); break;
-          case 2: micro<2>(ab, lda, panel, kc, cb, ldc, nr, acc, pf, pf_lines); break;
-          case 3: micro<3>(ab, lda, panel, kc, cb, ldc, nr, acc, pf, pf_lines); break;
-          case 4: micro<4>(ab, lda, panel, kc, cb, ldc, nr, acc, pf, pf_lines); break;
-          case 5: micro<5>(ab, lda, panel, kc, cb, ldc, nr, acc, pf, pf_lines); break;
-          default: micro<6>(ab, lda, panel, kc, cb, ldc, nr, acc, pf, pf_lines); break;
+          case 1:
+            micro<1>(ab, lda, panel, kc, cb, ldc, nr, acc, pf, pf_lines);
+            break;
+          case 2:
+            micro<2>(ab, lda, panel, kc, cb, ldc, nr, acc, pf, pf_lines);
+            break;
+          case 3:
+            micro<3>(ab, lda, panel, kc, cb, ldc, nr, acc, pf, pf_lines);
+            break;
+          case 4:
+            micro<4>(ab, lda, panel, kc, cb, ldc, nr, acc, pf, pf_lines);
+            break;
+          case 5:
+            micro<5>(ab, lda, panel, kc, cb, ldc, nr, acc, pf, pf_lines);
+            break;
+          default:
+            micro<6>(ab, lda, panel, kc, cb, ldc, nr, acc, pf, pf_lines);
+            break;
         }
       }
     }

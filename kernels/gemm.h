@@ -21,7 +21,7 @@ struct NextWeight {
   const void* w = nullptr;
   int64_t elem_bytes = 4;  // 4: float, 2: bf16
   int64_t ldw = 0;         // elements from one row to the next
-  int64_t rows = 0;  // rows of W (N), of which the first panel's are prefetched
+  int64_t rows = 0;        // rows of W (N), of which the first panel's are prefetched
   int64_t k = 0;
 };
 

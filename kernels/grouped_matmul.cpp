@@ -33,7 +33,7 @@ constexpr int kLanes = 16;
 // acc[r, :] = x[r, :] @ w for w stored row-major [K, N] (w_stride_k between rows).
 template <typename T>
 ASCEND_INLINE void stream_rows_kn(const T* x, int64_t x_stride, const T* w, int64_t w_stride_k, float* acc, int64_t m,
-                           int64_t k, int64_t n) {
+                                  int64_t k, int64_t n) {
   std::fill(acc, acc + m * n, 0.f);
   for (int64_t kk = 0; kk < k; ++kk) {
     const T* wrow = w + kk * w_stride_k;
@@ -49,7 +49,7 @@ ASCEND_INLINE void stream_rows_kn(const T* x, int64_t x_stride, const T* w, int6
 // the layout of a Hugging Face [E, N, K] expert weight passed as its transpose.
 template <typename T>
 ASCEND_INLINE void stream_rows_nk(const T* x, int64_t x_stride, const T* w, int64_t w_stride_n, float* acc, int64_t m,
-                           int64_t k, int64_t n) {
+                                  int64_t k, int64_t n) {
   const int64_t k_main = k - k % kLanes;
   for (int64_t j = 0; j < n; ++j) {
     const T* col = w + j * w_stride_n;
@@ -69,19 +69,22 @@ ASCEND_INLINE void stream_rows_nk(const T* x, int64_t x_stride, const T* w, int6
 
 ASCEND_INLINE float activate(float v, int64_t act_type) {
   switch (act_type) {
-    case 1: return v < 0.f ? 0.f : v;  // NaN stays NaN, as torch.relu
-    case 2: {  // GELU, tanh approximation
+    case 1:
+      return v < 0.f ? 0.f : v;  // NaN stays NaN, as torch.relu
+    case 2: {                    // GELU, tanh approximation
       const float u = 0.7978845608028654f * (v + 0.044715f * v * v * v);
       return 0.5f * v * (1.f + std::tanh(u));
     }
-    case 5: return silu_f(v);
-    default: return v;
+    case 5:
+      return silu_f(v);
+    default:
+      return v;
   }
 }
 
 template <typename T>
 ASCEND_INLINE void store_rows(const float* acc, const T* bias, int64_t act_type, T* y, int64_t y_stride, int64_t m,
-                       int64_t n) {
+                              int64_t n) {
   for (int64_t r = 0; r < m; ++r) {
     const float* a = acc + r * n;
     T* out = y + r * y_stride;
@@ -93,17 +96,17 @@ ASCEND_INLINE void store_rows(const float* acc, const T* bias, int64_t act_type,
   }
 }
 
-#define ASCEND_GMM_ENTRY(T)                                                                                       \
-  ASCEND_HOT void small_kn(const T* x, int64_t xs, const T* w, int64_t ws, float* acc, int64_t m, int64_t k,       \
-                           int64_t n) {                                                                           \
-    stream_rows_kn(x, xs, w, ws, acc, m, k, n);                                                                   \
-  }                                                                                                               \
-  ASCEND_HOT void small_nk(const T* x, int64_t xs, const T* w, int64_t ws, float* acc, int64_t m, int64_t k,       \
-                           int64_t n) {                                                                           \
-    stream_rows_nk(x, xs, w, ws, acc, m, k, n);                                                                   \
-  }                                                                                                               \
-  ASCEND_HOT void store(const float* acc, const T* bias, int64_t act, T* y, int64_t ys, int64_t m, int64_t n) {   \
-    store_rows(acc, bias, act, y, ys, m, n);                                                                      \
+#define ASCEND_GMM_ENTRY(T)                                                                                     \
+  ASCEND_HOT void small_kn(const T* x, int64_t xs, const T* w, int64_t ws, float* acc, int64_t m, int64_t k,    \
+                           int64_t n) {                                                                         \
+    stream_rows_kn(x, xs, w, ws, acc, m, k, n);                                                                 \
+  }                                                                                                             \
+  ASCEND_HOT void small_nk(const T* x, int64_t xs, const T* w, int64_t ws, float* acc, int64_t m, int64_t k,    \
+                           int64_t n) {                                                                         \
+    stream_rows_nk(x, xs, w, ws, acc, m, k, n);                                                                 \
+  }                                                                                                             \
+  ASCEND_HOT void store(const float* acc, const T* bias, int64_t act, T* y, int64_t ys, int64_t m, int64_t n) { \
+    store_rows(acc, bias, act, y, ys, m, n);                                                                    \
   }
 ASCEND_GMM_ENTRY(float)
 ASCEND_GMM_ENTRY(c10::BFloat16)
@@ -115,9 +118,12 @@ ASCEND_GMM_ENTRY(c10::Half)
 bool amx_bf16_mm() { return isa_level() == Isa::kAmx && at::globalContext().userEnabledMkldnn(); }
 
 void activate_inplace(at::Tensor& y, int64_t act_type) {
-  if (act_type == 1) y.relu_();
-  else if (act_type == 2) y.copy_(at::gelu(y, "tanh"));
-  else if (act_type == 5) y.copy_(at::silu(y));
+  if (act_type == 1)
+    y.relu_();
+  else if (act_type == 2)
+    y.copy_(at::gelu(y, "tanh"));
+  else if (act_type == 5)
+    y.copy_(at::silu(y));
 }
 
 // y = x @ w for fp32 x, y and w [K, N] in fp32, bf16 or fp16: the AVX-512 GEMM of gemm.h when w's K
@@ -125,11 +131,10 @@ void activate_inplace(at::Tensor& y, int64_t act_type) {
 // weight) under the compute; it widens bf16 while packing, fp16 is widened first; else BLAS.
 void mm_f32(const at::Tensor& x, const at::Tensor& w, at::Tensor& y, const NextWeight& next) {
   const int64_t m = x.size(0), k = x.size(1), n = w.size(1);
-  const bool gemm = m > 0 && k > 0 && w.stride(0) == 1 && x.stride(1) == 1 && y.stride(1) == 1 &&
-                    gemm_nt_available();
+  const bool gemm = m > 0 && k > 0 && w.stride(0) == 1 && x.stride(1) == 1 && y.stride(1) == 1 && gemm_nt_available();
   if (gemm && w.scalar_type() == at::kBFloat16) {
-    gemm_nt(x.const_data_ptr<float>(), x.stride(0), w.const_data_ptr<c10::BFloat16>(), w.stride(1),
-            y.data_ptr<float>(), y.stride(0), m, n, k, next);
+    gemm_nt(x.const_data_ptr<float>(), x.stride(0), w.const_data_ptr<c10::BFloat16>(), w.stride(1), y.data_ptr<float>(),
+            y.stride(0), m, n, k, next);
     return;
   }
   const auto wf = w.to(at::kFloat);  // keeps w's strides; no copy for fp32
@@ -145,8 +150,8 @@ void mm_f32(const at::Tensor& x, const at::Tensor& w, at::Tensor& y, const NextW
 // k apart, wt the rows of w^T (ws apart). fp32 without bias or activation is written in place; else
 // through `acc` (m * n floats, reused by the caller).
 template <typename T>
-void skinny_piece(const float* x, const T* wt, int64_t ws, const T* bias, int64_t act_type, T* y, int64_t ys,
-                  int64_t m, int64_t k, int64_t n, std::vector<float>& acc) {
+void skinny_piece(const float* x, const T* wt, int64_t ws, const T* bias, int64_t act_type, T* y, int64_t ys, int64_t m,
+                  int64_t k, int64_t n, std::vector<float>& acc) {
   if (std::is_same_v<T, float> && bias == nullptr && act_type == 0) {
     skinny_nt(x, k, wt, ws, reinterpret_cast<float*>(y), ys, m, k, 0, n);
     return;
@@ -174,7 +179,7 @@ void matmul_piece(const at::Tensor& x, const at::Tensor& w, const T* bias, int64
   if (m == 0 || n == 0) return;
   if constexpr (!std::is_same_v<T, c10::Half>) {
     if (m <= kSkinnyRows && w.stride(0) == 1 && k > 0 && y.stride(1) == 1) {  // w^T is a row-major [N, K]
-      const auto xf = x.to(at::kFloat).contiguous();                           // no copy for fp32 rows
+      const auto xf = x.to(at::kFloat).contiguous();                          // no copy for fp32 rows
       std::vector<float> acc;
       skinny_piece(xf.const_data_ptr<float>(), w.const_data_ptr<T>(), w.stride(1), bias, act_type, y.data_ptr<T>(),
                    y.stride(0), m, k, n, acc);
@@ -188,8 +193,10 @@ void matmul_piece(const at::Tensor& x, const at::Tensor& w, const T* bias, int64
     std::vector<float> acc(m * n);
     const T* xp = x.const_data_ptr<T>();
     const T* wp = w.const_data_ptr<T>();
-    if (w.stride(1) == 1) small_kn(xp, x.stride(0), wp, w.stride(0), acc.data(), m, k, n);
-    else small_nk(xp, x.stride(0), wp, w.stride(1), acc.data(), m, k, n);
+    if (w.stride(1) == 1)
+      small_kn(xp, x.stride(0), wp, w.stride(0), acc.data(), m, k, n);
+    else
+      small_nk(xp, x.stride(0), wp, w.stride(1), acc.data(), m, k, n);
     store(acc.data(), bias, act_type, y.data_ptr<T>(), y.stride(0), m, n);
     return;
   }
@@ -273,9 +280,9 @@ std::vector<at::Tensor> grouped_matmul(at::TensorList x, at::TensorList weight, 
     const std::string name = "weight[" + std::to_string(i) + "]";
     check_same_dtype(kGmm, name.c_str(), weight[i], "x[0]", x[0]);
   }
-  ASCEND_CHECK(!output_dtype.has_value() || *output_dtype == x[0].scalar_type(), kGmm, "output_dtype=",
-               output_dtype.has_value() ? dtype_name(*output_dtype) : "None", " must be None or the dtype of x (",
-               dtype_name(x[0].scalar_type()), ")");
+  ASCEND_CHECK(!output_dtype.has_value() || *output_dtype == x[0].scalar_type(), kGmm,
+               "output_dtype=", output_dtype.has_value() ? dtype_name(*output_dtype) : "None",
+               " must be None or the dtype of x (", dtype_name(x[0].scalar_type()), ")");
 
   if (!group_list.has_value()) {  // independent matmuls, one per (x[i], weight[i])
     ASCEND_CHECK(!group_type.has_value() || *group_type == -1, kGmm, "group_type must be one of [None, -1], got ",
@@ -290,8 +297,8 @@ std::vector<at::Tensor> grouped_matmul(at::TensorList x, at::TensorList weight, 
     for (size_t i = 0; i < x.size(); ++i) {
       const std::string wname = "weight[" + std::to_string(i) + "]";
       check_dim(kGmm, wname.c_str(), weight[i], 2);
-      ASCEND_CHECK(x[i].size(1) == weight[i].size(0), kGmm, "x[", i, "] has K=", x[i].size(1),
-                   " columns but weight[", i, "] has ", weight[i].size(0), " rows");
+      ASCEND_CHECK(x[i].size(1) == weight[i].size(0), kGmm, "x[", i, "] has K=", x[i].size(1), " columns but weight[",
+                   i, "] has ", weight[i].size(0), " rows");
       auto y = at::empty({x[i].size(0), weight[i].size(1)}, x[i].options());
       const at::Tensor* b = nullptr;
       if (bias.has_value()) {
@@ -303,7 +310,7 @@ std::vector<at::Tensor> grouped_matmul(at::TensorList x, at::TensorList weight, 
       auto xi = x[i].contiguous();
       at::Tensor bc = b ? b->contiguous() : at::Tensor();
       dispatch_float(xi.scalar_type(), [&](auto tag) {
-    using scalar_t = decltype(tag);
+        using scalar_t = decltype(tag);
         if constexpr (!std::is_same_v<scalar_t, double>) {
           matmul_piece<scalar_t>(xi, weight[i], bc.defined() ? bc.const_data_ptr<scalar_t>() : nullptr, act_type, y);
         }
@@ -324,8 +331,8 @@ std::vector<at::Tensor> grouped_matmul(at::TensorList x, at::TensorList weight, 
                gl.dim(), "-D ", dtype_name(gl.scalar_type()));
   ASCEND_CHECK(gl.size(0) == w.size(0), kGmm, "group_list has ", gl.size(0), " entries but weight has ", w.size(0),
                " experts");
-  ASCEND_CHECK(x[0].size(1) == w.size(1), kGmm, "x[0] has K=", x[0].size(1), " columns but weight is [E, K=",
-               w.size(1), ", N]");
+  ASCEND_CHECK(x[0].size(1) == w.size(1), kGmm, "x[0] has K=", x[0].size(1), " columns but weight is [E, K=", w.size(1),
+               ", N]");
   at::Tensor bias_c;
   if (bias.has_value()) {
     ASCEND_CHECK(bias->size() == 1 && (*bias)[0].dim() == 2 && (*bias)[0].size(0) == w.size(0) &&
@@ -356,8 +363,8 @@ std::vector<at::Tensor> grouped_matmul(at::TensorList x, at::TensorList weight, 
         for (int64_t g = 0; g < num_groups; ++g)
           if (counts[g] > 0) groups.push_back(g);
         if (groups.empty()) return;
-        const int64_t slices = std::clamp<int64_t>((2 * threads + groups.size() - 1) / groups.size(), 1,
-                                                   std::max<int64_t>(1, n / 64));
+        const int64_t slices =
+            std::clamp<int64_t>((2 * threads + groups.size() - 1) / groups.size(), 1, std::max<int64_t>(1, n / 64));
         const int64_t slice_cols = (n + slices - 1) / slices;
         const int64_t num_items = static_cast<int64_t>(groups.size()) * slices;
         // the streaming kernel on raw pointers when the weight's K is contiguous (no tensor views per

@@ -21,14 +21,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_gating_top_k_softmax(const at
                                                                         const std::optional<at::Tensor>& finished,
                                                                         int64_t k);
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_gating_top_k(const at::Tensor& x, int64_t k,
-                                                                const std::optional<at::Tensor>& bias,
-                                                                const std::optional<at::Tensor>& input_ids,
-                                                                const std::optional<at::Tensor>& tid2eid,
-                                                                int64_t k_group, int64_t group_count,
-                                                                int64_t group_select_mode, int64_t renorm,
-                                                                int64_t norm_type, bool out_flag,
-                                                                double routed_scaling_factor, double eps);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_gating_top_k(
+    const at::Tensor& x, int64_t k, const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& input_ids,
+    const std::optional<at::Tensor>& tid2eid, int64_t k_group, int64_t group_count, int64_t group_select_mode,
+    int64_t renorm, int64_t norm_type, bool out_flag, double routed_scaling_factor, double eps);
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_init_routing_v2(
     const at::Tensor& x, const at::Tensor& expert_idx, const std::optional<at::Tensor>& scale,
@@ -36,11 +32,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_init_routing_v2(
     int64_t drop_pad_mode, int64_t expert_tokens_num_type, bool expert_tokens_num_flag, int64_t quant_mode,
     at::IntArrayRef active_expert_range, int64_t row_idx_type);
 
-std::vector<at::Tensor> grouped_matmul(at::TensorList x, at::TensorList weight,
-                                       std::optional<at::TensorList> bias,
+std::vector<at::Tensor> grouped_matmul(at::TensorList x, at::TensorList weight, std::optional<at::TensorList> bias,
                                        const std::optional<at::Tensor>& group_list, int64_t split_item,
-                                       std::optional<int64_t> group_type, int64_t group_list_type,
-                                       int64_t act_type, std::optional<at::ScalarType> output_dtype);
+                                       std::optional<int64_t> group_type, int64_t group_list_type, int64_t act_type,
+                                       std::optional<at::ScalarType> output_dtype);
 
 at::Tensor linear(const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias);
 

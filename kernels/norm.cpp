@@ -15,8 +15,8 @@ constexpr const char* kSwiglu = "swiglu";
 void check_norm(const char* op, const at::Tensor& x, const at::Tensor& gamma) {
   check_float(op, "x", x);
   check_same_dtype(op, "gamma", gamma, "x", x);
-  ASCEND_CHECK(gamma.dim() >= 1 && gamma.dim() <= x.dim(), op, "gamma must have 1..x.dim()=", x.dim(),
-               " dims, got ", gamma.dim());
+  ASCEND_CHECK(gamma.dim() >= 1 && gamma.dim() <= x.dim(), op, "gamma must have 1..x.dim()=", x.dim(), " dims, got ",
+               gamma.dim());
   auto trailing = x.sizes().slice(x.dim() - gamma.dim());
   ASCEND_CHECK(trailing.equals(gamma.sizes()), op, "gamma shape ", shape_str(gamma.sizes()),
                " must equal the trailing dims of x ", shape_str(x.sizes()));
@@ -62,21 +62,20 @@ ASCEND_INLINE void swiglu_span(const T* a, const T* b, T* out, int64_t n) {
 }
 
 // Non-template entry points so that target_clones applies (one clone set per element type).
-#define ASCEND_NORM_ENTRY(T)                                                                      \
-  ASCEND_HOT void rms_rows(const T* x, const T* g, T* y, float* rstd, int64_t b, int64_t e,     \
-                           int64_t d, float eps) {                                               \
-    for (int64_t r = b; r < e; ++r) rstd[r] = norm_row(x + r * d, g, y + r * d, d, eps);         \
-  }                                                                                               \
-  ASCEND_HOT void add_rms_rows(const T* x1, const T* x2, const T* g, T* y, float* rstd, T* sum,  \
-                               int64_t b, int64_t e, int64_t d, float eps) {                     \
-    for (int64_t r = b; r < e; ++r) {                                                             \
-      add_row(x1 + r * d, x2 + r * d, sum + r * d, d);                                            \
-      rstd[r] = norm_row(sum + r * d, g, y + r * d, d, eps);                                      \
-    }                                                                                             \
-  }                                                                                               \
-  ASCEND_HOT void swiglu_rows(const T* x, T* out, int64_t b, int64_t e, int64_t n) {             \
-    for (int64_t r = b; r < e; ++r) swiglu_span(x + 2 * r * n, x + (2 * r + 1) * n, out + r * n, n); \
-  }                                                                                               \
+#define ASCEND_NORM_ENTRY(T)                                                                                          \
+  ASCEND_HOT void rms_rows(const T* x, const T* g, T* y, float* rstd, int64_t b, int64_t e, int64_t d, float eps) {   \
+    for (int64_t r = b; r < e; ++r) rstd[r] = norm_row(x + r * d, g, y + r * d, d, eps);                              \
+  }                                                                                                                   \
+  ASCEND_HOT void add_rms_rows(const T* x1, const T* x2, const T* g, T* y, float* rstd, T* sum, int64_t b, int64_t e, \
+                               int64_t d, float eps) {                                                                \
+    for (int64_t r = b; r < e; ++r) {                                                                                 \
+      add_row(x1 + r * d, x2 + r * d, sum + r * d, d);                                                                \
+      rstd[r] = norm_row(sum + r * d, g, y + r * d, d, eps);                                                          \
+    }                                                                                                                 \
+  }                                                                                                                   \
+  ASCEND_HOT void swiglu_rows(const T* x, T* out, int64_t b, int64_t e, int64_t n) {                                  \
+    for (int64_t r = b; r < e; ++r) swiglu_span(x + 2 * r * n, x + (2 * r + 1) * n, out + r * n, n);                  \
+  }                                                                                                                   \
   ASCEND_HOT void swiglu_pair(const T* a, const T* b, T* out, int64_t n) { swiglu_span(a, b, out, n); }
 
 ASCEND_NORM_ENTRY(float)

@@ -70,8 +70,8 @@ bool register_cpu_impls() {
   if (lib) {
     return false;
   }
-  auto fresh = std::make_unique<torch::Library>(torch::Library::IMPL, "ascend", c10::DispatchKey::CPU, __FILE__,
-                                                __LINE__);
+  auto fresh =
+      std::make_unique<torch::Library>(torch::Library::IMPL, "ascend", c10::DispatchKey::CPU, __FILE__, __LINE__);
   ASCEND_IMPLS((*fresh));
   lib = std::move(fresh);
   return true;

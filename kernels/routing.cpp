@@ -32,12 +32,12 @@ ASCEND_INLINE void finish(const float* acc, const T* s1, const T* s2, T* out, in
   }
 }
 
-#define ASCEND_FINAL_ENTRY(T)                                                                       \
-  ASCEND_HOT void accumulate_row(float* acc, const T* row, const T* bias, float w, int64_t h) {     \
-    accumulate(acc, row, bias, w, h);                                                               \
-  }                                                                                                 \
-  ASCEND_HOT void finish_row(const float* acc, const T* s1, const T* s2, T* out, int64_t h) {       \
-    finish(acc, s1, s2, out, h);                                                                    \
+#define ASCEND_FINAL_ENTRY(T)                                                                   \
+  ASCEND_HOT void accumulate_row(float* acc, const T* row, const T* bias, float w, int64_t h) { \
+    accumulate(acc, row, bias, w, h);                                                           \
+  }                                                                                             \
+  ASCEND_HOT void finish_row(const float* acc, const T* s1, const T* s2, T* out, int64_t h) {   \
+    finish(acc, s1, s2, out, h);                                                                \
   }
 ASCEND_FINAL_ENTRY(float)
 ASCEND_FINAL_ENTRY(c10::BFloat16)
@@ -65,8 +65,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_init_routing_v2(
   ASCEND_CHECK(quant_mode == -1, kInit, "quant_mode must be one of [-1], got ", quant_mode);
   ASCEND_CHECK(expert_tokens_num_type >= 0 && expert_tokens_num_type <= 2, kInit,
                "expert_tokens_num_type must be one of [0, 1, 2], got ", expert_tokens_num_type);
-  ASCEND_CHECK(row_idx_type == 0 || row_idx_type == 1, kInit, "row_idx_type must be one of [0, 1], got ",
-               row_idx_type);
+  ASCEND_CHECK(row_idx_type == 0 || row_idx_type == 1, kInit, "row_idx_type must be one of [0, 1], got ", row_idx_type);
   ASCEND_CHECK(!offset.has_value(), kInit,
                "offset is only used by quantisation, which is not supported (quant_mode=-1); pass None");
   ASCEND_CHECK(active_num >= -1, kInit, "active_num=", active_num, " must be -1, 0 (all rows) or > 0");
@@ -74,12 +73,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_init_routing_v2(
     ASCEND_CHECK(scale->scalar_type() == at::kFloat, kInit, "scale must be float32, got ",
                  dtype_name(scale->scalar_type()));
     check_dim(kInit, "scale", *scale, 1);
-    ASCEND_CHECK(scale->size(0) == x_.size(0), kInit, "scale has ", scale->size(0), " entries, x has ",
-                 x_.size(0), " rows");
+    ASCEND_CHECK(scale->size(0) == x_.size(0), kInit, "scale has ", scale->size(0), " entries, x has ", x_.size(0),
+                 " rows");
   }
   const int64_t n = expert_idx_.size(0), k = expert_idx_.size(1), hidden = x_.size(1);
-  ASCEND_CHECK(expert_num <= 0 || k <= expert_num, kInit, "k=", k, " (expert_idx.size(1)) must be <= expert_num=",
-               expert_num);
+  ASCEND_CHECK(expert_num <= 0 || k <= expert_num, kInit, "k=", k,
+               " (expert_idx.size(1)) must be <= expert_num=", expert_num);
   ASCEND_CHECK(!((expert_tokens_num_flag || !active_expert_range.empty()) && expert_num <= 0), kInit,
                "expert_num=", expert_num, " must be > 0 when expert counts or active_expert_range are requested");
   int64_t start = 0, end = expert_num;
@@ -103,8 +102,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_init_routing_v2(
   for (int64_t i = 0; i < total; ++i) {
     const int64_t e = ids[i];
     if (expert_num > 0) {
-      ASCEND_CHECK(e >= 0 && e < expert_num, kInit, "expert id ", e, " out of range [0, expert_num=", expert_num,
-                   ")");
+      ASCEND_CHECK(e >= 0 && e < expert_num, kInit, "expert id ", e, " out of range [0, expert_num=", expert_num, ")");
     } else {
       ASCEND_CHECK(e >= 0, kInit, "expert id ", e, " must be >= 0 (expert_num=", expert_num, " sets no upper bound)");
     }
@@ -141,8 +139,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_init_routing_v2(
       sorted_src[i] = i;
       available += bucket(i) < local;
     }
-    std::stable_sort(sorted_src.begin(), sorted_src.end(),
-                     [&](int64_t a, int64_t b) { return bucket(a) < bucket(b); });
+    std::stable_sort(sorted_src.begin(), sorted_src.end(), [&](int64_t a, int64_t b) { return bucket(a) < bucket(b); });
   }
   const int64_t kept_rows = std::min(available, out_rows);
 
@@ -153,7 +150,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_init_routing_v2(
       row_idx[sorted_src[dst]] = dst < kept_rows ? static_cast<int32_t>(dst) : -1;
     }
   } else {
-    for (int64_t dst = 0; dst < total; ++dst) row_idx[dst] = dst < kept_rows ? static_cast<int32_t>(sorted_src[dst]) : -1;
+    for (int64_t dst = 0; dst < total; ++dst)
+      row_idx[dst] = dst < kept_rows ? static_cast<int32_t>(sorted_src[dst]) : -1;
   }
 
   auto expanded_x = empty_output({out_rows, hidden}, x.options());
@@ -259,9 +257,8 @@ at::Tensor moe_finalize_routing(const at::Tensor& rows_, const std::optional<at:
     const auto& ex = *export_for_source_row;
     ASCEND_CHECK(ex.scalar_type() == at::kInt, kFinal, "export_for_source_row must be int32, got ",
                  dtype_name(ex.scalar_type()));
-    ASCEND_CHECK(ex.dim() == 2 && ex.size(1) == top_k && ex.size(0) == num_rows, kFinal,
-                 "export_for_source_row shape ", shape_str(ex.sizes()), " must be [num_rows, k] = [", num_rows, ", ",
-                 top_k, "]");
+    ASCEND_CHECK(ex.dim() == 2 && ex.size(1) == top_k && ex.size(0) == num_rows, kFinal, "export_for_source_row shape ",
+                 shape_str(ex.sizes()), " must be [num_rows, k] = [", num_rows, ", ", top_k, "]");
   }
 
   auto rows = rows_.contiguous();

@@ -46,7 +46,8 @@ constexpr int fold_lo(int r) {  // source lane, in (x, y), of the first addend o
 
 template <int L, int W, int... R>
 ASCEND_INLINE typename Vec<L>::f fold(typename Vec<L>::f x, typename Vec<L>::f y, std::integer_sequence<int, R...>) {
-  return __builtin_shufflevector(x, y, fold_lo<L, W>(R)...) + __builtin_shufflevector(x, y, (fold_lo<L, W>(R) + W / 2)...);
+  return __builtin_shufflevector(x, y, fold_lo<L, W>(R)...) +
+         __builtin_shufflevector(x, y, (fold_lo<L, W>(R) + W / 2)...);
 }
 
 // v[0..N) each hold L/W groups of width W (one accumulator per group); returns lane p = sum of group p
@@ -123,26 +124,42 @@ ASCEND_INLINE void all_cols(const float* x, int64_t xs, const T* w, int64_t ws, 
 
 // All (up to kSkinnyRows) rows of x in one pass over each weight row, so the weight is read once.
 template <int L, typename T>
-ASCEND_INLINE void rows(const float* x, int64_t xs, const T* w, int64_t ws, float* y, int64_t ys, int64_t m,
-                        int64_t k, int64_t n_lo, int64_t n_hi) {
+ASCEND_INLINE void rows(const float* x, int64_t xs, const T* w, int64_t ws, float* y, int64_t ys, int64_t m, int64_t k,
+                        int64_t n_lo, int64_t n_hi) {
   static_assert(kSkinnyRows == 8, "the switch below covers 1..8 rows");
   for (int64_t m0 = 0; m0 < m; m0 += kSkinnyRows) {
     const float* xb = x + m0 * xs;
     float* yb = y + m0 * ys;
     switch (std::min(kSkinnyRows, m - m0)) {
-      case 1: all_cols<L, 1>(xb, xs, w, ws, yb, ys, k, n_lo, n_hi); break;
-      case 2: all_cols<L, 2>(xb, xs, w, ws, yb, ys, k, n_lo, n_hi); break;
-      case 3: all_cols<L, 3>(xb, xs, w, ws, yb, ys, k, n_lo, n_hi); break;
-      case 4: all_cols<L, 4>(xb, xs, w, ws, yb, ys, k, n_lo, n_hi); break;
-      case 5: all_cols<L, 5>(xb, xs, w, ws, yb, ys, k, n_lo, n_hi); break;
-      case 6: all_cols<L, 6>(xb, xs, w, ws, yb, ys, k, n_lo, n_hi); break;
-      case 7: all_cols<L, 7>(xb, xs, w, ws, yb, ys, k, n_lo, n_hi); break;
-      default: all_cols<L, 8>(xb, xs, w, ws, yb, ys, k, n_lo, n_hi); break;
+      case 1:
+        all_cols<L, 1>(xb, xs, w, ws, yb, ys, k, n_lo, n_hi);
+        break;
+      case 2:
+        all_cols<L, 2>(xb, xs, w, ws, yb, ys, k, n_lo, n_hi);
+        break;
+      case 3:
+        all_cols<L, 3>(xb, xs, w, ws, yb, ys, k, n_lo, n_hi);
+        break;
+      case 4:
+        all_cols<L, 4>(xb, xs, w, ws, yb, ys, k, n_lo, n_hi);
+        break;
+      case 5:
+        all_cols<L, 5>(xb, xs, w, ws, yb, ys, k, n_lo, n_hi);
+        break;
+      case 6:
+        all_cols<L, 6>(xb, xs, w, ws, yb, ys, k, n_lo, n_hi);
+        break;
+      case 7:
+        all_cols<L, 7>(xb, xs, w, ws, yb, ys, k, n_lo, n_hi);
+        break;
+      default:
+        all_cols<L, 8>(xb, xs, w, ws, yb, ys, k, n_lo, n_hi);
+        break;
     }
   }
 }
 
-#define ASCEND_SKINNY_ARGS \
+#define ASCEND_SKINNY_ARGS                                                                                      \
   const float *x, int64_t xs, const T *w, int64_t ws, float *y, int64_t ys, int64_t m, int64_t k, int64_t n_lo, \
       int64_t n_hi
 #define ASCEND_SKINNY_PASS x, xs, w, ws, y, ys, m, k, n_lo, n_hi
@@ -167,9 +184,15 @@ template <typename T>
 void dispatch(ASCEND_SKINNY_ARGS) {
   switch (isa_level()) {
     case Isa::kAmx:  // decode is bound by reading the weight: AVX-512 streams it
-    case Isa::kAvx512: rows_avx512<T>(ASCEND_SKINNY_PASS); break;
-    case Isa::kAvx2: rows_avx2<T>(ASCEND_SKINNY_PASS); break;
-    default: rows_baseline<T>(ASCEND_SKINNY_PASS); break;
+    case Isa::kAvx512:
+      rows_avx512<T>(ASCEND_SKINNY_PASS);
+      break;
+    case Isa::kAvx2:
+      rows_avx2<T>(ASCEND_SKINNY_PASS);
+      break;
+    default:
+      rows_baseline<T>(ASCEND_SKINNY_PASS);
+      break;
   }
 }
 #else

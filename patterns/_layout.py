@@ -8,7 +8,7 @@ result has exactly the strides the replaced value had; for contiguous inputs not
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch._prims_common import compute_elementwise_output_logical_to_physical_perm
@@ -70,10 +70,19 @@ def outputs_keep(match_outputs: Sequence[object], order: Sequence[int]) -> str |
     for node in match_outputs:
         value = getattr(node, "meta", {}).get("val")
         if isinstance(value, torch.Tensor) and (diff := layout_difference(value, order)) is not None:
-            return (f"the replaced value's memory layout ({diff}) is not one the fused op can return "
-                    "and later views of the graph were traced against it")
+            return (
+                f"the replaced value's memory layout ({diff}) is not one the fused op can return "
+                "and later views of the graph were traced against it"
+            )
     return None
 
 
-__all__ = ["from_frame", "is_identity", "layout_difference", "memory_order", "outputs_keep",
-           "strides_in_order", "to_frame"]
+__all__ = [
+    "from_frame",
+    "is_identity",
+    "layout_difference",
+    "memory_order",
+    "outputs_keep",
+    "strides_in_order",
+    "to_frame",
+]

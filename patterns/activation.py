@@ -102,8 +102,9 @@ def _fused(dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
 # ------------------------------------------------------------------------------ the table
 # The halves form comes first: on the same ``mul`` it wins over the concatenating form.
 REWRITES: list[Rewrite] = [
-    Rewrite("swiglu_halves", swiglu_halves_pattern, swiglu_halves_replacement, _fused,
-            check=_even_width),
-    *(Rewrite("swiglu", _silu_mul(up_first), _cat_swiglu(up_first), _pair, check=_same_shape(up_first))
-      for up_first in (False, True)),
+    Rewrite("swiglu_halves", swiglu_halves_pattern, swiglu_halves_replacement, _fused, check=_even_width),
+    *(
+        Rewrite("swiglu", _silu_mul(up_first), _cat_swiglu(up_first), _pair, check=_same_shape(up_first))
+        for up_first in (False, True)
+    ),
 ]

@@ -53,8 +53,7 @@ def _sdpa_math(masked: bool, upcast: bool, copies: tuple[bool, bool, bool]):
         kv_length, dv = v.shape[-2], v.shape[-1]
         # torch.matmul's 4-D form, after cleanup dropped its no-op expands
         q_scaled = _batch_flatten(aten.mul.Scalar(q, sqrt_scale), [b * n, length, d], copies[0])
-        k_scaled = _batch_flatten(aten.mul.Scalar(k.transpose(-2, -1), sqrt_scale), [b * n, d, kv_length],
-                                  copies[1])
+        k_scaled = _batch_flatten(aten.mul.Scalar(k.transpose(-2, -1), sqrt_scale), [b * n, d, kv_length], copies[1])
         scores = torch.bmm(q_scaled, k_scaled).view(b, n, length, kv_length)
         if masked:
             scores = scores + mask
@@ -81,7 +80,8 @@ def _flash(masked: bool, upcast: bool):
         elif d < dv:  # zero columns in q and k add nothing to q·kᵀ
             q, k = F.pad(q, (0, dv - d)), F.pad(k, (0, dv - d))
         out = aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, False, attn_mask=mask if masked else None, scale=sqrt_scale * sqrt_scale)[0]
+            q, k, v, 0.0, False, attn_mask=mask if masked else None, scale=sqrt_scale * sqrt_scale
+        )[0]
         out = out[..., :dv].contiguous()
         return out.to(dtype) if upcast else out
 
@@ -108,8 +108,7 @@ def _fits_flash(v: Bindings) -> str | None:
     if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (q, k, val)):
         return "q, k, v are not all 4-D [B, N, S, D]"
     if not (q.shape[:2] == k.shape[:2] == val.shape[:2]):
-        return (f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(val.shape)} broadcast over "
-                "batch or heads (GQA)")
+        return f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(val.shape)} broadcast over batch or heads (GQA)"
     if q.shape[-1] != k.shape[-1] or k.shape[-2] != val.shape[-2]:
         return f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(val.shape)} do not form an attention"
     if any(t.device.type != "cpu" for t in (q, k, val)):
@@ -161,9 +160,15 @@ def _qkv(masked: bool, copies: tuple[bool, bool, bool]):
 
 # ------------------------------------------------------------------------------ the table
 REWRITES: list[Rewrite] = [
-    Rewrite(f"sdpa_flash[{'mask' if masked else 'no mask'}{', upcast' if upcast else ''}]",
-            *_pair(masked, upcast, copies), _qkv(masked, copies), check=_checked(upcast),
-            scalars={"sqrt_scale": SQRT_SCALE},
-            dtypes=(torch.bfloat16, torch.float16) if upcast else (torch.float32,))
-    for masked in (True, False) for upcast in (False, True) for copies in itertools.product((False, True), repeat=3)
+    Rewrite(
+        f"sdpa_flash[{'mask' if masked else 'no mask'}{', upcast' if upcast else ''}]",
+        *_pair(masked, upcast, copies),
+        _qkv(masked, copies),
+        check=_checked(upcast),
+        scalars={"sqrt_scale": SQRT_SCALE},
+        dtypes=(torch.bfloat16, torch.float16) if upcast else (torch.float32,),
+    )
+    for masked in (True, False)
+    for upcast in (False, True)
+    for copies in itertools.product((False, True), repeat=3)
 ]

@@ -12,8 +12,8 @@ epsilons are read off the matched graph (the matcher ignores Python numbers).
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -35,8 +35,10 @@ def _rope_interleave(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: t
     sin = sin[..., : sin.shape[-1] // 2].unsqueeze(1)
     q1, q2 = q[..., 0::2], q[..., 1::2]
     k1, k2 = k[..., 0::2], k[..., 1::2]
-    return (torch.cat([q1 * cos - q2 * sin, q2 * cos + q1 * sin], dim=-1),
-            torch.cat([k1 * cos - k2 * sin, k2 * cos + k1 * sin], dim=-1))
+    return (
+        torch.cat([q1 * cos - q2 * sin, q2 * cos + q1 * sin], dim=-1),
+        torch.cat([k1 * cos - k2 * sin, k2 * cos + k1 * sin], dim=-1),
+    )
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -53,6 +55,7 @@ def _rope_half(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
 def _norm_ascend(eps: float | None) -> Callable[..., torch.Tensor]:
     def norm(x, weight):
         return ascend.rms_norm(x, weight)[0] if eps is None else ascend.rms_norm(x, weight, eps)[0]
+
     return norm
 
 
@@ -134,9 +137,20 @@ def fused(c: Constants, hidden, w_q_a, gamma_cq, w_q_b, w_kv_a, gamma_ckv, cos, 
         cos = torch.cat([cos[..., :half], cos[..., :half]], dim=-1)
         sin = torch.cat([sin[..., :half], sin[..., :half]], dim=-1)
     query, query_rope, kv, k_rope = ascend.mla_prolog(
-        hidden, None if w_q_a is None else w_q_a.t(), w_q_b.t(), None, w_kv_a.t(), gamma_cq,
-        gamma_ckv, sin, cos, head_num=c.head_num, rmsnorm_epsilon_cq=c.eps_cq,
-        rmsnorm_epsilon_ckv=c.eps_ckv, rope_interleave=c.interleave)
+        hidden,
+        None if w_q_a is None else w_q_a.t(),
+        w_q_b.t(),
+        None,
+        w_kv_a.t(),
+        gamma_cq,
+        gamma_ckv,
+        sin,
+        cos,
+        head_num=c.head_num,
+        rmsnorm_epsilon_cq=c.eps_cq,
+        rmsnorm_epsilon_ckv=c.eps_ckv,
+        rope_interleave=c.interleave,
+    )
     query = torch.cat([query.transpose(1, 2), query_rope.transpose(1, 2)], dim=-1)  # [B, N, S, D+Dr]
     return query, kv.unsqueeze(1), k_rope.unsqueeze(1)
 
@@ -144,11 +158,14 @@ def fused(c: Constants, hidden, w_q_a, gamma_cq, w_q_b, w_kv_a, gamma_ckv, cos, 
 def replacement_fn(form: Form, c: Constants) -> Callable[..., tuple[torch.Tensor, ...]]:
     """``fused`` with exactly the search function's positional parameters (make_fx wants that)."""
     if form.q_lora:
+
         def replacement(hidden, w_q_a, gamma_cq, w_q_b, w_kv_a, gamma_ckv, cos, sin):
             return fused(c, hidden, w_q_a, gamma_cq, w_q_b, w_kv_a, gamma_ckv, cos, sin)
     else:
+
         def replacement(hidden, w_q, w_kv_a, gamma_ckv, cos, sin):
             return fused(c, hidden, None, None, w_q, w_kv_a, gamma_ckv, cos, sin)
+
     return replacement
 
 

@@ -12,7 +12,7 @@ function by flags, never copied.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -38,14 +38,20 @@ def torch_grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> to
     return torch._grouped_mm(x, w, offs=offs)
 
 
-def grouped_mm_experts(grouped_mm: GroupedMM, histc_on_float: bool,
-                       activation: Activation = silu_mul) -> Callable[..., torch.Tensor]:
+def grouped_mm_experts(
+    grouped_mm: GroupedMM, histc_on_float: bool, activation: Activation = silu_mul
+) -> Callable[..., torch.Tensor]:
     """``grouped_mm_experts_forward``: sort (token, k) pairs by expert, two grouped matmuls,
     weight, un-permute, sum over k.  ``histc_on_float``: CPU/MPS count experts on float ids;
     ``activation``: the experts' ``_apply_gate``."""
 
-    def search(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
-               gate_up_proj: torch.Tensor, down_proj: torch.Tensor) -> torch.Tensor:
+    def search(
+        hidden: torch.Tensor,
+        top_k_index: torch.Tensor,
+        top_k_weights: torch.Tensor,
+        gate_up_proj: torch.Tensor,
+        down_proj: torch.Tensor,
+    ) -> torch.Tensor:
         num_experts = gate_up_proj.shape[0]
         num_top_k = top_k_index.size(-1)
         num_tokens, hidden_dim = hidden.shape
@@ -72,8 +78,13 @@ def batched_mm_experts_with(activation: Activation) -> Callable[..., torch.Tenso
     """``batched_mm_experts_forward``: gather each pair's expert weights, one bmm per projection;
     ``activation``: the experts' ``_apply_gate``."""
 
-    def search(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
-               gate_up_proj: torch.Tensor, down_proj: torch.Tensor) -> torch.Tensor:
+    def search(
+        hidden: torch.Tensor,
+        top_k_index: torch.Tensor,
+        top_k_weights: torch.Tensor,
+        gate_up_proj: torch.Tensor,
+        down_proj: torch.Tensor,
+    ) -> torch.Tensor:
         num_top_k = top_k_index.size(-1)
         num_tokens, hidden_dim = hidden.shape
         selected = hidden.repeat_interleave(num_top_k, dim=0)
@@ -91,36 +102,66 @@ def batched_mm_experts_with(activation: Activation) -> Callable[..., torch.Tenso
 batched_mm_experts = batched_mm_experts_with(silu_mul)
 
 
-def fused_experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
-                  gate_up_proj: torch.Tensor, down_proj: torch.Tensor) -> torch.Tensor:
+def fused_experts(
+    hidden: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+) -> torch.Tensor:
     """The replacement: the torch_npu MoE chain over all ``E`` experts (dropless)."""
     return fused_chain(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, None)
 
 
-def fused_chain(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
-                gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
-                before_swiglu: Callable[[torch.Tensor], torch.Tensor] | None) -> torch.Tensor:
+def fused_chain(
+    hidden: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    before_swiglu: Callable[[torch.Tensor], torch.Tensor] | None,
+) -> torch.Tensor:
     """``fused_experts`` with ``before_swiglu``: an element-wise op on the gate·up rows before the
     ``swiglu`` (DeepSeek-V4's clamp), or None.  (The replacement a pass traces must take exactly
     the matched inputs, hence two functions.)"""
     num_experts = gate_up_proj.shape[0]
     expert_idx = top_k_index.to(torch.int32)
     expanded_x, expanded_row_idx, tokens_per_expert, _ = ascend.moe_init_routing_v2(
-        hidden, expert_idx, expert_num=num_experts, expert_tokens_num_type=1,
-        expert_tokens_num_flag=True, active_expert_range=[0, num_experts], row_idx_type=0,
+        hidden,
+        expert_idx,
+        expert_num=num_experts,
+        expert_tokens_num_type=1,
+        expert_tokens_num_flag=True,
+        active_expert_range=[0, num_experts],
+        row_idx_type=0,
     )
     gate_up = ascend.grouped_matmul(
-        [expanded_x], [gate_up_proj.transpose(1, 2)], group_list=tokens_per_expert,
-        split_item=2, group_type=0, group_list_type=1,
+        [expanded_x],
+        [gate_up_proj.transpose(1, 2)],
+        group_list=tokens_per_expert,
+        split_item=2,
+        group_type=0,
+        group_list_type=1,
     )[0]
     if before_swiglu is not None:
         gate_up = before_swiglu(gate_up)
     act = ascend.swiglu(gate_up, -1)
     out = ascend.grouped_matmul(
-        [act], [down_proj.transpose(1, 2)], group_list=tokens_per_expert,
-        split_item=2, group_type=0, group_list_type=1,
+        [act],
+        [down_proj.transpose(1, 2)],
+        group_list=tokens_per_expert,
+        split_item=2,
+        group_type=0,
+        group_list_type=1,
     )[0]
     return ascend.moe_finalize_routing(
-        out, None, None, None, top_k_weights, expanded_row_idx, expert_idx,
-        drop_pad_mode=2, k=top_k_index.shape[-1],
+        out,
+        None,
+        None,
+        None,
+        top_k_weights,
+        expanded_row_idx,
+        expert_idx,
+        drop_pad_mode=2,
+        k=top_k_index.shape[-1],
     ).to(hidden.dtype)

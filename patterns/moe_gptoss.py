@@ -24,8 +24,8 @@ wildcard to the matcher and is read off the matched nodes (``read_activation``),
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import torch
 import torch.fx as fx
@@ -52,8 +52,9 @@ class Activation:
     up_add: float
 
 
-def clamped_swiglu(gate_up: torch.Tensor, c: Activation | None = None,
-                   rows: Callable[[torch.Tensor], torch.Tensor] = lambda t: t) -> torch.Tensor:
+def clamped_swiglu(
+    gate_up: torch.Tensor, c: Activation | None = None, rows: Callable[[torch.Tensor], torch.Tensor] = lambda t: t
+) -> torch.Tensor:
     """``GptOssExperts._apply_gate`` (search: the numbers are wildcards) or, with ``c``, the
     replacement's activation with the numbers read off the match.  ``rows``: how each read of
     ``gate_up`` reaches its rows (batched_mm: a functionalised in-place bias add on a squeeze view
@@ -70,9 +71,15 @@ def grouped_mm_experts(grouped_mm: moe_experts.GroupedMM) -> Callable[..., torch
     """transformers' ``grouped_mm_experts_forward`` for gpt-oss (``is_transposed``, ``has_bias``;
     CPU/MPS: histc on float ids)."""
 
-    def search(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
-               gate_up_proj: torch.Tensor, gate_up_bias: torch.Tensor, down_proj: torch.Tensor,
-               down_bias: torch.Tensor) -> torch.Tensor:
+    def search(
+        hidden: torch.Tensor,
+        top_k_index: torch.Tensor,
+        top_k_weights: torch.Tensor,
+        gate_up_proj: torch.Tensor,
+        gate_up_bias: torch.Tensor,
+        down_proj: torch.Tensor,
+        down_bias: torch.Tensor,
+    ) -> torch.Tensor:
         num_experts = gate_up_proj.shape[0]
         num_top_k = top_k_index.size(-1)
         num_tokens, hidden_dim = hidden.shape
@@ -96,9 +103,15 @@ def grouped_mm_experts(grouped_mm: moe_experts.GroupedMM) -> Callable[..., torch
     return search
 
 
-def batched_mm_experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
-                       gate_up_proj: torch.Tensor, gate_up_bias: torch.Tensor, down_proj: torch.Tensor,
-                       down_bias: torch.Tensor) -> torch.Tensor:
+def batched_mm_experts(
+    hidden: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    gate_up_bias: torch.Tensor,
+    down_proj: torch.Tensor,
+    down_bias: torch.Tensor,
+) -> torch.Tensor:
     """transformers' ``batched_mm_experts_forward`` for gpt-oss (``is_transposed``, ``has_bias``)."""
     num_top_k = top_k_index.size(-1)
     num_tokens, hidden_dim = hidden.shape
@@ -130,43 +143,81 @@ def example_inputs(dtype: torch.dtype, weight_dtype: torch.dtype) -> list[torch.
     ]
 
 
-def fused_experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
-                  gate_up_proj: torch.Tensor, gate_up_bias: torch.Tensor, down_proj: torch.Tensor,
-                  down_bias: torch.Tensor, *, c: Activation) -> torch.Tensor:
+def fused_experts(
+    hidden: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    gate_up_bias: torch.Tensor,
+    down_proj: torch.Tensor,
+    down_bias: torch.Tensor,
+    *,
+    c: Activation,
+) -> torch.Tensor:
     """The replacement: the fused chain over all ``E`` experts (dropless), biases in the grouped
     matmuls, gpt-oss's activation in ATen between them."""
     num_experts = gate_up_proj.shape[0]
     expert_idx = top_k_index.to(torch.int32)
     expanded_x, expanded_row_idx, tokens_per_expert, _ = ascend.moe_init_routing_v2(
-        hidden, expert_idx, expert_num=num_experts, expert_tokens_num_type=1,
-        expert_tokens_num_flag=True, active_expert_range=[0, num_experts], row_idx_type=0,
+        hidden,
+        expert_idx,
+        expert_num=num_experts,
+        expert_tokens_num_type=1,
+        expert_tokens_num_flag=True,
+        active_expert_range=[0, num_experts],
+        row_idx_type=0,
     )
     gate_up = ascend.grouped_matmul(
-        [expanded_x], [gate_up_proj], bias=[gate_up_bias], group_list=tokens_per_expert,
-        split_item=2, group_type=0, group_list_type=1,
+        [expanded_x],
+        [gate_up_proj],
+        bias=[gate_up_bias],
+        group_list=tokens_per_expert,
+        split_item=2,
+        group_type=0,
+        group_list_type=1,
     )[0]
     act = clamped_swiglu(gate_up, c)
     out = ascend.grouped_matmul(
-        [act], [down_proj], bias=[down_bias], group_list=tokens_per_expert,
-        split_item=2, group_type=0, group_list_type=1,
+        [act],
+        [down_proj],
+        bias=[down_bias],
+        group_list=tokens_per_expert,
+        split_item=2,
+        group_type=0,
+        group_list_type=1,
     )[0]
     return ascend.moe_finalize_routing(
-        out, None, None, None, top_k_weights, expanded_row_idx, expert_idx,
-        drop_pad_mode=2, k=top_k_index.shape[-1],
+        out,
+        None,
+        None,
+        None,
+        top_k_weights,
+        expanded_row_idx,
+        expert_idx,
+        drop_pad_mode=2,
+        k=top_k_index.shape[-1],
     ).to(hidden.dtype)
 
 
 # ------------------------------------------------------------------------- reading a match
-def check_shapes(x: torch.Tensor, gu: torch.Tensor, gub: torch.Tensor, dn: torch.Tensor, dnb: torch.Tensor
-                 ) -> str | None:
+def check_shapes(
+    x: torch.Tensor, gu: torch.Tensor, gub: torch.Tensor, dn: torch.Tensor, dnb: torch.Tensor
+) -> str | None:
     """Why these matched tensors are not gpt-oss's expert layout (weights in × out), or None."""
     if gu.dim() != 3 or dn.dim() != 3 or gub.dim() != 2 or dnb.dim() != 2:
         return "expert weights/biases are not [E, H, 2I], [E, 2I], [E, I, H], [E, H]"
     e, h, two_i = gu.shape
-    if (two_i % 2 or tuple(dn.shape) != (e, two_i // 2, h) or tuple(gub.shape) != (e, two_i)
-            or tuple(dnb.shape) != (e, h) or x.shape[-1] != h):
-        return (f"gate_up {tuple(gu.shape)} / bias {tuple(gub.shape)} and down {tuple(dn.shape)} / bias "
-                f"{tuple(dnb.shape)} do not fit hidden {x.shape[-1]}")
+    if (
+        two_i % 2
+        or tuple(dn.shape) != (e, two_i // 2, h)
+        or tuple(gub.shape) != (e, two_i)
+        or tuple(dnb.shape) != (e, h)
+        or x.shape[-1] != h
+    ):
+        return (
+            f"gate_up {tuple(gu.shape)} / bias {tuple(gub.shape)} and down {tuple(dn.shape)} / bias "
+            f"{tuple(dnb.shape)} do not fit hidden {x.shape[-1]}"
+        )
     if any(t.dtype != x.dtype for t in (gu, gub, dn, dnb)):
         return f"expert weights/biases are {gu.dtype}/{gub.dtype}/{dn.dtype}/{dnb.dtype} but activations are {x.dtype}"
     return None
@@ -202,8 +253,10 @@ def read_activation(nodes: Sequence[fx.Node]) -> tuple[Activation | None, str | 
     gate = next((n for n in clamps if len(n.args) > 2 and n.args[1] is None), None)
     up = next((n for n in clamps if len(n.args) > 2 and n.args[1] is not None), None)
     if gate is None or up is None or _column(gate.args[0]) != 0 or _column(up.args[0]) != 1:
-        return None, ("the clamps are not gate = even columns (::2) / up = odd columns (1::2) of the gate·up "
-                      "rows' last dim (a form the gpt-oss reader does not know)")
+        return None, (
+            "the clamps are not gate = even columns (::2) / up = odd columns (1::2) of the gate·up "
+            "rows' last dim (a form the gpt-oss reader does not know)"
+        )
     sig = next((n for n in nodes if n.target is aten.sigmoid.default), None)
     scaled = sig.args[0] if sig is not None else None
     if not (isinstance(scaled, fx.Node) and scaled.target is aten.mul.Tensor and scaled.args[0] is gate):
@@ -212,15 +265,27 @@ def read_activation(nodes: Sequence[fx.Node]) -> tuple[Activation | None, str | 
     if add is None:
         return None, "no `up + c` after the up clamp (a form the gpt-oss reader does not know)"
     values = {}
-    for what, arg in (("swiglu_limit (the gate's clamp max)", gate.args[2]),
-                      ("swiglu_limit (the up clamp's min)", up.args[1]),
-                      ("swiglu_limit (the up clamp's max)", up.args[2]),
-                      ("swiglu_alpha", scaled.args[1]), ("the constant added to up", add.args[1])):
+    for what, arg in (
+        ("swiglu_limit (the gate's clamp max)", gate.args[2]),
+        ("swiglu_limit (the up clamp's min)", up.args[1]),
+        ("swiglu_limit (the up clamp's max)", up.args[2]),
+        ("swiglu_alpha", scaled.args[1]),
+        ("the constant added to up", add.args[1]),
+    ):
         values[what] = const_float(arg)
         if values[what] is None:
             return None, not_constant(what, arg)
     return Activation(*values.values()), None
 
 
-__all__ = ["ARGNAMES", "Activation", "batched_mm_experts", "check_shapes", "clamped_swiglu", "example_inputs",
-           "fused_experts", "grouped_mm_experts", "read_activation"]
+__all__ = [
+    "ARGNAMES",
+    "Activation",
+    "batched_mm_experts",
+    "check_shapes",
+    "clamped_swiglu",
+    "example_inputs",
+    "fused_experts",
+    "grouped_mm_experts",
+    "read_activation",
+]

@@ -34,21 +34,24 @@ class RouterConstants:
 
 
 # ------------------------------------------------------------------------- DeepSeek-V3 noaux_tc
-def deepseek_router(logits: torch.Tensor, bias: torch.Tensor, *, num_groups: int = 4,
-                    topk_groups: int = 2, top_k: int = 2, routed_scaling_factor: float = 2.5,
-                    renormalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+def deepseek_router(
+    logits: torch.Tensor,
+    bias: torch.Tensor,
+    *,
+    num_groups: int = 4,
+    topk_groups: int = 2,
+    top_k: int = 2,
+    routed_scaling_factor: float = 2.5,
+    renormalize: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``DeepseekV3TopkRouter.forward`` after the router matmul: (weights [T,k], ids [T,k])."""
     num_experts = logits.shape[-1]
     scores = logits.sigmoid()
     scores_for_choice = scores + bias
-    group_scores = (
-        scores_for_choice.view(-1, num_groups, num_experts // num_groups).topk(2, dim=-1)[0].sum(dim=-1)
-    )
+    group_scores = scores_for_choice.view(-1, num_groups, num_experts // num_groups).topk(2, dim=-1)[0].sum(dim=-1)
     group_idx = torch.topk(group_scores, k=topk_groups, dim=-1, sorted=False)[1]
     group_mask = torch.zeros_like(group_scores).scatter(1, group_idx, 1)  # functional form
-    score_mask = (
-        group_mask.unsqueeze(-1).expand(-1, num_groups, num_experts // num_groups).reshape(-1, num_experts)
-    )
+    score_mask = group_mask.unsqueeze(-1).expand(-1, num_groups, num_experts // num_groups).reshape(-1, num_experts)
     scores_for_choice = scores_for_choice.masked_fill(~score_mask.bool(), float("-inf"))
     topk_indices = torch.topk(scores_for_choice, k=top_k, dim=-1, sorted=False)[1]
     topk_weights = scores.gather(1, topk_indices)
@@ -59,8 +62,9 @@ def deepseek_router(logits: torch.Tensor, bias: torch.Tensor, *, num_groups: int
     return topk_weights, topk_indices
 
 
-def deepseek_router_fused(logits: torch.Tensor, bias: torch.Tensor, scale: torch.Tensor | None = None, *,
-                          c: RouterConstants) -> tuple[torch.Tensor, torch.Tensor]:
+def deepseek_router_fused(
+    logits: torch.Tensor, bias: torch.Tensor, scale: torch.Tensor | None = None, *, c: RouterConstants
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The same routing as one ``moe_gating_top_k`` (sigmoid scores, group mode 1 = top-2 sum).
     The bias is cast to the logits' dtype, as the model's ``scores + bias`` promotes it.
 
@@ -73,9 +77,17 @@ def deepseek_router_fused(logits: torch.Tensor, bias: torch.Tensor, scale: torch
     rewritten (``renormalize`` must be True).
     """
     weights, ids, _ = ascend.moe_gating_top_k(
-        logits, c.top_k, bias=bias.to(logits.dtype), k_group=c.topk_groups, group_count=c.num_groups,
-        group_select_mode=1, renorm=0, norm_type=1, out_flag=False,
-        routed_scaling_factor=c.routed_scaling_factor, eps=c.eps,
+        logits,
+        c.top_k,
+        bias=bias.to(logits.dtype),
+        k_group=c.topk_groups,
+        group_count=c.num_groups,
+        group_select_mode=1,
+        renorm=0,
+        norm_type=1,
+        out_flag=False,
+        routed_scaling_factor=c.routed_scaling_factor,
+        eps=c.eps,
     )
     if scale is not None:
         weights = weights * scale
@@ -83,8 +95,9 @@ def deepseek_router_fused(logits: torch.Tensor, bias: torch.Tensor, scale: torch
 
 
 # ------------------------------------------------------------------------- sigmoid, no expert groups
-def sigmoid_router(logits: torch.Tensor, bias: torch.Tensor, *, top_k: int = 2, renormalize: bool = True,
-                   eps: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def sigmoid_router(
+    logits: torch.Tensor, bias: torch.Tensor, *, top_k: int = 2, renormalize: bool = True, eps: float | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``MiniMaxM2TopKRouter.forward`` after the router matmul: sigmoid scores, top-k of the scores
     plus the correction bias, weights gathered from the unbiased scores and divided by their sum
     (``eps``: DeepSeek-style ``sum + eps``; None: the plain sum).  This is ``moe_gating_top_k`` with
@@ -101,8 +114,9 @@ def sigmoid_router(logits: torch.Tensor, bias: torch.Tensor, *, top_k: int = 2, 
 
 
 # ------------------------------------------------------------------------- Qwen3 / Mixtral softmax
-def softmax_router(logits: torch.Tensor, *, top_k: int = 2, renormalize: bool = True
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+def softmax_router(
+    logits: torch.Tensor, *, top_k: int = 2, renormalize: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``Qwen3MoeTopKRouter.forward`` after the router matmul (fp32 logits)."""
     probs = torch.nn.functional.softmax(logits, dtype=torch.float, dim=-1)
     top_value, indices = torch.topk(probs, top_k, dim=-1)

@@ -20,8 +20,8 @@ the generic ``moe_router.sigmoid_router``.  The pass reads every constant off th
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -80,11 +80,19 @@ def clamp_gate_up(gate_up: torch.Tensor, limits: ClampLimits) -> torch.Tensor:
     return torch.clamp(gate_up, lower, upper)
 
 
-def fused_experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
-                  gate_up_proj: torch.Tensor, down_proj: torch.Tensor, *, limits: ClampLimits) -> torch.Tensor:
+def fused_experts(
+    hidden: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    *,
+    limits: ClampLimits,
+) -> torch.Tensor:
     """The replacement: the fused chain with the clamp before the swiglu."""
-    return moe_experts.fused_chain(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj,
-                                   lambda gate_up: clamp_gate_up(gate_up, limits))
+    return moe_experts.fused_chain(
+        hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, lambda gate_up: clamp_gate_up(gate_up, limits)
+    )
 
 
 # ------------------------------------------------------------------------- routers
@@ -106,8 +114,7 @@ def hash_router(score: Score) -> Callable[..., tuple[torch.Tensor, torch.Tensor]
     """``DeepseekV4HashRouter.forward`` after the router matmul: the experts of each token are the
     row ``tid2eid[input_ids]`` (``ids``: the flattened token ids), the scores only weight them."""
 
-    def search(logits: torch.Tensor, tid2eid: torch.Tensor, ids: torch.Tensor
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+    def search(logits: torch.Tensor, tid2eid: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         scores = score(logits)
         indices = tid2eid[ids].long()
         weights = scores.gather(1, indices)
@@ -128,22 +135,44 @@ class HashRouterConstants:
     eps: float
 
 
-def hash_router_fused(logits: torch.Tensor, tid2eid: torch.Tensor, ids: torch.Tensor,
-                      scale: torch.Tensor | None = None, *, c: HashRouterConstants
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+def hash_router_fused(
+    logits: torch.Tensor,
+    tid2eid: torch.Tensor,
+    ids: torch.Tensor,
+    scale: torch.Tensor | None = None,
+    *,
+    c: HashRouterConstants,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The same routing as one ``moe_gating_top_k`` in hash mode: ``expert_idx = tid2eid[input_ids]``,
     weights = the sigmoid scores there, divided by their sum + eps, times the scale.  ``scale``: the
     routed scaling factor when the graph holds it as a 0-d tensor input (the op then scales by 1.0
     and the weights are multiplied after it, its own last step)."""
     weights, ids_out, _ = ascend.moe_gating_top_k(
-        logits, c.top_k, input_ids=ids, tid2eid=tid2eid, norm_type=c.norm_type,
-        routed_scaling_factor=c.routed_scaling_factor, eps=c.eps,
+        logits,
+        c.top_k,
+        input_ids=ids,
+        tid2eid=tid2eid,
+        norm_type=c.norm_type,
+        routed_scaling_factor=c.routed_scaling_factor,
+        eps=c.eps,
     )
     if scale is not None:
         weights = weights * scale
     return weights, ids_out.to(torch.int64)
 
 
-__all__ = ["NORM_TYPE", "SCORES", "ClampLimits", "HashRouterConstants", "batched_mm_experts", "clamp_gate_up",
-           "clamped_silu_mul", "fused_experts", "grouped_mm_experts", "hash_router", "hash_router_fused",
-           "sqrtsoftplus", "topk_router"]
+__all__ = [
+    "NORM_TYPE",
+    "SCORES",
+    "ClampLimits",
+    "HashRouterConstants",
+    "batched_mm_experts",
+    "clamp_gate_up",
+    "clamped_silu_mul",
+    "fused_experts",
+    "grouped_mm_experts",
+    "hash_router",
+    "hash_router_fused",
+    "sqrtsoftplus",
+    "topk_router",
+]

@@ -95,8 +95,10 @@ def _layout_kept(v: Bindings, *inputs: str) -> str | None:
     strides: the normalised (last) dim innermost, and the same order as the unfused norm."""
     order = memory_order(*(v[name] for name in inputs))
     if order[-1] != len(order) - 1:
-        return (f"the normalised dim is not innermost in memory (memory order of dims {order}): "
-                "rms_norm would return another layout")
+        return (
+            f"the normalised dim is not innermost in memory (memory order of dims {order}): "
+            "rms_norm would return another layout"
+        )
     return outputs_keep(v.match.output_nodes(), order)
 
 
@@ -133,8 +135,7 @@ def _weight_fits(v: Bindings) -> str | None:
 def _same_operands(v: Bindings) -> str | None:
     x1, x2 = v["x1"], v["x2"]
     if x1.shape != x2.shape or x1.dtype != x2.dtype:
-        return (f"residual add of {tuple(x1.shape)} {x1.dtype} and {tuple(x2.shape)} {x2.dtype} "
-                "broadcasts or promotes")
+        return f"residual add of {tuple(x1.shape)} {x1.dtype} and {tuple(x2.shape)} {x2.dtype} broadcasts or promotes"
     return _layout_kept(v, "x1", "x2")
 
 
@@ -154,6 +155,7 @@ def _add_norm_inputs(dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
 def _add_norm_inputs_transposed(dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
     """Operands laid out ``[B, S, H, D]`` seen as ``[B, H, S, D]`` (q/k norms after RoPE): the
     rms_norm they feed was rewritten in their memory order, between two permutes."""
+
     def x() -> torch.Tensor:
         return torch.empty(2, 3, 4, 8, dtype=dtype).transpose(1, 2)
 
@@ -162,16 +164,51 @@ def _add_norm_inputs_transposed(dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
 
 # ------------------------------------------------------------------------------ the table
 REWRITES: list[Rewrite] = [
-    Rewrite("rms_norm", _weighted_rms_norm(weight_first=True), rms_norm_replacement, _norm_inputs,
-            check=_weight_fits, scalars={"eps": EPS}),
-    Rewrite("rms_norm", _weighted_rms_norm(weight_first=False), rms_norm_replacement, _norm_inputs,
-            check=_weight_fits, scalars={"eps": EPS}),
-    Rewrite("rms_norm", unweighted_rms_norm_pattern, unweighted_rms_norm_replacement,
-            _unweighted_inputs, check=_unweighted_fits, scalars={"eps": EPS}),
-    *(rw for inputs in (_add_norm_inputs, _add_norm_inputs_transposed) for rw in (
-        Rewrite("add_rms_norm", add_rms_norm_pattern, add_rms_norm_replacement, inputs,
-                check=_same_operands, scalars={"eps": EPS}, stage=1),
-        Rewrite("add_rms_norm", add_rms_norm_default_eps_pattern, add_rms_norm_default_eps_replacement,
-                inputs, check=_same_operands, stage=1),
-    )),
+    Rewrite(
+        "rms_norm",
+        _weighted_rms_norm(weight_first=True),
+        rms_norm_replacement,
+        _norm_inputs,
+        check=_weight_fits,
+        scalars={"eps": EPS},
+    ),
+    Rewrite(
+        "rms_norm",
+        _weighted_rms_norm(weight_first=False),
+        rms_norm_replacement,
+        _norm_inputs,
+        check=_weight_fits,
+        scalars={"eps": EPS},
+    ),
+    Rewrite(
+        "rms_norm",
+        unweighted_rms_norm_pattern,
+        unweighted_rms_norm_replacement,
+        _unweighted_inputs,
+        check=_unweighted_fits,
+        scalars={"eps": EPS},
+    ),
+    *(
+        rw
+        for inputs in (_add_norm_inputs, _add_norm_inputs_transposed)
+        for rw in (
+            Rewrite(
+                "add_rms_norm",
+                add_rms_norm_pattern,
+                add_rms_norm_replacement,
+                inputs,
+                check=_same_operands,
+                scalars={"eps": EPS},
+                stage=1,
+            ),
+            Rewrite(
+                "add_rms_norm",
+                add_rms_norm_default_eps_pattern,
+                add_rms_norm_default_eps_replacement,
+                inputs,
+                check=_same_operands,
+                stage=1,
+            ),
+        )
+    ),
 ]

@@ -30,8 +30,9 @@ def compile_and_run(model: torch.nn.Module, inputs: Any, **options: Any) -> tupl
 def forward_with_hooks(model: torch.nn.Module, inputs: Any, modules: list[torch.nn.Module], hook) -> None:
     """One eager no-grad forward of ``model`` with ``hook(index, module, args, output)`` on each of
     ``modules``; the hooks are removed afterwards, also when the forward raises."""
-    handles = [m.register_forward_hook(lambda mod, args, out, i=i: hook(i, mod, args, out))
-               for i, m in enumerate(modules)]
+    handles = [
+        m.register_forward_hook(lambda mod, args, out, i=i: hook(i, mod, args, out)) for i, m in enumerate(modules)
+    ]
     try:
         with torch.no_grad():
             model(*inputs)
@@ -67,13 +68,20 @@ def skip_unless(condition: bool, reason: str, *, allow_module_level: bool = Fals
     pytest.skip(reason, allow_module_level=allow_module_level)
 
 
-def run_with_memory_cap(code: str, cap_bytes: int = 4 << 30, timeout: float = 120,
-                        env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+def run_with_memory_cap(
+    code: str, cap_bytes: int = 4 << 30, timeout: float = 120, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
     """Run ``code`` in a fresh Python whose address space is capped at ``cap_bytes``
     (``resource.setrlimit(RLIMIT_AS)``, set before torch loads), two threads: a runaway allocation
     fails that process (``MemoryError``/``RuntimeError``, or a kill) instead of taking the machine's
     memory.  Returns the finished process (text output)."""
-    prelude = (f"import resource; resource.setrlimit(resource.RLIMIT_AS, ({cap_bytes}, {cap_bytes}))\n")
+    prelude = f"import resource; resource.setrlimit(resource.RLIMIT_AS, ({cap_bytes}, {cap_bytes}))\n"
     child_env = {**os.environ, "OMP_NUM_THREADS": "2", "MALLOC_ARENA_MAX": "2", **(env or {})}
-    return subprocess.run([sys.executable, "-c", prelude + code], env=child_env, capture_output=True, text=True,
-                          timeout=timeout, cwd=os.path.dirname(os.path.abspath(__file__)))
+    return subprocess.run(
+        [sys.executable, "-c", prelude + code],
+        env=child_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=os.path.dirname(os.path.abspath(__file__)),
+    )

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-
 from _helpers import compile_and_run, rel_diff
+
 from ascend_passes import models
 from ascend_passes.report import count_ops
 
@@ -65,8 +65,9 @@ def test_deepseek_bf16_keeps_the_float32_upcast():
     # against the same pipeline without the attention rewrite (eager bf16 differs from any
     # compiled bf16 by routing flips on this random model, see README)
     with torch.no_grad():
-        ref = torch.compile(model, backend="ascend_passes",
-                            options={"compiler": "eager", "disable": ("attention",)})(*inputs)
+        ref = torch.compile(model, backend="ascend_passes", options={"compiler": "eager", "disable": ("attention",)})(
+            *inputs
+        )
     assert rel_diff(out, ref) <= 2e-2
 
 
@@ -126,8 +127,7 @@ def _attention_inputs(padded: bool = True):
     return x, mask
 
 
-@pytest.mark.parametrize("mode,causal", [("causal", True), ("input_mask", False), ("window", False),
-                                         ("none", False)])
+@pytest.mark.parametrize("mode,causal", [("causal", True), ("input_mask", False), ("window", False), ("none", False)])
 def test_masks(mode, causal):
     torch.manual_seed(0)
     model = Attention(mode).eval()

@@ -11,7 +11,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from _helpers import STRICT_ENV, skip_unless
 
 TESTS = Path(__file__).resolve().parent
@@ -21,10 +20,29 @@ def test_missing_kernels_fail_under_ci_strict():
     """test_kernels.py (skipped as a module for users) is a collection error, the C++ case of test_ops.py
     an error (its fixture fails); the reference case still runs.  (For users: test_skip_unless below.)"""
     env = {**os.environ, "ASCEND_PASSES_KERNELS": "reference", STRICT_ENV: "1"}
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", "-n", "0",
-                          "--continue-on-collection-errors", "test_kernels.py", "test_ops.py",
-                          "-k", "test_schemas_match or test_rms_norm_two_dim_gamma"],
-                         env=env, capture_output=True, text=True, timeout=300, cwd=TESTS)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-rA",
+            "-p",
+            "no:cacheprovider",
+            "-n",
+            "0",
+            "--continue-on-collection-errors",
+            "test_kernels.py",
+            "test_ops.py",
+            "-k",
+            "test_schemas_match or test_rms_norm_two_dim_gamma",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=TESTS,
+    )
     out = run.stdout
     assert run.returncode != 0
     assert "ERROR test_kernels.py" in out and "ERROR test_ops.py::test_rms_norm_two_dim_gamma[cpp]" in out, out[-3000:]
@@ -53,9 +71,23 @@ def test_failed_kernel_build_warns_for_users_and_fails_under_ci_strict(tmp_path,
     env["PATH"] = str(tmp_path)  # no cmake
     if strict:
         env[STRICT_ENV] = "1"
-    run = subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--build-lib", str(tmp_path / "lib"),
-                          "--build-temp", str(tmp_path / "tmp")], env=env, capture_output=True, text=True,
-                         timeout=300, cwd=TESTS.parent)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "setup.py",
+            "-q",
+            "build_ext",
+            "--build-lib",
+            str(tmp_path / "lib"),
+            "--build-temp",
+            str(tmp_path / "tmp"),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=TESTS.parent,
+    )
     if strict:
         assert run.returncode != 0 and "RuntimeError: cmake not found" in run.stderr, run.stderr[-2000:]
     else:

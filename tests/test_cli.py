@@ -60,8 +60,17 @@ def test_demo_prints_rewrites_for_target_and_drafter():
 
 
 def test_dump_source_lines_and_print_after_all(tmp_path):
-    out = run("dump", "qwen3_moe_grouped_mm", "--out", str(tmp_path), "--passes", "cleanup,norm",
-              "--print-after-all", "--verify-each", "--progress")
+    out = run(
+        "dump",
+        "qwen3_moe_grouped_mm",
+        "--out",
+        str(tmp_path),
+        "--passes",
+        "cleanup,norm",
+        "--print-after-all",
+        "--verify-each",
+        "--progress",
+    )
     assert out.returncode == 0, out.stderr
     (graph_dir,) = [p for p in tmp_path.iterdir() if p.is_dir()]
     after = (graph_dir / "01_norm.after.py").read_text()
@@ -86,7 +95,11 @@ def test_dump_of_a_tensor_parallel_model_shows_sequence_parallelism(tmp_path):
     assert "verify requested, but this graph holds collectives" in out.stderr
     (graph_dir,) = [p for p in tmp_path.iterdir() if p.is_dir()]
     diff = (graph_dir / "04_sequence_parallel.diff").read_text()
-    assert "_c10d_functional.all_reduce.default" in diff and "reduce_scatter_tensor" in diff and "all_gather_into_tensor" in diff
+    assert (
+        "_c10d_functional.all_reduce.default" in diff
+        and "reduce_scatter_tensor" in diff
+        and "all_gather_into_tensor" in diff
+    )
     assert "shared_expert_on_shard" in out.stdout and "reduce_scatter" in out.stdout
     assert "max |compiled - eager|" in out.stdout
 
@@ -135,28 +148,47 @@ def _user_error(cli, capsys, *argv: str) -> str:
     assert rc == 2, err
     lines = err.splitlines()
     assert len(lines) == 1 and lines[0].startswith("ascend-passes: error: "), err
-    return lines[0][len("ascend-passes: error: "):]
+    return lines[0][len("ascend-passes: error: ") :]
 
 
-@pytest.mark.parametrize("target, message", [
-    (":", "target ':' names no factory; give MODULE:FACTORY (e.g. my_models:build) or a bundled "
-          "model name"),
-    ("test_cli:", "target 'test_cli:' names no factory; give MODULE:FACTORY (e.g. my_models:build) "
-                  "or a bundled model name"),
-    ("test_cli:NOT_CALLABLE", "factory 'test_cli:NOT_CALLABLE' is not callable (type int); give "
-                              "a function returning (model, example_inputs)"),
-    ("test_cli:_returns_none", "factory 'test_cli:_returns_none' returned None; it must return "
-                               "(model, example_inputs), e.g. return model, (x,)"),
-    ("test_cli:_returns_three", "factory 'test_cli:_returns_three' returned a 3-tuple; it must "
-                                "return (model, example_inputs), e.g. return model, (x,)"),
-    ("test_cli:_returns_a_string_model", "factory 'test_cli:_returns_a_string_model' returned a str "
-                                         "as the model; it must return (torch.nn.Module, "
-                                         "example_inputs)"),
-    ("test_cli:_returns_a_tensor_as_inputs", "factory 'test_cli:_returns_a_tensor_as_inputs' "
-                                             "returned a Tensor as example_inputs; return a tuple "
-                                             "of the model's inputs, e.g. (x,)"),
-    ("test_cli:_raises", "factory 'test_cli:_raises' raised ValueError: no weights found"),
-])
+@pytest.mark.parametrize(
+    "target, message",
+    [
+        (":", "target ':' names no factory; give MODULE:FACTORY (e.g. my_models:build) or a bundled model name"),
+        (
+            "test_cli:",
+            "target 'test_cli:' names no factory; give MODULE:FACTORY (e.g. my_models:build) or a bundled model name",
+        ),
+        (
+            "test_cli:NOT_CALLABLE",
+            "factory 'test_cli:NOT_CALLABLE' is not callable (type int); give "
+            "a function returning (model, example_inputs)",
+        ),
+        (
+            "test_cli:_returns_none",
+            "factory 'test_cli:_returns_none' returned None; it must return "
+            "(model, example_inputs), e.g. return model, (x,)",
+        ),
+        (
+            "test_cli:_returns_three",
+            "factory 'test_cli:_returns_three' returned a 3-tuple; it must "
+            "return (model, example_inputs), e.g. return model, (x,)",
+        ),
+        (
+            "test_cli:_returns_a_string_model",
+            "factory 'test_cli:_returns_a_string_model' returned a str "
+            "as the model; it must return (torch.nn.Module, "
+            "example_inputs)",
+        ),
+        (
+            "test_cli:_returns_a_tensor_as_inputs",
+            "factory 'test_cli:_returns_a_tensor_as_inputs' "
+            "returned a Tensor as example_inputs; return a tuple "
+            "of the model's inputs, e.g. (x,)",
+        ),
+        ("test_cli:_raises", "factory 'test_cli:_raises' raised ValueError: no weights found"),
+    ],
+)
 def test_bad_factory_is_one_line_and_status_2(no_compile, capsys, tmp_path, target, message):
     assert _user_error(no_compile, capsys, "dump", target, "--out", str(tmp_path)) == message
 
@@ -165,11 +197,14 @@ def test_dump_out_that_is_a_file_or_unwritable_fails_before_compiling(no_compile
     existing = tmp_path / "summary.txt"
     existing.write_text("keep me")
     assert _user_error(no_compile, capsys, "dump", "llama_dense", "--out", str(existing)) == (
-        f"--out {existing} is an existing file; give a folder (it is created if missing)")
+        f"--out {existing} is an existing file; give a folder (it is created if missing)"
+    )
     assert existing.read_text() == "keep me"
     under_a_file = existing / "graphs"
     assert _user_error(no_compile, capsys, "dump", "llama_dense", "--out", str(under_a_file)) == (
-        f"--out {under_a_file} cannot be written (Not a directory); give a folder you can write to")
+        f"--out {under_a_file} cannot be written (Not a directory); give a folder you can write to"
+    )
     # the tensor-parallel models are checked before their ranks are spawned
     assert _user_error(no_compile, capsys, "dump", "deepseek_v3_tp2", "--out", str(existing)) == (
-        f"--out {existing} is an existing file; give a folder (it is created if missing)")
+        f"--out {existing} is an existing file; give a folder (it is created if missing)"
+    )

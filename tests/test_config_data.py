@@ -73,13 +73,21 @@ def test_constructing_a_config_registers_no_op_and_touches_no_process_group():
     assert run.returncode == 0, run.stderr[-3000:]
     assert "config-is-data-ok" in run.stdout
     # the decomposition names are checked at build time, with the same message as before
-    assert ("build: option 'inductor_decompose' names 'grouped_matmul', which is not an ascend op with a "
-            "decomposition") in run.stdout, run.stdout
+    assert (
+        "build: option 'inductor_decompose' names 'grouped_matmul', which is not an ascend op with a decomposition"
+    ) in run.stdout, run.stdout
 
 
 def test_config_passes_and_pass_manager_import_first_without_a_cycle():
-    modules = ["ascend_passes.config", "ascend_passes.passes", "ascend_passes.pass_manager", "ascend_passes.ops",
-               "ascend_passes.npu", "ascend_passes.ops.moe", "ascend_passes.backend"]
+    modules = [
+        "ascend_passes.config",
+        "ascend_passes.passes",
+        "ascend_passes.pass_manager",
+        "ascend_passes.ops",
+        "ascend_passes.npu",
+        "ascend_passes.ops.moe",
+        "ascend_passes.backend",
+    ]
     run = _run(IMPORT_EACH_FIRST, *modules)
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.strip() == "imports-ok", run.stdout

@@ -14,10 +14,10 @@ import copy
 
 import pytest
 import torch
+from _helpers import compile_and_run, rel_diff, router_counts
 from torch import nn
 
 import ascend_passes as ap
-from _helpers import compile_and_run, rel_diff, router_counts
 from ascend_passes import models
 from ascend_passes.eplb.state import attach
 
@@ -41,8 +41,13 @@ class MoeBlocks(nn.Module):
 
 def _blocks(impl: str, **overrides) -> tuple[MoeBlocks, tuple[torch.Tensor, torch.Tensor]]:
     model, (ids,) = models.deepseek_v4(impl, num_layers=2, num_hash_layers=1, **overrides)
-    hidden = torch.randn(1, ids.shape[1], model.config.hidden_size, generator=torch.Generator().manual_seed(1),
-                         dtype=overrides.get("dtype", torch.float32))
+    hidden = torch.randn(
+        1,
+        ids.shape[1],
+        model.config.hidden_size,
+        generator=torch.Generator().manual_seed(1),
+        dtype=overrides.get("dtype", torch.float32),
+    )
     return MoeBlocks(model.lm).eval(), (hidden, ids)
 
 
@@ -58,8 +63,10 @@ def _experts_matches(moe) -> dict[str, dict]:
     return {m.layer: m.details for m in moe.matches if m.pattern.startswith("v4_") and m.pattern.endswith("experts")}
 
 
-@pytest.mark.parametrize("impl,compiler", [("grouped_mm", "eager"), ("batched_mm", "eager"),
-                                           ("grouped_mm", "inductor"), ("batched_mm", "inductor")])
+@pytest.mark.parametrize(
+    "impl,compiler",
+    [("grouped_mm", "eager"), ("batched_mm", "eager"), ("grouped_mm", "inductor"), ("batched_mm", "inductor")],
+)
 def test_experts_fused_and_sqrtsoftplus_routers_explained(impl, compiler):
     module, inputs = _blocks(impl)
     ref, out, report = _run(module, inputs, compiler=compiler)
@@ -76,13 +83,17 @@ def test_experts_fused_and_sqrtsoftplus_routers_explained(impl, compiler):
     assert all({k: d[k] for k in LIMITS} == LIMITS for d in experts.values())
     # one near-miss per router, naming its layer and why; nothing else unexplained or explained twice
     assert sorted((nm.layer, nm.pattern) for nm in moe.near_misses) == [
-        ("model.layers.0", "v4_hash_router_sqrtsoftplus"), ("model.layers.1", "v4_topk_router_sqrtsoftplus")]
+        ("model.layers.0", "v4_hash_router_sqrtsoftplus"),
+        ("model.layers.1", "v4_topk_router_sqrtsoftplus"),
+    ]
     assert all(SQRTSOFTPLUS in nm.reason for nm in moe.near_misses)
     # the clamp stays one ATen op between the grouped matmul and the swiglu, per layer
     clamps = [n for n in report.graph.graph.nodes if n.target is torch.ops.aten.clamp.Tensor]
     assert len(clamps) == 2
-    assert all(n.args[0].target is torch.ops.ascend.grouped_matmul.default or
-               n.args[0].target.__name__ == "getitem" for n in clamps)
+    assert all(
+        n.args[0].target is torch.ops.ascend.grouped_matmul.default or n.args[0].target.__name__ == "getitem"
+        for n in clamps
+    )
     assert all(any(u.target is torch.ops.ascend.swiglu.default for u in n.users) for n in clamps)
 
 
@@ -97,9 +108,10 @@ def test_sigmoid_scoring_fuses_the_hash_router_in_hash_mode(impl, compiler):
     assert report.count("ascend.moe_gating_top_k") == 2
     routers = {m.layer: m for m in moe.matches if "router" in m.pattern}
     assert routers["model.layers.0"].pattern == "v4_hash_router_sigmoid"
-    assert {k: routers["model.layers.0"].details[k] for k in ("mode", "top_k", "num_experts", "norm_type",
-                                                             "routed_scaling_factor")} == {
-        "mode": "hash", "top_k": 4, "num_experts": 16, "norm_type": 1, "routed_scaling_factor": 1.5}
+    assert {
+        k: routers["model.layers.0"].details[k]
+        for k in ("mode", "top_k", "num_experts", "norm_type", "routed_scaling_factor")
+    } == {"mode": "hash", "top_k": 4, "num_experts": 16, "norm_type": 1, "routed_scaling_factor": 1.5}
     assert routers["model.layers.1"].pattern == "sigmoid_router"  # V4's top-k router, no expert groups
     gatings = [n for n in report.graph.graph.nodes if n.target is torch.ops.ascend.moe_gating_top_k.default]
     hashed = [n for n in gatings if n.kwargs.get("tid2eid") is not None]
@@ -138,10 +150,10 @@ def test_clamp_limits_are_read_as_constants_or_refused():
     """The fused chain needs V4's clamp limits as numbers: the reader returns them from the matched
     clamps, and a limit that is a graph value (``dynamic=True`` with ``specialize_float=False`` makes
     float attributes graph inputs) or halves in another order is a reason, never a default."""
+    from ascend_passes.patterns.moe_v4 import ClampLimits
     from torch.fx.experimental.proxy_tensor import make_fx
 
     from ascend_passes.passes.moe import _v4_clamp_limits
-    from ascend_passes.patterns.moe_v4 import ClampLimits
 
     def experts_gate(proj):
         gate, up = proj.chunk(2, dim=-1)
@@ -155,11 +167,14 @@ def test_clamp_limits_are_read_as_constants_or_refused():
     gate_clamp.args = (gate_clamp.args[0], None, limit)
     limits, reason = _v4_clamp_limits(list(gm.graph.nodes))
     assert limits is None
-    assert reason.startswith("swiglu_limit (the gate's clamp max) is not a constant: it is the graph input "
-                             "swiglu_limit; under torch.compile(dynamic=True)")
+    assert reason.startswith(
+        "swiglu_limit (the gate's clamp max) is not a constant: it is the graph input "
+        "swiglu_limit; under torch.compile(dynamic=True)"
+    )
 
-    swapped = make_fx(lambda p: torch.nn.functional.silu(p.chunk(2, -1)[1].clamp(max=7.0))
-                      * p.chunk(2, -1)[0].clamp(-7.0, 7.0))(torch.randn(4, 8))
+    swapped = make_fx(
+        lambda p: torch.nn.functional.silu(p.chunk(2, -1)[1].clamp(max=7.0)) * p.chunk(2, -1)[0].clamp(-7.0, 7.0)
+    )(torch.randn(4, 8))
     limits, reason = _v4_clamp_limits(list(swapped.graph.nodes))
     assert limits is None and "gate = first half / up = second half" in reason
 
@@ -174,8 +189,10 @@ def test_bundled_model_compiles_whole_and_equals_eager():
     moe = report.passes["moe"]
     assert sorted(_experts_matches(moe)) == ["model.layers.0", "model.layers.1", "model.layers.2"]
     assert sorted((nm.layer, nm.pattern) for nm in moe.near_misses) == [
-        ("model.layers.0", "v4_hash_router_sqrtsoftplus"), ("model.layers.1", "v4_topk_router_sqrtsoftplus"),
-        ("model.layers.2", "v4_topk_router_sqrtsoftplus")]
+        ("model.layers.0", "v4_hash_router_sqrtsoftplus"),
+        ("model.layers.1", "v4_topk_router_sqrtsoftplus"),
+        ("model.layers.2", "v4_topk_router_sqrtsoftplus"),
+    ]
     assert report.count("ascend.rms_norm") > 0 and report.count("ascend.swiglu") == 6
 
 
@@ -217,17 +234,24 @@ def _tp_v4(rank: int, ws: int) -> dict:
         forward = experts.forward
         experts.forward = lambda *a, forward=forward: funcol.all_reduce(forward(*a), "sum", "0")
     with torch.no_grad(), ap.capture() as reports:
-        got = torch.compile(model, backend="ascend_passes", options={
-            "compiler": "eager", "sequence_parallel": True, "shared_expert_dp": True})(ids)
+        got = torch.compile(
+            model,
+            backend="ascend_passes",
+            options={"compiler": "eager", "sequence_parallel": True, "shared_expert_dp": True},
+        )(ids)
         tp, ref = model(ids), single(ids)
     (report,) = reports
     sp, dp = report.passes["sequence_parallel"], report.passes["shared_expert_dp"]
-    return {"tp": rel_diff(got, tp), "single": rel_diff(got, ref),
-            "all_reduce": report.count("_c10d_functional.all_reduce"),
-            "reduce_scatter": report.count("_c10d_functional.reduce_scatter_tensor"),
-            "fused": report.count("ascend.moe_init_routing_v2"),
-            "sp": [nm.reason for nm in sp.near_misses], "sp_matches": len(sp.matches),
-            "dp": [nm.reason for nm in dp.near_misses]}
+    return {
+        "tp": rel_diff(got, tp),
+        "single": rel_diff(got, ref),
+        "all_reduce": report.count("_c10d_functional.all_reduce"),
+        "reduce_scatter": report.count("_c10d_functional.reduce_scatter_tensor"),
+        "fused": report.count("ascend.moe_init_routing_v2"),
+        "sp": [nm.reason for nm in sp.near_misses],
+        "sp_matches": len(sp.matches),
+        "dp": [nm.reason for nm in dp.near_misses],
+    }
 
 
 def test_sequence_parallel_refuses_mhc_residual_without_changing_results():
@@ -241,8 +265,9 @@ def test_sequence_parallel_refuses_mhc_residual_without_changing_results():
     assert res["tp"] <= 1e-4 and res["single"] <= 1e-4
     assert res["fused"] == 1 and res["all_reduce"] == 1 and res["reduce_scatter"] == 0
     assert res["sp_matches"] == 0 and len(res["sp"]) == 1 and "all_reduce" in res["sp"][0]
-    assert res["dp"] == ["sequence parallelism did not rewrite this graph, so there are no token shards to run "
-                         "the shared expert on"]
+    assert res["dp"] == [
+        "sequence parallelism did not rewrite this graph, so there are no token shards to run the shared expert on"
+    ]
 
 
 def test_factory_bounds_and_hash_tables():
@@ -268,8 +293,11 @@ def test_inductor_post_grad_route_fuses_the_experts():
     with torch.no_grad():
         ref = module(*inputs)
     torch._dynamo.reset()
-    with torch.no_grad(), ap.capture() as reports, inductor_config.patch(
-            post_grad_custom_post_pass=ap.inductor_pass(compiler="inductor"), fx_graph_cache=False):
+    with (
+        torch.no_grad(),
+        ap.capture() as reports,
+        inductor_config.patch(post_grad_custom_post_pass=ap.inductor_pass(compiler="inductor"), fx_graph_cache=False),
+    ):
         out = torch.compile(module)(*inputs)
     (report,) = reports
     for o, r in zip(out, ref):

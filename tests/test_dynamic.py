@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _helpers import rel_diff
 
 import ascend_passes as ap
 from ascend_passes import models
-
-from _helpers import rel_diff
 
 HINT = "mark only the token dimension dynamic"
 
@@ -54,10 +53,11 @@ DEEPSEEK = dict(num_layers=1, first_k_dense_replace=0, rms_norm_eps=0.1)  # one 
 MODELS = {
     "deepseek_v3_grouped_mm": (DEEPSEEK, {"ascend.moe_gating_top_k": 1, "ascend.grouped_matmul": 2}),
     "deepseek_v3_batched_mm": (DEEPSEEK, {"ascend.moe_gating_top_k": 1, "ascend.grouped_matmul": 2}),
-    "qwen3_moe_grouped_mm": (dict(num_layers=1), {"ascend.moe_gating_top_k_softmax": 1,
-                                                  "ascend.grouped_matmul": 2}),
-    "deepseek_v3_mtp1": (dict(num_layers=1, rms_norm_eps=0.1), {"ascend.moe_gating_top_k": 1,
-                                                                  "ascend.grouped_matmul": 2}),
+    "qwen3_moe_grouped_mm": (dict(num_layers=1), {"ascend.moe_gating_top_k_softmax": 1, "ascend.grouped_matmul": 2}),
+    "deepseek_v3_mtp1": (
+        dict(num_layers=1, rms_norm_eps=0.1),
+        {"ascend.moe_gating_top_k": 1, "ascend.grouped_matmul": 2},
+    ),
     "llama_dense": (dict(num_layers=1), {"ascend.swiglu": 1}),
 }
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from _helpers import rel_diff, router_counts
+
 from ascend_passes.spawn import run_on_ranks
 
 # layer 0 dense, then MoE layers of 16 experts, top-4: 2 of them at world 2, 1 at world 4 (compiling on 4
@@ -23,8 +23,7 @@ JOIN_TIMEOUT_S = 120.0  # watchdog: a stuck rank (e.g. a collective mismatch) fa
 def _zipf(num_layers: int, seed: int = 0) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
     share = 1.0 / torch.arange(1, NUM_EXPERTS + 1, dtype=torch.float64) ** 1.2
-    return torch.stack([(share[torch.randperm(NUM_EXPERTS, generator=gen)] * 10_000).long()
-                        for _ in range(num_layers)])
+    return torch.stack([(share[torch.randperm(NUM_EXPERTS, generator=gen)] * 10_000).long() for _ in range(num_layers)])
 
 
 def _sharded_block(rank: int, world_size: int, redundant: int, base: torch.nn.Module) -> dict:
@@ -37,25 +36,32 @@ def _sharded_block(rank: int, world_size: int, redundant: int, base: torch.nn.Mo
     from ascend_passes.eplb.state import attach
 
     block = copy.deepcopy(next(m for _, m in base.named_modules() if hasattr(m, "gate") and hasattr(m, "experts")))
-    hidden = torch.randn(1, 8 * world_size, block.experts.gate_up_proj.shape[-1],
-                         generator=torch.Generator().manual_seed(1))
+    hidden = torch.randn(
+        1, 8 * world_size, block.experts.gate_up_proj.shape[-1], generator=torch.Generator().manual_seed(1)
+    )
     counts = router_counts(block, (hidden,), NUM_EXPERTS)
     with torch.no_grad():
         ref = block(hidden)
-    shard = hidden[:, 8 * rank:8 * (rank + 1)]
+    shard = hidden[:, 8 * rank : 8 * (rank + 1)]
     eplb = {"num_redundant_experts": redundant, "ep_size": world_size, "ep_tokens": "sharded"}
     state = attach(block, eplb)
     with torch.no_grad(), ap.capture() as reports:
-        out = torch.compile(block, backend="ascend_passes",
-                            options={"compiler": "eager", "strict": True, "eplb": {"enabled": True, **eplb}})(shard)
+        out = torch.compile(
+            block,
+            backend="ascend_passes",
+            options={"compiler": "eager", "strict": True, "eplb": {"enabled": True, **eplb}},
+        )(shard)
     c10d = torch.ops._c10d_functional
     (report,) = reports
-    return {"sharded_vs_ref": rel_diff(out, ref[:, 8 * rank:8 * (rank + 1)]),
-            "sharded_shape": tuple(out.shape),
-            "sharded_ops": [report.count(op) for op in (c10d.all_gather_into_tensor.default,
-                                                         c10d.reduce_scatter_tensor.default,
-                                                         c10d.all_reduce.default)],
-            "sharded_counts_ok": bool(torch.equal(state.global_expert_load(), counts))}
+    return {
+        "sharded_vs_ref": rel_diff(out, ref[:, 8 * rank : 8 * (rank + 1)]),
+        "sharded_shape": tuple(out.shape),
+        "sharded_ops": [
+            report.count(op)
+            for op in (c10d.all_gather_into_tensor.default, c10d.reduce_scatter_tensor.default, c10d.all_reduce.default)
+        ],
+        "sharded_counts_ok": bool(torch.equal(state.global_expert_load(), counts)),
+    }
 
 
 def _rank(rank: int, world_size: int, redundant: int, num_layers: int) -> dict:  # a spawned rank
@@ -70,8 +76,11 @@ def _rank(rank: int, world_size: int, redundant: int, num_layers: int) -> dict: 
     with torch.no_grad():
         ref = base(*inputs)  # the single-process, uncompiled model (same seed on every rank)
     counts = router_counts(base, inputs, NUM_EXPERTS)
-    logical = [(m.gate_up_proj.detach().clone(), m.down_proj.detach().clone())
-               for _, m in base.named_modules() if hasattr(m, "gate_up_proj") and m.gate_up_proj.dim() == 3]
+    logical = [
+        (m.gate_up_proj.detach().clone(), m.down_proj.detach().clone())
+        for _, m in base.named_modules()
+        if hasattr(m, "gate_up_proj") and m.gate_up_proj.dim() == 3
+    ]
 
     model = copy.deepcopy(base)
     eplb = {"num_redundant_experts": redundant, "ep_size": world_size}
@@ -107,7 +116,8 @@ def _rank(rank: int, world_size: int, redundant: int, num_layers: int) -> dict: 
     slots_ok = all(
         torch.equal(layer.experts.eplb_gate_up_proj.detach(), gu[layer.phy2log[state.local_slots]])
         and torch.equal(layer.experts.eplb_down_proj.detach(), dn[layer.phy2log[state.local_slots]])
-        for layer, (gu, dn) in zip(state.layers, logical))
+        for layer, (gu, dn) in zip(state.layers, logical)
+    )
     with torch.no_grad(), ap.capture() as reports_after:
         out_after = compiled(*inputs)
     result = {
@@ -116,11 +126,15 @@ def _rank(rank: int, world_size: int, redundant: int, num_layers: int) -> dict: 
         "out_vs_ref": rel_diff(out, ref),
         "out_after_vs_ref": rel_diff(out_after, ref),
         "recompiled": len(reports_after) + torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs,
-        "weight_shapes": [(tuple(layer.experts.eplb_gate_up_proj.shape), tuple(layer.experts.eplb_down_proj.shape))
-                          for layer in state.layers],
+        "weight_shapes": [
+            (tuple(layer.experts.eplb_gate_up_proj.shape), tuple(layer.experts.eplb_down_proj.shape))
+            for layer in state.layers
+        ],
         "logical_shapes": [(tuple(gu.shape), tuple(dn.shape)) for gu, dn in logical],
-        "table_shapes": [(tuple(layer.log2phy.shape), tuple(layer.phy2log.shape), tuple(layer.expert_load.shape))
-                         for layer in state.layers],
+        "table_shapes": [
+            (tuple(layer.log2phy.shape), tuple(layer.phy2log.shape), tuple(layer.expert_load.shape))
+            for layer in state.layers
+        ],
         "local_slots": (state.local_slots.start, state.local_slots.stop),
         "all_reduce": report.count(c10d.all_reduce.default),
         "wait_tensor": report.count(c10d.wait_tensor.default),
@@ -158,8 +172,9 @@ def test_expert_parallel_matches_single_process(world_size: int, redundant: int,
     per_rank = num_physical // world_size
     num_moe = num_layers - 1
     for r in results:
-        r.update({k: torch.tensor(r[k]) for k in ("physical_load", "rank_counts", "global_counts", "counts",
-                                                   "load_after")})
+        r.update(
+            {k: torch.tensor(r[k]) for k in ("physical_load", "rank_counts", "global_counts", "counts", "load_after")}
+        )
         rank = r["rank"]
         # outputs equal the single-process uncompiled model, before and after rebalance()
         assert r["out_vs_ref"] <= 1e-5, r
@@ -177,7 +192,7 @@ def test_expert_parallel_matches_single_process(world_size: int, redundant: int,
         assert r["expert_num"] == [num_physical] * num_moe
         # each rank counts only its own slots ...
         outside = torch.ones(num_physical, dtype=torch.bool)
-        outside[rank * per_rank:(rank + 1) * per_rank] = False
+        outside[rank * per_rank : (rank + 1) * per_rank] = False
         assert int(r["physical_load"][:, outside].sum()) == 0
         # ... and the ranks' loads sum to the eager router's counts (locally and by all_reduce)
         assert torch.equal(r["global_counts"], r["counts"])
@@ -188,8 +203,12 @@ def test_expert_parallel_matches_single_process(world_size: int, redundant: int,
     # some slots got their weights from another rank (send/recv), not only by local copies
     old, new = torch.tensor(results[0]["old_phy2log"]), torch.tensor(results[0]["new_phy2log"])
     assert all(torch.equal(torch.tensor(r["new_phy2log"]), new) for r in results)  # one placement
-    remote = sum(1 for o, n in zip(old, new) for s in (n != o).nonzero().flatten().tolist()
-                 if int((o == n[s]).nonzero()[0]) // per_rank != s // per_rank)
+    remote = sum(
+        1
+        for o, n in zip(old, new)
+        for s in (n != o).nonzero().flatten().tolist()
+        if int((o == n[s]).nonzero()[0]) // per_rank != s // per_rank
+    )
     assert remote > 0
     assert torch.equal(sum(r["rank_counts"] for r in results), results[0]["counts"])
     assert all(int(r["rank_counts"].sum()) > 0 for r in results)  # every rank computed tokens
@@ -209,7 +228,9 @@ def test_indivisible_slots_and_wrong_group_size_are_config_errors() -> None:
     from ascend_passes.errors import ConfigError
 
     model, _ = models.deepseek_v3("grouped_mm", num_layers=2)
-    with pytest.raises(ConfigError, match=r"\(num_experts 16 \+ num_redundant_experts 2\) = 18 is not divisible by ep_size 4"):
+    with pytest.raises(
+        ConfigError, match=r"\(num_experts 16 \+ num_redundant_experts 2\) = 18 is not divisible by ep_size 4"
+    ):
         attach(model, {"num_redundant_experts": 2, "ep_size": 4})
     assert state_of(model) is None
     with pytest.raises(ConfigError, match="eplb.ep_group"):
@@ -228,13 +249,13 @@ def test_record_load_counts_only_this_ranks_slots() -> None:
         loads.append(load)
     assert loads[0].tolist() == [1, 1, 1, 0, 0, 0] and loads[1].tolist() == [0, 0, 0, 1, 1, 1]
     with pytest.raises(ValueError, match="active_expert_range"):
-        ops.eplb_record_load(torch.zeros(6, dtype=torch.int64), phys, torch.tensor(True),
-                             active_expert_range=[3, 7])
+        ops.eplb_record_load(torch.zeros(6, dtype=torch.int64), phys, torch.tensor(True), active_expert_range=[3, 7])
     # no logical view of weights a rank holds only some slots of
     log2phy, count = torch.tensor([[0], [1]]), torch.tensor([1, 1])
     with pytest.raises(ValueError, match="holds 1 of 2 physical expert slots"):
-        ops.eplb_logical_weight(torch.zeros(1, 2, 2), log2phy, count, torch.zeros(2, dtype=torch.int64),
-                                torch.tensor(True))
+        ops.eplb_logical_weight(
+            torch.zeros(1, 2, 2), log2phy, count, torch.zeros(2, dtype=torch.int64), torch.tensor(True)
+        )
 
 
 def test_all_reduce_takes_finalize_skips_out_so_they_count_once() -> None:
@@ -245,14 +266,16 @@ def test_all_reduce_takes_finalize_skips_out_so_they_count_once() -> None:
 
     graph = fx.Graph()
     rows, skip, scales, idx, expert = (graph.placeholder(n) for n in ("rows", "skip", "scales", "idx", "expert"))
-    fin = graph.call_function(torch.ops.ascend.moe_finalize_routing.default,
-                              (rows, skip, None, None, scales, idx, expert), {"drop_pad_mode": 2, "k": 2})
+    fin = graph.call_function(
+        torch.ops.ascend.moe_finalize_routing.default,
+        (rows, skip, None, None, scales, idx, expert),
+        {"drop_pad_mode": 2, "k": 2},
+    )
     shared = graph.call_function(torch.ops.aten.add.Tensor, (fin, rows))
     graph.output(shared)
     nodes = EplbPass._all_reduce(graph, fin, "0")
     c10d = torch.ops._c10d_functional
-    assert [n.target for n in nodes] == [c10d.all_reduce.default, c10d.wait_tensor.default,
-                                         torch.ops.aten.add.Tensor]
+    assert [n.target for n in nodes] == [c10d.all_reduce.default, c10d.wait_tensor.default, torch.ops.aten.add.Tensor]
     assert fin.args[1] is None  # the skip is no longer summed on every rank ...
     assert nodes[2].args == (nodes[1], skip)  # ... but added once, after the all_reduce
     assert shared.args[0] is nodes[2] and list(fin.users) == [nodes[0]]

@@ -10,9 +10,9 @@ import json
 
 import pytest
 import torch
+from _helpers import router_counts
 
 import ascend_passes as ap
-from _helpers import router_counts
 import ascend_passes.ops  # noqa: F401  (registers torch.ops.ascend)
 from ascend_passes import models
 from ascend_passes.config import AscendPassConfig
@@ -83,8 +83,7 @@ def test_outputs_equal_model_without_eplb(deepseek, r):
     assert report.count("ascend.eplb_map") == 2 and report.count("ascend.eplb_record_load") == 2
     assert report.count("ascend.eplb_logical_weight") == 0  # the eager weight view is gone
     inits = [n for n in report.graph.graph.nodes if n.target is ops.moe_init_routing_v2.default]
-    assert all(n.kwargs["expert_num"] == 16 + r and n.kwargs["active_expert_range"] == [0, 16 + r]
-               for n in inits)
+    assert all(n.kwargs["expert_num"] == 16 + r and n.kwargs["active_expert_range"] == [0, 16 + r] for n in inits)
     assert sorted(f["layer"] for f in report.facts["eplb_layers"]) == ["model.layers.1", "model.layers.2"]
     # weights live once, in physical layout
     names = {n for n, _ in model.named_parameters()}
@@ -157,8 +156,11 @@ def test_placement_file_round_trip_and_bad_files_leave_placement_intact(deepseek
     out_of_range["layer_list"][1]["device_list"][0]["device_expert"][0] = 16
     (tmp_path / "range.json").write_text(json.dumps(out_of_range))
     export_placement(before[:1], 4, tmp_path / "layers.json")
-    for name, message in (("lost", "no replica of logical expert"), ("range", "outside \\[0, 16\\)"),
-                          ("layers", "moe_layer_count is 1 but the model has 2")):
+    for name, message in (
+        ("lost", "no replica of logical expert"),
+        ("range", "outside \\[0, 16\\)"),
+        ("layers", "moe_layer_count is 1 but the model has 2"),
+    ):
         with pytest.raises(ConfigError, match=message):
             state.load_placement_file(tmp_path / f"{name}.json")
         assert torch.equal(state.phy2log, before)
@@ -221,8 +223,10 @@ def test_rebalance_with_a_load_of_the_wrong_shape_names_both_shapes(deepseek, sh
     _, runs = deepseek
     state = runs[4][1]
     before = state.phy2log
-    message = (f"expert load must have shape [2, 16] (one row per MoE layer of this model, one "
-               f"column per logical expert), got shape {list(shape)}")
+    message = (
+        f"expert load must have shape [2, 16] (one row per MoE layer of this model, one "
+        f"column per logical expert), got shape {list(shape)}"
+    )
     for call in (state.rebalance, state.rank_balance):
         with pytest.raises(ConfigError) as err:
             call(torch.ones(shape))
@@ -236,21 +240,30 @@ def test_export_placement_to_a_directory_names_the_path_and_leaves_no_temp_file(
     for export in (state.export_placement, lambda path: export_placement(state.phy2log, 4, path)):
         with pytest.raises(ConfigError) as err:
             export(tmp_path)
-        assert str(err.value) == (f"export_placement: {tmp_path} is a directory; pass a file "
-                                  f"path, e.g. {tmp_path / 'placement.json'}")
+        assert str(err.value) == (
+            f"export_placement: {tmp_path} is a directory; pass a file path, e.g. {tmp_path / 'placement.json'}"
+        )
     missing = tmp_path / "nowhere" / "placement.json"
     with pytest.raises(ConfigError) as err:
         state.export_placement(missing)
-    assert str(err.value) == (f"export_placement: cannot write {missing}: its directory "
-                              f"{tmp_path / 'nowhere'} does not exist; create it first")
+    assert str(err.value) == (
+        f"export_placement: cannot write {missing}: its directory "
+        f"{tmp_path / 'nowhere'} does not exist; create it first"
+    )
     assert list(tmp_path.iterdir()) == []  # no temporary file left behind
     state.export_placement(tmp_path / "placement.json")
     assert [p.name for p in tmp_path.iterdir()] == ["placement.json"]
 
 
-@pytest.mark.parametrize("field, value, attached", [
-    ("num_redundant_experts", 8, 4), ("ep_size", 2, 4), ("record_load", False, True),
-    ("placement_file", "placement.json", None)])
+@pytest.mark.parametrize(
+    "field, value, attached",
+    [
+        ("num_redundant_experts", 8, 4),
+        ("ep_size", 2, 4),
+        ("record_load", False, True),
+        ("placement_file", "placement.json", None),
+    ],
+)
 def test_compile_options_contradicting_attach_are_config_errors(deepseek, field, value, attached):
     _, runs = deepseek
     state, base_report = runs[4][1], runs["base"][4][0]
@@ -262,7 +275,8 @@ def test_compile_options_contradicting_attach_are_config_errors(deepseek, field,
     assert str(err.value) == (
         f"eplb.{field}={value!r} in the compile options, but attach() set this model up with "
         f"{field}={attached!r}; the compiled graph follows the attached state, so leave "
-        f"eplb.{field} unset or set it to {attached!r} (attach again to change it)")
+        f"eplb.{field} unset or set it to {attached!r} (attach again to change it)"
+    )
     # the attached values, or the options left unset, are accepted
     for options in ({field: attached} if attached is not None else {}, {}):
         cfg = AscendPassConfig.from_options({"eplb": {"enabled": True, **options}})
@@ -287,4 +301,5 @@ def test_contradicting_redundancy_is_found_from_the_graph_without_real_inputs(de
         "pass 'eplb' failed: ConfigError: eplb.num_redundant_experts=8 in the compile options, but "
         "attach() set this model up with num_redundant_experts=4; the compiled graph follows the "
         "attached state, so leave eplb.num_redundant_experts unset or set it to 4 (attach again to "
-        "change it)")
+        "change it)"
+    )

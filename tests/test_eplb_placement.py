@@ -54,7 +54,7 @@ def check_consistent(phy2log, log2phy, logcnt, num_logical):
             phys = log2phy[layer, expert]
             valid = phys[phys >= 0]
             assert valid.numel() == logcnt[layer, expert]
-            assert (phys[valid.numel():] == -1).all()  # padding only at the end
+            assert (phys[valid.numel() :] == -1).all()  # padding only at the end
             assert (phy2log[layer, valid] == expert).all()
             assert torch.equal(valid, valid.sort().values)
 
@@ -118,8 +118,10 @@ def test_refinement_fixes_a_case_greedy_gets_wrong():
     weight = torch.tensor([[8.0, 7.0, 6.0, 5.0, 4.0, 0.0]])
     greedy, _ = balanced_packing(weight, 2, refine=False)
     refined, _ = balanced_packing(weight, 2)
+
     def peak(idx):
         return torch.zeros(2, dtype=torch.float64).index_add_(0, idx[0], weight[0].double()).max()
+
     assert peak(greedy) == 17.0
     assert peak(refined) == 15.0
 
@@ -173,7 +175,7 @@ def test_hierarchical_keeps_each_group_on_one_node():
             assert node_of_slot[in_group].unique().numel() == 1, (layer, group)
         # every node holds whole groups: groups_per_node * group_size logical experts
         for node in range(nodes):
-            experts = phy2log[layer, node * per_node:(node + 1) * per_node].unique()
+            experts = phy2log[layer, node * per_node : (node + 1) * per_node].unique()
             assert experts.numel() == 32 // nodes
 
 
@@ -376,12 +378,16 @@ def test_placement_file_accepts_any_layer_and_device_order(tmp_path):
     record = {
         "moe_layer_count": 2,
         "layer_list": [
-            {"layer_id": 1, "device_count": 2, "device_list": [
-                {"device_id": 1, "device_expert": [3, 2]},
-                {"device_id": 0, "device_expert": [0, 1]}]},
-            {"layer_id": 0, "device_count": 2, "device_list": [
-                {"device_id": 0, "device_expert": [0, 1]},
-                {"device_id": 1, "device_expert": [2, 3]}]},
+            {
+                "layer_id": 1,
+                "device_count": 2,
+                "device_list": [{"device_id": 1, "device_expert": [3, 2]}, {"device_id": 0, "device_expert": [0, 1]}],
+            },
+            {
+                "layer_id": 0,
+                "device_count": 2,
+                "device_list": [{"device_id": 0, "device_expert": [0, 1]}, {"device_id": 1, "device_expert": [2, 3]}],
+            },
         ],
     }
     path = tmp_path / "p.json"
@@ -407,28 +413,35 @@ def _record(layers=2, devices=2, slots=3, experts=4):
 @pytest.mark.parametrize(
     "mutate, message",
     [
-        (lambda r: r.__setitem__("moe_layer_count", 3),
-         r"moe_layer_count is 3 but the model has 2 MoE layers"),
-        (lambda r: r["layer_list"].pop(),
-         r"moe_layer_count is 2 but layer_list has 1 entries"),
-        (lambda r: r["layer_list"][1]["device_list"][0]["device_expert"].__setitem__(1, 7),
-         r"layer 1: device 0 lists logical expert 7, outside \[0, 4\)"),
-        (lambda r: r["layer_list"][1]["device_list"][0]["device_expert"].__setitem__(0, -1),
-         r"layer 1: device 0 lists logical expert -1"),
-        (lambda r: r["layer_list"][0]["device_list"][1]["device_expert"].__setitem__(0, 0),
-         r"layer 0 has no replica of logical expert\(s\) \[3\]"),
-        (lambda r: r["layer_list"][0]["device_list"][1]["device_expert"].append(1),
-         r"layer 0: device 1 has 4 expert slots but the first device in the file has 3"),
-        (lambda r: r["layer_list"][0].__setitem__("device_count", 4),
-         r"layer 0: device_count is 4 but EP has 2 ranks"),
-        (lambda r: r["layer_list"][1].__setitem__("layer_id", 0),
-         r"layer_id 0 appears twice"),
-        (lambda r: r["layer_list"][1].__setitem__("layer_id", 5),
-         r"layer_id 5 is not in \[0, 2\)"),
-        (lambda r: r["layer_list"][0]["device_list"][1].__setitem__("device_id", 0),
-         r"layer 0: device_id 0 appears twice"),
-        (lambda r: r["layer_list"][0]["device_list"][1].__setitem__("device_expert", [1.5, 2, 3]),
-         r"device_expert must be a list of integers"),
+        (lambda r: r.__setitem__("moe_layer_count", 3), r"moe_layer_count is 3 but the model has 2 MoE layers"),
+        (lambda r: r["layer_list"].pop(), r"moe_layer_count is 2 but layer_list has 1 entries"),
+        (
+            lambda r: r["layer_list"][1]["device_list"][0]["device_expert"].__setitem__(1, 7),
+            r"layer 1: device 0 lists logical expert 7, outside \[0, 4\)",
+        ),
+        (
+            lambda r: r["layer_list"][1]["device_list"][0]["device_expert"].__setitem__(0, -1),
+            r"layer 1: device 0 lists logical expert -1",
+        ),
+        (
+            lambda r: r["layer_list"][0]["device_list"][1]["device_expert"].__setitem__(0, 0),
+            r"layer 0 has no replica of logical expert\(s\) \[3\]",
+        ),
+        (
+            lambda r: r["layer_list"][0]["device_list"][1]["device_expert"].append(1),
+            r"layer 0: device 1 has 4 expert slots but the first device in the file has 3",
+        ),
+        (lambda r: r["layer_list"][0].__setitem__("device_count", 4), r"layer 0: device_count is 4 but EP has 2 ranks"),
+        (lambda r: r["layer_list"][1].__setitem__("layer_id", 0), r"layer_id 0 appears twice"),
+        (lambda r: r["layer_list"][1].__setitem__("layer_id", 5), r"layer_id 5 is not in \[0, 2\)"),
+        (
+            lambda r: r["layer_list"][0]["device_list"][1].__setitem__("device_id", 0),
+            r"layer 0: device_id 0 appears twice",
+        ),
+        (
+            lambda r: r["layer_list"][0]["device_list"][1].__setitem__("device_expert", [1.5, 2, 3]),
+            r"device_expert must be a list of integers",
+        ),
         (lambda r: r.pop("layer_list"), r'missing key "layer_list"'),
     ],
 )
@@ -464,26 +477,34 @@ def test_export_rejects_uneven_devices_and_keeps_old_file(tmp_path):
 
 # issue 14 item 8: an endless or hostile file is refused with ConfigError, never read to the end
 def test_endless_placement_file_is_refused_after_the_size_cap(tmp_path):
-    with pytest.raises(ConfigError, match=r"^placement file /dev/zero: more than 64 MiB, the most "
-                                          r"read of a placement file"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^placement file /dev/zero: more than 64 MiB, the most "
+        r"read of a placement file",
+    ):
         load_placement("/dev/zero", num_layers=2, num_logical=4, num_ranks=2)
 
 
 def test_deeply_nested_placement_file_is_a_config_error(tmp_path):
     path = _write(tmp_path, "[" * 100_000 + "]" * 100_000)
-    with pytest.raises(ConfigError, match=r"bad.json: JSON nested 100000 levels deep; the placement "
-                                          r"format nests 6 \(object, layer_list"):
+    with pytest.raises(
+        ConfigError,
+        match=r"bad.json: JSON nested 100000 levels deep; the placement "
+        r"format nests 6 \(object, layer_list",
+    ):
         load_placement(path, num_layers=2, num_logical=4, num_ranks=2)
     # brackets inside strings do not count, and the documented depth still loads
     record = _record()
     record["comment"] = "[[[[[[[[{{{{{{ \\" + '" ]]]'
-    assert load_placement(_write(tmp_path, record), num_layers=2, num_logical=4,
-                          num_ranks=2).shape == (2, 6)
+    assert load_placement(_write(tmp_path, record), num_layers=2, num_logical=4, num_ranks=2).shape == (2, 6)
 
 
 def test_placement_file_of_wrong_kind(tmp_path):
-    with pytest.raises(ConfigError, match=r"placement file 123: must be a path \(str or "
-                                          r"os.PathLike\), got int"):
+    with pytest.raises(
+        ConfigError,
+        match=r"placement file 123: must be a path \(str or "
+        r"os.PathLike\), got int",
+    ):
         load_placement(123, num_layers=2, num_logical=4, num_ranks=2)
     with pytest.raises(ConfigError, match=r"cannot be read \(Is a directory\)"):
         load_placement(tmp_path, num_layers=2, num_logical=4, num_ranks=2)

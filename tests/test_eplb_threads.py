@@ -89,8 +89,7 @@ def _hammer(forward, state, expected, seconds=SECONDS):
             stats["rebalances"] += 1
             stats["moved"] += int((state.phy2log != before).sum())
 
-    threads = [threading.Thread(target=forwards, daemon=True),
-               threading.Thread(target=rebalances, daemon=True)]
+    threads = [threading.Thread(target=forwards, daemon=True), threading.Thread(target=rebalances, daemon=True)]
     for t in threads:
         t.start()
     time.sleep(seconds)
@@ -102,12 +101,15 @@ def _hammer(forward, state, expected, seconds=SECONDS):
 
 
 def _assert_clean(stats):
-    print(f"{stats['forwards']} forwards, {stats['rebalances']} rebalances ({stats['moved']} slots moved), "
-          f"{stats['wrong']} wrong, {len(stats['errors'])} errors")
+    print(
+        f"{stats['forwards']} forwards, {stats['rebalances']} rebalances ({stats['moved']} slots moved), "
+        f"{stats['wrong']} wrong, {len(stats['errors'])} errors"
+    )
     assert stats["errors"] == [] and stats["wrong"] == 0, (
         f"{stats['wrong']} wrong outputs (max diff {stats['max_diff']:.3g}) and "
         f"{len(stats['errors'])} errors in {stats['forwards']} forwards during "
-        f"{stats['rebalances']} rebalances: {stats['errors'][:3]}")
+        f"{stats['rebalances']} rebalances: {stats['errors'][:3]}"
+    )
     # both threads really ran concurrently and the placement really changed under the forwards
     assert stats["forwards"] >= 5 and stats["rebalances"] >= 5 and stats["moved"] > 0, stats
 
@@ -118,8 +120,9 @@ def test_rebalance_in_background_thread_keeps_compiled_outputs_exact(setup, comp
     model, state = _attached(base)
     torch._dynamo.reset()
     with torch.no_grad(), ap.capture() as reports:
-        compiled = torch.compile(model, backend="ascend_passes",
-                                 options={"compiler": compiler, "strict": True, "eplb": {"enabled": True}})
+        compiled = torch.compile(
+            model, backend="ascend_passes", options={"compiler": compiler, "strict": True, "eplb": {"enabled": True}}
+        )
         assert (compiled(x) - expected).abs().max().item() <= 1e-4
     assert reports[0].count("ascend.eplb_map") == 2  # the graph routes over the physical slots
     stats = _hammer(lambda: compiled(x), state, expected)
@@ -139,9 +142,11 @@ def test_rebalance_inside_a_forward_is_refused(setup):
     _, state = _attached(base)
     before = state.phy2log
     load = torch.arange(state.num_layers * state.num_logical, dtype=torch.float).view(state.num_layers, -1)
-    message = ("cannot update the EPLB placement or expert weights from inside a forward of an "
-               "EPLB-attached model (this thread holds the forward lock, so waiting for the forwards "
-               "to finish would wait for itself); call it between forwards or from another thread")
+    message = (
+        "cannot update the EPLB placement or expert weights from inside a forward of an "
+        "EPLB-attached model (this thread holds the forward lock, so waiting for the forwards "
+        "to finish would wait for itself); call it between forwards or from another thread"
+    )
     with forward_guard(), pytest.raises(ConfigError) as err:
         state.rebalance(load)
     assert str(err.value) == message
@@ -154,6 +159,7 @@ def test_expert_parallel_rebalance_from_another_thread_is_refused(setup):
     forwards' collectives: it must run in the forward thread (checked before any communication)."""
     base, x, _ = setup
     model, state = _attached(base)
+
     def one_forward():
         with forward_guard():
             pass
@@ -170,7 +176,8 @@ def test_expert_parallel_rebalance_from_another_thread_is_refused(setup):
     assert str(err.value) == (
         "under expert parallelism rebalance() / apply_placement() are collective: call them on "
         "every rank between forwards, from the thread that runs the forwards (this process's "
-        "forwards run in another thread)")
+        "forwards run in another thread)"
+    )
 
 
 def test_lock_lets_readers_share_and_writers_exclude():

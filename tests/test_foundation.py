@@ -15,7 +15,6 @@ import ascend_passes as ap
 from ascend_passes.config import DEFAULT_PIPELINE
 from ascend_passes.pass_manager import Pass, PassContext, PassResult
 
-
 # every pass of the default pipeline runs, except those that need a switch turned on
 OFF_BY_DEFAULT = {"eplb", "sequence_parallel", "shared_expert_dp", "lower"}  # lower: target npu only
 RUNS_BY_DEFAULT = [p for p in DEFAULT_PIPELINE if p not in OFF_BY_DEFAULT]
@@ -46,12 +45,16 @@ def test_unknown_option_names_key_and_valid_ones():
 
 
 def test_unknown_section_option():
-    with pytest.raises(ap.ConfigError, match=r"unknown option 'eplb.redundant'; valid options are: .*eplb.num_redundant_experts"):
+    with pytest.raises(
+        ap.ConfigError, match=r"unknown option 'eplb.redundant'; valid options are: .*eplb.num_redundant_experts"
+    ):
         ap.AscendPassConfig.from_options({"eplb.redundant": 1})
 
 
 def test_bad_values():
-    with pytest.raises(ap.ConfigError, match=r"option 'compiler'='tvm' is not valid; choose one of auto, eager, inductor"):
+    with pytest.raises(
+        ap.ConfigError, match=r"option 'compiler'='tvm' is not valid; choose one of auto, eager, inductor"
+    ):
         ap.AscendPassConfig.from_options({"compiler": "tvm"})
     with pytest.raises(ap.ConfigError, match=r"option 'passes' names unknown pass 'nrom'"):
         ap.AscendPassConfig.from_options({"passes": "cleanup,nrom"})
@@ -62,17 +65,16 @@ def test_bad_values():
 
 
 def test_textual_pipeline_sections_and_hash():
-    cfg = ap.AscendPassConfig.from_options({"passes": " cleanup ", "eplb.num_redundant_experts": 4,
-                                            "eplb": True})
+    cfg = ap.AscendPassConfig.from_options({"passes": " cleanup ", "eplb.num_redundant_experts": 4, "eplb": True})
     assert cfg.passes == ("cleanup",)
     assert cfg.eplb.num_redundant_experts == 4
     assert cfg.eplb.enabled is True
-    same = ap.AscendPassConfig.from_options({"passes": ["cleanup"],
-                                             "eplb": {"num_redundant_experts": 4, "enabled": True}})
+    same = ap.AscendPassConfig.from_options(
+        {"passes": ["cleanup"], "eplb": {"num_redundant_experts": 4, "enabled": True}}
+    )
     assert cfg == same and cfg.hash() == same.hash()
     assert cfg.hash() != ap.AscendPassConfig().hash()
-    assert ap.AscendPassConfig(disable=("cleanup",)).pipeline() == tuple(
-        p for p in DEFAULT_PIPELINE if p != "cleanup")
+    assert ap.AscendPassConfig(disable=("cleanup",)).pipeline() == tuple(p for p in DEFAULT_PIPELINE if p != "cleanup")
 
 
 def test_bad_option_through_torch_compile():
@@ -210,8 +212,7 @@ def test_dump_dir_writes_before_after_and_diff(tmp_path):
 
 # ----------------------------------------------------------------------------- entry points
 def _uuids_in_subprocess(*options: str) -> list[str]:
-    code = "import ascend_passes as ap\n" + "".join(
-        f"print(ap.inductor_pass({o}).uuid())\n" for o in options)
+    code = "import ascend_passes as ap\n" + "".join(f"print(ap.inductor_pass({o}).uuid())\n" for o in options)
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
     return out.stdout.split()
 
@@ -239,8 +240,7 @@ def test_inductor_pass_runs_inside_inductor():
 
 
 def test_entry_point_without_import():
-    code = ("import torch; print(torch.compile(torch.nn.Linear(4,4), "
-            "backend='ascend_passes')(torch.ones(2,4)).shape)")
+    code = "import torch; print(torch.compile(torch.nn.Linear(4,4), backend='ascend_passes')(torch.ones(2,4)).shape)"
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
     assert out.stdout.strip() == "torch.Size([2, 4])"
 
@@ -275,9 +275,17 @@ def test_two_differently_shaped_models_in_one_process():
 
     torch._dynamo.reset()
     big, big_inputs = models.deepseek_v3("grouped_mm", tokens=24)
-    small, small_inputs = models.deepseek_v3("batched_mm", num_layers=2, tokens=5, hidden_size=32,
-                                             n_routed_experts=8, num_experts_per_tok=2, n_group=2,
-                                             topk_group=1, seed=1)
+    small, small_inputs = models.deepseek_v3(
+        "batched_mm",
+        num_layers=2,
+        tokens=5,
+        hidden_size=32,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        seed=1,
+    )
     with torch.no_grad(), ap.capture() as reports:
         big_c = torch.compile(big, backend="ascend_passes", options={"compiler": "eager"})
         small_c = torch.compile(small, backend="ascend_passes", options={"compiler": "eager"})
@@ -297,8 +305,15 @@ def test_pass_uuid_covers_the_shared_modules_its_output_depends_on():
     from ascend_passes.passes import build_passes
 
     passes = {p.name: p for p in build_passes(ap.AscendPassConfig())}
-    shared = {"ascend_passes.pass_manager", "ascend_passes.config", "ascend_passes.ops", "ascend_passes.ops.moe",
-              "ascend_passes.patterns.norm", "ascend_passes.patterns.moe_router", "ascend_passes.patterns.mla"}
+    shared = {
+        "ascend_passes.pass_manager",
+        "ascend_passes.config",
+        "ascend_passes.ops",
+        "ascend_passes.ops.moe",
+        "ascend_passes.patterns.norm",
+        "ascend_passes.patterns.moe_router",
+        "ascend_passes.patterns.mla",
+    }
     expected = {
         "norm": {"ascend_passes.passes.norm", "ascend_passes.passes._pattern", "ascend_passes.passes.layers"},
         "moe": {"ascend_passes.passes.moe", "ascend_passes.passes._nodes", "ascend_passes.passes._pattern"},
@@ -338,8 +353,9 @@ def _copy_package(root):
     for sub in (ascend_passes.patterns, ascend_passes.kernels):
         target = package / sub.__name__.rpartition(".")[2]
         shutil.rmtree(target, ignore_errors=True)
-        shutil.copytree(Path(sub.__file__).parent, target, ignore=shutil.ignore_patterns("__pycache__", "*.so",
-                                                                                       "*.cpp", "*.h"))
+        shutil.copytree(
+            Path(sub.__file__).parent, target, ignore=shutil.ignore_patterns("__pycache__", "*.so", "*.cpp", "*.h")
+        )
     return package
 
 
@@ -349,8 +365,7 @@ def _uuids_of_copy(root):
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("ASCEND_PASSES")}
     env.update(PYTHONPATH=str(root), ASCEND_PASSES_KERNELS="reference")  # uuids need no kernel
-    out = subprocess.run([sys.executable, "-c", _UUIDS], cwd=root, env=env, check=True, capture_output=True,
-                         text=True)
+    out = subprocess.run([sys.executable, "-c", _UUIDS], cwd=root, env=env, check=True, capture_output=True, text=True)
     return json.loads(out.stdout)
 
 
@@ -370,8 +385,11 @@ def test_uuid_changes_when_a_shared_helper_changes_and_is_equal_for_equal_source
     helper = package / "passes" / "_nodes.py"
     helper.write_text(helper.read_text() + "\n_CHANGED_HELPER = True\n")
     after = _uuids_of_copy(tmp_path)
-    users = {p.name for p in build_passes(ap.AscendPassConfig())
-             if "ascend_passes.passes._nodes" in module_sources(p.dependencies())}
+    users = {
+        p.name
+        for p in build_passes(ap.AscendPassConfig())
+        if "ascend_passes.passes._nodes" in module_sources(p.dependencies())
+    }
     assert {"moe", "mtp", "eplb", "sequence_parallel", "shared_expert_dp"} <= users
     for name in before:
         if name in users or name == "inductor_pass":

@@ -30,9 +30,19 @@ TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 4e-3}
 SEED = 20241
 # cases per op at scale 1 (the test's run); each op gets bad arguments in ~10-20% of its cases
 CASES = {
-    "rms_norm": 150, "add_rms_norm": 120, "swiglu": 120, "linear": 120, "moe_gating_top_k_softmax": 150,
-    "moe_gating_top_k": 200, "moe_init_routing_v2": 250, "grouped_matmul": 200, "moe_finalize_routing": 150,
-    "mla_prolog": 40, "eplb_map": 60, "eplb_record_load": 60, "eplb_logical_weight": 40,
+    "rms_norm": 150,
+    "add_rms_norm": 120,
+    "swiglu": 120,
+    "linear": 120,
+    "moe_gating_top_k_softmax": 150,
+    "moe_gating_top_k": 200,
+    "moe_init_routing_v2": 250,
+    "grouped_matmul": 200,
+    "moe_finalize_routing": 150,
+    "mla_prolog": 40,
+    "eplb_map": 60,
+    "eplb_record_load": 60,
+    "eplb_logical_weight": 40,
 }
 MEMORY_CAP = 4 << 30
 
@@ -137,11 +147,19 @@ def gen_moe_gating_top_k(q: Gen):
     dtype = q.other_dtype(q.dtype(), 0.03)
     bias = None
     if q.chance(0.6):
-        bias = (q.floats([experts if q.chance(0.95) else experts + 2], torch.float32, grid=8) / 8)
+        bias = q.floats([experts if q.chance(0.95) else experts + 2], torch.float32, grid=8) / 8
         bias = bias.to(q.other_dtype(dtype) if dtype.is_floating_point else torch.float32)
-    kwargs = dict(bias=bias, k_group=k_group, group_count=group_count, group_select_mode=q.pick(0, 1),
-                  renorm=0 if q.chance(0.97) else 1, norm_type=q.pick(0, 1) if q.chance(0.97) else 2,
-                  out_flag=q.chance(0.5), routed_scaling_factor=q.pick(1.0, 2.5), eps=q.pick(1e-20, 1e-3))
+    kwargs = dict(
+        bias=bias,
+        k_group=k_group,
+        group_count=group_count,
+        group_select_mode=q.pick(0, 1),
+        renorm=0 if q.chance(0.97) else 1,
+        norm_type=q.pick(0, 1) if q.chance(0.97) else 2,
+        out_flag=q.chance(0.5),
+        routed_scaling_factor=q.pick(1.0, 2.5),
+        eps=q.pick(1e-20, 1e-3),
+    )
     x = q.floats([q.pick(0, 1, 7, 64), experts], dtype, grid=64)
     if q.chance(0.3):  # hash mode (drawn last: the other cases keep their arguments)
         kwargs.update(hash_mode_tables(q, x.shape[0], experts, k))
@@ -155,8 +173,12 @@ def hash_mode_tables(q: Gen, rows: int, experts: int, k: int) -> dict:
     low, high = (0, experts) if q.chance(0.95) else q.pick((-1, experts), (0, experts + 1))
     columns = max(k, 0) if q.chance(0.95) else k + 1
     tid2eid = q.strided(q.ints(low, high, [vocab, columns], q.pick(torch.int32, torch.int64)))
-    input_ids = q.ints(0, vocab if q.chance(0.95) else vocab + 2, [rows if q.chance(0.95) else rows + 1],
-                       q.pick(torch.int32, torch.int64) if q.chance(0.97) else torch.float32)
+    input_ids = q.ints(
+        0,
+        vocab if q.chance(0.95) else vocab + 2,
+        [rows if q.chance(0.95) else rows + 1],
+        q.pick(torch.int32, torch.int64) if q.chance(0.97) else torch.float32,
+    )
     tables = dict(input_ids=input_ids, tid2eid=tid2eid)
     if q.chance(0.04):
         del tables[q.pick("input_ids", "tid2eid")]
@@ -181,9 +203,12 @@ def gen_moe_init_routing_v2(q: Gen):
         scale=q.floats([rows if q.chance(0.95) else rows + 1], torch.float32) if q.chance(0.4) else None,
         offset=torch.zeros(rows) if q.chance(0.02) else None,
         active_num=q.pick(-1, 0, 1, rows * k // 2, 10**6) if q.chance(0.97) else -5,
-        expert_num=expert_num, drop_pad_mode=0 if q.chance(0.97) else 1,
-        expert_tokens_num_type=q.pick(0, 1, 2) if q.chance(0.97) else 3, expert_tokens_num_flag=flag,
-        active_expert_range=rng, row_idx_type=q.pick(0, 1),
+        expert_num=expert_num,
+        drop_pad_mode=0 if q.chance(0.97) else 1,
+        expert_tokens_num_type=q.pick(0, 1, 2) if q.chance(0.97) else 3,
+        expert_tokens_num_flag=flag,
+        active_expert_range=rng,
+        row_idx_type=q.pick(0, 1),
     )
     x_rows = rows if q.chance(0.95) else rows + 1
     return (q.floats([x_rows, q.pick(0, 1, 8, 96)], q.other_dtype(q.dtype(), 0.03)), ids), kwargs
@@ -231,8 +256,14 @@ def gen_grouped_matmul(q: Gen):
     else:
         w = q.floats([experts, k, n], q.other_dtype(dtype))
     bias = [q.floats([experts, n], dtype)] if q.chance(0.4) else None
-    kwargs = dict(bias=bias, group_list=torch.tensor(values, dtype=torch.int64), split_item=q.pick(0, 2, 3),
-                  group_type=0 if q.chance(0.97) else None, group_list_type=gl_type, act_type=act)
+    kwargs = dict(
+        bias=bias,
+        group_list=torch.tensor(values, dtype=torch.int64),
+        split_item=q.pick(0, 2, 3),
+        group_type=0 if q.chance(0.97) else None,
+        group_list_type=gl_type,
+        act_type=act,
+    )
     return ([q.floats([rows, k], dtype)], [w]), kwargs
 
 
@@ -255,8 +286,17 @@ def gen_moe_finalize_routing(q: Gen):
             experts_of.view(-1)[0] = q.pick(-1, experts)
     skip1 = q.floats([n, h], dtype) if q.chance(0.5) else None
     skip2 = q.floats([n, h if q.chance(0.95) else h + 1], dtype) if q.chance(0.3) else None
-    return (q.floats([expanded, h], dtype), skip1, skip2, bias, scales, dst, experts_of,
-            q.pick(0, 2, None), k if scales is None or q.chance(0.5) else q.pick(1, k + 1)), {}
+    return (
+        q.floats([expanded, h], dtype),
+        skip1,
+        skip2,
+        bias,
+        scales,
+        dst,
+        experts_of,
+        q.pick(0, 2, None),
+        k if scales is None or q.chance(0.5) else q.pick(1, k + 1),
+    ), {}
 
 
 def gen_mla_prolog(q: Gen):
@@ -286,7 +326,7 @@ def eplb_tables(q: Gen, experts: int):
     log2phy = torch.full((experts, 2), -1, dtype=torch.int64)
     at = 0
     for e, r in enumerate(replicas.tolist()):
-        log2phy[e, :r] = perm[at:at + r]
+        log2phy[e, :r] = perm[at : at + r]
         at += r
     return log2phy, replicas, slots
 
@@ -313,16 +353,22 @@ def gen_eplb_record_load(q: Gen):
     rng = [] if q.chance(0.6) else ([0, slots] if q.chance(0.5) else [slots // 2, slots])
     if q.chance(0.05):
         rng = [slots, slots + 1]
-    return (torch.zeros(slots, dtype=torch.int64), ids, torch.ones(1, dtype=q.pick(torch.bool, torch.int64))), \
-        dict(active_expert_range=rng)
+    return (torch.zeros(slots, dtype=torch.int64), ids, torch.ones(1, dtype=q.pick(torch.bool, torch.int64))), dict(
+        active_expert_range=rng
+    )
 
 
 def gen_eplb_logical_weight(q: Gen):
     experts = q.pick(1, 4, 9)
     log2phy, replicas, slots = eplb_tables(q, experts)
     held = slots if q.chance(0.9) else max(slots - 1, 0)
-    return (q.floats([held, 3, 2], q.dtype()), log2phy, replicas, torch.zeros(slots, dtype=torch.int64),
-            torch.ones(1, dtype=torch.bool)), {}
+    return (
+        q.floats([held, 3, 2], q.dtype()),
+        log2phy,
+        replicas,
+        torch.zeros(slots, dtype=torch.int64),
+        torch.ones(1, dtype=torch.bool),
+    ), {}
 
 
 GENERATORS = {name: globals()[f"gen_{name}"] for name in CASES}
@@ -447,8 +493,9 @@ def fuzz(seed: int = SEED, scale: float = 1.0) -> dict:
                 outcome, problem = "error", traceback.format_exc(limit=3)
             counts[outcome] += 1
             if problem:
-                report["failures"].append(f"{name} case {case} (seed {case_seed}): {problem}\n    "
-                                          f"args: {describe(args, kwargs)}")
+                report["failures"].append(
+                    f"{name} case {case} (seed {case_seed}): {problem}\n    args: {describe(args, kwargs)}"
+                )
     report["seconds"] = time.perf_counter() - start
     return report
 
@@ -464,7 +511,7 @@ def test_ops_fuzz_cpp_equals_reference_under_a_memory_cap():
     run = run_with_memory_cap(code, MEMORY_CAP, timeout=300)
     lines = [line for line in run.stdout.splitlines() if line.startswith("REPORT ")]
     assert run.returncode == 0 and lines, f"rc {run.returncode}\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
-    report = json.loads(lines[-1][len("REPORT "):])
+    report = json.loads(lines[-1][len("REPORT ") :])
     failures = report["failures"]
     assert not failures, f"{len(failures)} failing cases:\n" + "\n".join(failures[:15])
     import ascend_passes.ops as ops

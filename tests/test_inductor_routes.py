@@ -17,10 +17,10 @@ from typing import Any
 
 import pytest
 import torch
+from _helpers import rel_diff, router_counts
 from torch._inductor import config as inductor_config
 
 import ascend_passes as ap
-from _helpers import rel_diff, router_counts
 from ascend_passes.spawn import run_on_ranks
 
 NUM_EXPERTS = 16
@@ -37,8 +37,7 @@ def _moe_block(tokens: int = 16) -> tuple[torch.nn.Module, torch.Tensor]:
 
     base, _ = models.deepseek_v3("grouped_mm", num_layers=2)
     block = next(m for _, m in base.named_modules() if hasattr(m, "gate") and hasattr(m, "experts"))
-    hidden = torch.randn(1, tokens, block.experts.gate_up_proj.shape[-1],
-                         generator=torch.Generator().manual_seed(1))
+    hidden = torch.randn(1, tokens, block.experts.gate_up_proj.shape[-1], generator=torch.Generator().manual_seed(1))
     return block, hidden
 
 
@@ -65,10 +64,17 @@ def _eplb_run(block: torch.nn.Module, hidden: torch.Tensor, eplb: dict[str, Any]
             once = state.physical_load()
             out_again = compiled(hidden)
     (report,) = reports
-    return {"out": out, "out_again": out_again, "physical_once": once, "physical_twice": state.physical_load(),
-            "global_twice": state.global_expert_load(), "compiler": report.compiler,
-            "ops": [report.count(op) for op in ("ascend.eplb_map", "ascend.eplb_record_load",
-                                                 "ascend.moe_init_routing_v2")]}
+    return {
+        "out": out,
+        "out_again": out_again,
+        "physical_once": once,
+        "physical_twice": state.physical_load(),
+        "global_twice": state.global_expert_load(),
+        "compiler": report.compiler,
+        "ops": [
+            report.count(op) for op in ("ascend.eplb_map", "ascend.eplb_record_load", "ascend.moe_init_routing_v2")
+        ],
+    }
 
 
 # ------------------------------------------------------------------------------ single process
@@ -114,11 +120,17 @@ def _ep_rank(rank: int, world_size: int) -> dict[str, Any]:  # a spawned rank
     counts = router_counts(block, (hidden,), NUM_EXPERTS)
     eplb = {"num_redundant_experts": 2, "ep_size": world_size}  # 18 slots, 9 per rank
     run = _eplb_run(block, hidden, eplb, "inductor")
-    return {"out": rel_diff(run["out"], ref), "out_again": rel_diff(run["out_again"], ref),
-            "ops": run["ops"], "compiler": run["compiler"],
-            "slots": run["physical_once"].shape[1],
-            "physical_once": run["physical_once"].tolist(), "physical_twice": run["physical_twice"].tolist(),
-            "global_twice": run["global_twice"].tolist(), "counts": counts.tolist()}
+    return {
+        "out": rel_diff(run["out"], ref),
+        "out_again": rel_diff(run["out_again"], ref),
+        "ops": run["ops"],
+        "compiler": run["compiler"],
+        "slots": run["physical_once"].shape[1],
+        "physical_once": run["physical_once"].tolist(),
+        "physical_twice": run["physical_twice"].tolist(),
+        "global_twice": run["global_twice"].tolist(),
+        "counts": counts.tolist(),
+    }
 
 
 def test_expert_parallel_world_2_with_inductor_downstream():
@@ -141,16 +153,25 @@ def _sp_rank(rank: int, world_size: int, tokens: int) -> dict[str, Any]:  # a sp
     ref_model, _ = models.deepseek_v3("grouped_mm", num_layers=2)
     ids = torch.randint(0, 256, (1, tokens), generator=torch.Generator().manual_seed(tokens))
     custom = ap.inductor_pass(compiler="inductor", sequence_parallel=True, strict=True)
-    with inductor_config.patch(post_grad_custom_post_pass=custom, fx_graph_cache=False), \
-            torch.no_grad(), ap.capture() as reports:
+    with (
+        inductor_config.patch(post_grad_custom_post_pass=custom, fx_graph_cache=False),
+        torch.no_grad(),
+        ap.capture() as reports,
+    ):
         got = torch.compile(model)(ids)
         tp, single = model(ids), ref_model(ids)
     (report,) = reports
     sp = report.passes["sequence_parallel"]
-    return {"tp": rel_diff(got, tp), "single": rel_diff(got, single), "sp": sp.counts(),
-            "near_misses": [nm.reason for nm in sp.near_misses],
-            "collectives": [report.count(f"_c10d_functional.{op}")
-                            for op in ("all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor")]}
+    return {
+        "tp": rel_diff(got, tp),
+        "single": rel_diff(got, single),
+        "sp": sp.counts(),
+        "near_misses": [nm.reason for nm in sp.near_misses],
+        "collectives": [
+            report.count(f"_c10d_functional.{op}")
+            for op in ("all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor")
+        ],
+    }
 
 
 def test_sequence_parallel_through_inductor_pass():

@@ -25,12 +25,14 @@ from ascend_passes.models import llama_dense
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 needs_chromium = pytest.mark.skipif(
-    CHROMIUM is None, reason="headless Chromium not installed (apt-get install -y chromium)")
+    CHROMIUM is None, reason="headless Chromium not installed (apt-get install -y chromium)"
+)
 needs_dot = pytest.mark.skipif(
-    not subgraphs.dot_available(), reason="Graphviz dot not installed (apt-get install -y graphviz)")
+    not subgraphs.dot_available(), reason="Graphviz dot not installed (apt-get install -y graphviz)"
+)
 
 # Two passes for --pipeline-extra: one that silently breaks numerics, one that explains a near-miss.
-EXTRA_PASSES = textwrap.dedent('''
+EXTRA_PASSES = textwrap.dedent("""
     import torch
     from ascend_passes.pass_manager import Pass, PassResult
     from ascend_passes.passes.layers import layer_of
@@ -62,24 +64,38 @@ EXTRA_PASSES = textwrap.dedent('''
             result.near_miss("fancy_mm", "weight operand is not a transposed parameter",
                              layer=layer_of(n), node=n)
             return result
-''')
+""")
 
 
 def cli(*args: str, env: dict[str, str] | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
     full_env = {**os.environ, "COLUMNS": "200", **(env or {})}
-    return subprocess.run(["ascend-passes", *args], capture_output=True, text=True, timeout=timeout,
-                          env=full_env)
+    return subprocess.run(["ascend-passes", *args], capture_output=True, text=True, timeout=timeout, env=full_env)
 
 
 def browse(page: Path, tmp: Path) -> tuple[Path, list[str]]:
     """Load ``page`` in headless Chromium: a screenshot and the console messages it logged."""
     shot = tmp / "screenshot.png"
     proc = subprocess.run(
-        [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-         "--disable-component-update", "--disable-sync", "--no-first-run",
-         f"--user-data-dir={tmp / 'chromium-profile'}", "--enable-logging=stderr", "--v=0",
-         "--window-size=1400,2000", f"--screenshot={shot}", page.resolve().as_uri()],
-        capture_output=True, text=True, timeout=120)
+        [
+            CHROMIUM,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-background-networking",
+            "--disable-component-update",
+            "--disable-sync",
+            "--no-first-run",
+            f"--user-data-dir={tmp / 'chromium-profile'}",
+            "--enable-logging=stderr",
+            "--v=0",
+            "--window-size=1400,2000",
+            f"--screenshot={shot}",
+            page.resolve().as_uri(),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     console = [line for line in proc.stderr.splitlines() if ":CONSOLE" in line]
     return shot, console
@@ -107,8 +123,9 @@ def test_graph_code_shows_model_source_lines():
     hook_codes: list[str] = []
     torch._dynamo.reset()
     with torch.no_grad():
-        backend = ascend_passes.make_backend(passes="cleanup",
-                                             hooks=[lambda n, s, gm, r: hook_codes.append(graph_code(gm))])
+        backend = ascend_passes.make_backend(
+            passes="cleanup", hooks=[lambda n, s, gm, r: hook_codes.append(graph_code(gm))]
+        )
         torch.compile(model, backend=backend)(*inputs)
     code = hook_codes[0]
     # every op line sits under the line of model code it came from, with a path relative to sys.path
@@ -163,14 +180,13 @@ def test_html_without_dot_lists_nodes_and_says_so(monkeypatch):
     recorder = SubgraphRecorder()
     torch._dynamo.reset()
     with torch.no_grad(), ascend_passes.capture() as reports:
-        torch.compile(model, backend=ascend_passes.make_backend(passes="cleanup,norm",
-                                                                hooks=[recorder]))(*inputs)
+        torch.compile(model, backend=ascend_passes.make_backend(passes="cleanup,norm", hooks=[recorder]))(*inputs)
     monkeypatch.setenv("PATH", "/nonexistent")
     assert not subgraphs.dot_available()
     page = html_report.render_html([("llama", reports[-1])], recorder)
     assert "Graphviz <code>dot</code> was not found" in page
     assert "<svg" not in page
-    assert "<pre class=\"nodes\">" in page and "ascend.rms_norm" in page
+    assert '<pre class="nodes">' in page and "ascend.rms_norm" in page
     assert "model.layers.0" in page and "Main model" in page
 
 
@@ -179,8 +195,7 @@ def test_recorder_splits_new_nodes_among_matches():
     recorder = SubgraphRecorder()
     torch._dynamo.reset()
     with torch.no_grad(), ascend_passes.capture() as reports:
-        torch.compile(model, backend=ascend_passes.make_backend(passes="cleanup,norm",
-                                                                hooks=[recorder]))(*inputs)
+        torch.compile(model, backend=ascend_passes.make_backend(passes="cleanup,norm", hooks=[recorder]))(*inputs)
     report = reports[-1]
     record = recorder.graphs[str(report.graph_id)]
     norms = [rw for rw in record.rewrites if rw.pass_name == "norm"]
@@ -196,17 +211,29 @@ def test_recorder_splits_new_nodes_among_matches():
     drawn = {n.name for rw in norms for n in rw.after.core}
     fused = [n for n in report.graph.graph.nodes if str(n.target).startswith("ascend.")]
     assert fused and all(n.name in drawn for n in fused)
-    first = next(rw for rw in norms if "embedding" in {n.name for n in rw.before.inputs}
-                 and rw.pattern == "rms_norm")
+    first = next(rw for rw in norms if "embedding" in {n.name for n in rw.before.inputs} and rw.pattern == "rms_norm")
     assert first.layer == "model.layers.0"
     assert [n.label for n in first.after.core if n.label.startswith("ascend.")] == ["ascend.rms_norm"]
 
 
 # --------------------------------------------------------------------------- verify-each
 def test_verify_each_rolls_back_and_names_a_broken_pass(tmp_path, extra_passes):
-    proc = cli("dump", "llama_dense", "--out", str(tmp_path), "--passes", "cleanup,norm",
-               "--pipeline-extra", "extra_passes:FlipAdd", "--pipeline-extra", "extra_passes:ExplainMm",
-               "--verify-each", "--format", "html", env=extra_passes)
+    proc = cli(
+        "dump",
+        "llama_dense",
+        "--out",
+        str(tmp_path),
+        "--passes",
+        "cleanup,norm",
+        "--pipeline-extra",
+        "extra_passes:FlipAdd",
+        "--pipeline-extra",
+        "extra_passes:ExplainMm",
+        "--verify-each",
+        "--format",
+        "html",
+        env=extra_passes,
+    )
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert re.search(r"flip_add\s*│\s*rolled_back", proc.stdout)
     assert "rolled back: flip_add (VerificationError: outputs changed after this pass" in proc.stdout
@@ -215,23 +242,45 @@ def test_verify_each_rolls_back_and_names_a_broken_pass(tmp_path, extra_passes):
     assert "outputs changed after this pass" in page
     # the near-miss explanation names the node, its op, its source line and the reason
     assert "weight operand is not a transposed parameter" in page
-    near = page[page.index("<h3>Near-misses</h3>"):]
+    near = page[page.index("<h3>Near-misses</h3>") :]
     assert re.search(r"<code>mm(_\d+)?</code><br><span class=\"mono\">aten.mm f32\[16, 64\]", near)
     assert "modeling_llama.py:" in near
     # the final graph kept the correct numerics (the broken rewrite was undone)
-    assert "max |compiled - eager| = 0" in proc.stdout or re.search(r"max \|compiled - eager\| = \d(\.\d+)?e-0[6-9]", proc.stdout)
+    assert "max |compiled - eager| = 0" in proc.stdout or re.search(
+        r"max \|compiled - eager\| = \d(\.\d+)?e-0[6-9]", proc.stdout
+    )
 
 
 def test_without_verify_each_the_broken_pass_goes_unnoticed_by_the_lint(tmp_path, extra_passes):
-    proc = cli("dump", "llama_dense", "--out", str(tmp_path), "--passes", "cleanup",
-               "--pipeline-extra", "extra_passes:FlipAdd", env=extra_passes)
+    proc = cli(
+        "dump",
+        "llama_dense",
+        "--out",
+        str(tmp_path),
+        "--passes",
+        "cleanup",
+        "--pipeline-extra",
+        "extra_passes:FlipAdd",
+        env=extra_passes,
+    )
     assert proc.returncode == 0, proc.stderr
     assert re.search(r"flip_add\s*│\s*ok", proc.stdout)
 
 
 def test_verify_each_strict_stops_with_the_pass_name(tmp_path, extra_passes):
-    proc = cli("dump", "llama_dense", "--out", str(tmp_path), "--passes", "cleanup",
-               "--pipeline-extra", "extra_passes:FlipAdd", "--verify-each", "--strict", env=extra_passes)
+    proc = cli(
+        "dump",
+        "llama_dense",
+        "--out",
+        str(tmp_path),
+        "--passes",
+        "cleanup",
+        "--pipeline-extra",
+        "extra_passes:FlipAdd",
+        "--verify-each",
+        "--strict",
+        env=extra_passes,
+    )
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "ascend-passes: error: pass 'flip_add' failed: VerificationError" in proc.stderr
 
@@ -244,8 +293,9 @@ def test_pipeline_extra_must_be_a_pass(tmp_path):
 
 # --------------------------------------------------------------------------- torch logging
 def test_torch_logs_shows_pass_lines(tmp_path):
-    proc = cli("dump", "llama_dense", "--out", str(tmp_path), "--passes", "cleanup,norm",
-               env={"TORCH_LOGS": "+ascend_passes"})
+    proc = cli(
+        "dump", "llama_dense", "--out", str(tmp_path), "--passes", "cleanup,norm", env={"TORCH_LOGS": "+ascend_passes"}
+    )
     assert proc.returncode == 0, proc.stderr
     assert re.search(r"pass norm: replaced .*rms_norm x\d+ \(\d+ -> \d+ nodes", proc.stderr)  # INFO
     assert "dumped pass norm to" in proc.stderr  # DEBUG
@@ -263,7 +313,7 @@ def test_register_torch_logs_is_idempotent():
     assert _internal.log_registry.log_alias_to_log_qnames["ascend_passes"] == ["ascend_passes"]
 
 
-TRACE_SCRIPT = textwrap.dedent('''
+TRACE_SCRIPT = textwrap.dedent("""
     import torch, ascend_passes
     from ascend_passes.inspect.trace import trace_pass_graphs
     from ascend_passes.models import llama_dense
@@ -271,18 +321,23 @@ TRACE_SCRIPT = textwrap.dedent('''
     with torch.no_grad():
         torch.compile(model, backend=ascend_passes.make_backend(
             passes="cleanup,norm", hooks=[trace_pass_graphs]))(*inputs)
-''')
+""")
 
 
 def test_torch_trace_has_before_and_after_artifacts(tmp_path):
     trace_dir = tmp_path / "trace"
-    proc = subprocess.run([sys.executable, "-c", TRACE_SCRIPT], capture_output=True, text=True,
-                          timeout=300, env={**os.environ, "TORCH_TRACE": str(trace_dir)})
+    proc = subprocess.run(
+        [sys.executable, "-c", TRACE_SCRIPT],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "TORCH_TRACE": str(trace_dir)},
+    )
     assert proc.returncode == 0, proc.stderr
     records = []
     for log_file in trace_dir.iterdir():
         for line in log_file.read_text().splitlines():
-            head = line[line.index("{"):] if "{" in line else ""
+            head = line[line.index("{") :] if "{" in line else ""
             if '"artifact"' in head:
                 records.append(json.loads(head)["artifact"]["name"])
     for name in ("cleanup", "norm"):
@@ -292,7 +347,11 @@ def test_torch_trace_has_before_and_after_artifacts(tmp_path):
     if shutil.which("tlparse"):  # the trace renders: one page per artifact
         out = tmp_path / "tl"
         log_file = next(trace_dir.iterdir())
-        tl = subprocess.run(["tlparse", str(log_file), "-o", str(out), "--no-browser", "--overwrite"],
-                            capture_output=True, text=True, timeout=120)
+        tl = subprocess.run(
+            ["tlparse", str(log_file), "-o", str(out), "--no-browser", "--overwrite"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert tl.returncode == 0, tl.stderr
         assert any("ascend_passes_norm_after" in p.name for p in out.rglob("*"))

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from _helpers import run_with_memory_cap, skip_unless
 
 import ascend_passes.ops as ops
-from _helpers import run_with_memory_cap, skip_unless
 from ascend_passes import kernels
 from ascend_passes.ops import reference
 
@@ -72,8 +72,14 @@ def routing_case(tokens: int, experts: int, k: int, seed: int = 0):
 def test_init_routing_is_bitwise_equal(dtype, rng, count_type, row_idx_type):
     ids = routing_case(300, 64, 6)
     x, scale = torch.randn(300, 96).to(dtype), torch.rand(300)
-    kw = dict(scale=scale, expert_num=64, expert_tokens_num_type=count_type, expert_tokens_num_flag=True,
-              active_expert_range=rng, row_idx_type=row_idx_type)
+    kw = dict(
+        scale=scale,
+        expert_num=64,
+        expert_tokens_num_type=count_type,
+        expert_tokens_num_flag=True,
+        active_expert_range=rng,
+        row_idx_type=row_idx_type,
+    )
     got, expected = K.moe_init_routing_v2(x, ids, **kw), reference.moe_init_routing_v2(x, ids, **kw)
     for g, e in zip(got, expected):
         assert torch.equal(g, e)
@@ -155,8 +161,17 @@ def test_finalize_routing_against_reference(dtype, mode):
     rows = torch.randn(n * k, h).to(dtype)
     dst = torch.randperm(n * k).to(torch.int32)
     dst[::7] = -1
-    args = (rows, torch.randn(n, h).to(dtype), None, torch.randn(e, h).to(dtype), torch.rand(n, k),
-            dst, torch.randint(0, e, (n, k), dtype=torch.int32), mode, k)
+    args = (
+        rows,
+        torch.randn(n, h).to(dtype),
+        None,
+        torch.randn(e, h).to(dtype),
+        torch.rand(n, k),
+        dst,
+        torch.randint(0, e, (n, k), dtype=torch.int32),
+        mode,
+        k,
+    )
     assert_same(K.moe_finalize_routing(*args), reference.moe_finalize_routing(*args), dtype)
 
 
@@ -199,8 +214,14 @@ def test_gating_top_k_against_reference(norm_type, mode, with_bias, k_group):
     x = gating_logits(300, 64, seed=norm_type + 2 * mode)
     bias = torch.randn(64, generator=torch.Generator().manual_seed(1)) * 0.1 if with_bias else None
     for k in (6, 64 // 8 * k_group):  # DeepSeek-like, and every allowed expert
-        kw = dict(bias=bias, k_group=k_group, group_count=8, group_select_mode=mode, norm_type=norm_type,
-                  routed_scaling_factor=2.5)
+        kw = dict(
+            bias=bias,
+            k_group=k_group,
+            group_count=8,
+            group_select_mode=mode,
+            norm_type=norm_type,
+            routed_scaling_factor=2.5,
+        )
         got, expected = K.moe_gating_top_k(x, k, **kw), reference.moe_gating_top_k(x, k, **kw)
         assert_same(got, expected, torch.float32)
         assert got[1].dtype == torch.int32 and got[2].dtype == torch.float32 and got[2].shape == (300, 64)
@@ -211,8 +232,9 @@ def test_gating_top_k_against_reference(norm_type, mode, with_bias, k_group):
 def test_gating_top_k_dtypes_against_reference(dtype, rows):
     x = gating_logits(rows, 64, dtype, seed=rows)
     bias = (torch.randn(64, generator=torch.Generator().manual_seed(2)) * 0.1).to(dtype)
-    kw = dict(bias=bias, k_group=4, group_count=8, group_select_mode=1, norm_type=1, routed_scaling_factor=2.5,
-              eps=1e-3)
+    kw = dict(
+        bias=bias, k_group=4, group_count=8, group_select_mode=1, norm_type=1, routed_scaling_factor=2.5, eps=1e-3
+    )
     got, expected = K.moe_gating_top_k(x, 6, **kw), reference.moe_gating_top_k(x, 6, **kw)
     assert got[0].dtype == dtype
     assert_same(got, expected, dtype)
@@ -266,11 +288,12 @@ def test_gating_tiny_scores_keep_their_order():
     # logits down to -200: softmax / sigmoid scores underflow to denormals and 0; the order of
     # the tail (k = all) must still follow the values
     x = torch.linspace(-200, 0, 64)[torch.randperm(64, generator=torch.Generator().manual_seed(5))].repeat(2, 1)
-    assert_same(K.moe_gating_top_k_softmax(x, None, 64), reference.moe_gating_top_k_softmax(x, None, 64),
-                torch.float32)
+    assert_same(K.moe_gating_top_k_softmax(x, None, 64), reference.moe_gating_top_k_softmax(x, None, 64), torch.float32)
     for norm_type in (0, 1):
-        got, expected = K.moe_gating_top_k(x, 64, norm_type=norm_type), reference.moe_gating_top_k(x, 64,
-                                                                                                  norm_type=norm_type)
+        got, expected = (
+            K.moe_gating_top_k(x, 64, norm_type=norm_type),
+            reference.moe_gating_top_k(x, 64, norm_type=norm_type),
+        )
         assert torch.equal(got[1], expected[1])
 
 
@@ -285,8 +308,15 @@ def test_gating_top_k_hash_mode_against_reference(dtype, norm_type, table_dtype)
         x = gating_logits(rows, 64, dtype, seed=rows + k)
         tid2eid = torch.randint(0, 64, (64, 1000), generator=g).to(table_dtype).t()[:, :k]  # strided [1000, k]
         input_ids = torch.randint(0, 1000, (rows,), generator=g).to(table_dtype if rows % 2 else torch.int64)
-        kw = dict(input_ids=input_ids, tid2eid=tid2eid, norm_type=norm_type, routed_scaling_factor=2.5,
-                  bias=(torch.randn(64, generator=g) * 0.1).to(dtype), k_group=4, group_count=8)
+        kw = dict(
+            input_ids=input_ids,
+            tid2eid=tid2eid,
+            norm_type=norm_type,
+            routed_scaling_factor=2.5,
+            bias=(torch.randn(64, generator=g) * 0.1).to(dtype),
+            k_group=4,
+            group_count=8,
+        )
         got, expected = K.moe_gating_top_k(x, k, **kw), reference.moe_gating_top_k(x, k, **kw)
         assert_same(got, expected, dtype)
         assert torch.equal(got[1], tid2eid[input_ids.long()].to(torch.int32))
@@ -318,29 +348,56 @@ GATING_BAD_INPUTS = [
     ("moe_gating_top_k", (torch.randn(2, 8), 2), dict(renorm=1)),
     # hash mode: both or neither, ranks, dtypes, sizes, then the ids' values (first bad one named)
     ("moe_gating_top_k", (torch.randn(2, 8), 2), dict(tid2eid=torch.zeros(4, 2, dtype=torch.int32))),
-    ("moe_gating_top_k", (torch.randn(2, 8), 2), dict(input_ids=torch.zeros(2, 1, dtype=torch.int32),
-                                                      tid2eid=torch.zeros(4, 2, dtype=torch.int32))),
-    ("moe_gating_top_k", (torch.randn(2, 8), 2), dict(input_ids=torch.zeros(2, dtype=torch.int32),
-                                                      tid2eid=torch.zeros(4, dtype=torch.int32))),
-    ("moe_gating_top_k", (torch.randn(2, 8), 2), dict(input_ids=torch.zeros(2, dtype=torch.int16),
-                                                      tid2eid=torch.zeros(4, 2, dtype=torch.int32))),
-    ("moe_gating_top_k", (torch.randn(2, 8), 2), dict(input_ids=torch.zeros(2, dtype=torch.int32),
-                                                      tid2eid=torch.zeros(4, 2))),
-    ("moe_gating_top_k", (torch.randn(2, 8), 2), dict(input_ids=torch.zeros(3, dtype=torch.int32),
-                                                      tid2eid=torch.zeros(4, 2, dtype=torch.int32))),
-    ("moe_gating_top_k", (torch.randn(2, 8), 2), dict(input_ids=torch.zeros(2, dtype=torch.int32),
-                                                      tid2eid=torch.zeros(4, 3, dtype=torch.int32))),
-    ("moe_gating_top_k", (torch.randn(3, 8), 2), dict(input_ids=torch.tensor([1, -1, 9]),
-                                                      tid2eid=torch.zeros(4, 2, dtype=torch.int32))),
-    ("moe_gating_top_k", (torch.randn(3, 8), 2), dict(input_ids=torch.tensor([1, 2, 3], dtype=torch.int32),
-                                                      tid2eid=torch.tensor([[0, 1], [2, 3], [4, -5], [8, 9]]))),
-    ("moe_gating_top_k", (torch.randn(1, 8), 2), dict(input_ids=torch.tensor([0]),
-                                                      tid2eid=torch.tensor([[7, 2**40]]))),
+    (
+        "moe_gating_top_k",
+        (torch.randn(2, 8), 2),
+        dict(input_ids=torch.zeros(2, 1, dtype=torch.int32), tid2eid=torch.zeros(4, 2, dtype=torch.int32)),
+    ),
+    (
+        "moe_gating_top_k",
+        (torch.randn(2, 8), 2),
+        dict(input_ids=torch.zeros(2, dtype=torch.int32), tid2eid=torch.zeros(4, dtype=torch.int32)),
+    ),
+    (
+        "moe_gating_top_k",
+        (torch.randn(2, 8), 2),
+        dict(input_ids=torch.zeros(2, dtype=torch.int16), tid2eid=torch.zeros(4, 2, dtype=torch.int32)),
+    ),
+    (
+        "moe_gating_top_k",
+        (torch.randn(2, 8), 2),
+        dict(input_ids=torch.zeros(2, dtype=torch.int32), tid2eid=torch.zeros(4, 2)),
+    ),
+    (
+        "moe_gating_top_k",
+        (torch.randn(2, 8), 2),
+        dict(input_ids=torch.zeros(3, dtype=torch.int32), tid2eid=torch.zeros(4, 2, dtype=torch.int32)),
+    ),
+    (
+        "moe_gating_top_k",
+        (torch.randn(2, 8), 2),
+        dict(input_ids=torch.zeros(2, dtype=torch.int32), tid2eid=torch.zeros(4, 3, dtype=torch.int32)),
+    ),
+    (
+        "moe_gating_top_k",
+        (torch.randn(3, 8), 2),
+        dict(input_ids=torch.tensor([1, -1, 9]), tid2eid=torch.zeros(4, 2, dtype=torch.int32)),
+    ),
+    (
+        "moe_gating_top_k",
+        (torch.randn(3, 8), 2),
+        dict(
+            input_ids=torch.tensor([1, 2, 3], dtype=torch.int32),
+            tid2eid=torch.tensor([[0, 1], [2, 3], [4, -5], [8, 9]]),
+        ),
+    ),
+    ("moe_gating_top_k", (torch.randn(1, 8), 2), dict(input_ids=torch.tensor([0]), tid2eid=torch.tensor([[7, 2**40]]))),
 ]
 
 
-@pytest.mark.parametrize("name,args,kwargs", GATING_BAD_INPUTS,
-                         ids=[f"{c[0]}-{i}" for i, c in enumerate(GATING_BAD_INPUTS)])
+@pytest.mark.parametrize(
+    "name,args,kwargs", GATING_BAD_INPUTS, ids=[f"{c[0]}-{i}" for i, c in enumerate(GATING_BAD_INPUTS)]
+)
 def test_gating_bad_input_raises_the_reference_message(name, args, kwargs):
     with pytest.raises(ValueError) as expected:
         getattr(reference, name)(*args, **kwargs)
@@ -396,8 +453,7 @@ FALLBACK_SCRIPT = textwrap.dedent(
 
 def test_environment_forces_reference_fallback():
     env = dict(os.environ, ASCEND_PASSES_KERNELS="reference")
-    proc = subprocess.run([sys.executable, "-c", FALLBACK_SCRIPT], env=env, capture_output=True, text=True,
-                          timeout=120)
+    proc = subprocess.run([sys.executable, "-c", FALLBACK_SCRIPT], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "reference-ok" in proc.stdout
 
@@ -414,8 +470,9 @@ def test_grouped_matmul_with_parameter_weights_on_worker_threads(grad_enabled):
     x = torch.randn(300, 8)
     counts = torch.tensor([100, 100, 50, 50])
     with torch.set_grad_enabled(grad_enabled):
-        y = torch.ops.ascend.grouped_matmul([x], [w], group_list=counts, split_item=2, group_type=0,
-                                            group_list_type=1)[0]
+        y = torch.ops.ascend.grouped_matmul([x], [w], group_list=counts, split_item=2, group_type=0, group_list_type=1)[
+            0
+        ]
     expected = torch.cat([x[:100] @ w[0], x[100:200] @ w[1], x[200:250] @ w[2], x[250:] @ w[3]])
     torch.testing.assert_close(y.detach(), expected.detach(), rtol=1e-5, atol=1e-5)
 
@@ -490,17 +547,41 @@ def test_streaming_and_gemm_paths_of_narrower_instruction_sets(isa):
     tests = Path(__file__).resolve().parent
     selection = "linear or decode_schedule or prefill_gemm or single_matmul_gemm or grouped_matmul_against"
     run = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0", str(tests / "test_kernels.py"),
-         "-k", selection],
-        env={**os.environ, "ASCEND_PASSES_ISA": isa}, capture_output=True, text=True, timeout=600, cwd=tests.parent)
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-n",
+            "0",
+            str(tests / "test_kernels.py"),
+            "-k",
+            selection,
+        ],
+        env={**os.environ, "ASCEND_PASSES_ISA": isa},
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tests.parent,
+    )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert " passed" in run.stdout and "failed" not in run.stdout
 
 
 def test_bad_isa_setting_raises_a_clear_error():
-    run = subprocess.run([sys.executable, "-c", "import torch, ascend_passes.ops; "
-                          "torch.ops.ascend.linear(torch.randn(2, 4), torch.randn(3, 4))"],
-                         env={**os.environ, "ASCEND_PASSES_ISA": "sse9"}, capture_output=True, text=True, timeout=300)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import torch, ascend_passes.ops; torch.ops.ascend.linear(torch.randn(2, 4), torch.randn(3, 4))",
+        ],
+        env={**os.environ, "ASCEND_PASSES_ISA": "sse9"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode != 0
     assert "ValueError: ASCEND_PASSES_ISA must be one of amx, avx512, avx2, baseline; got 'sse9'" in run.stderr
 
@@ -547,8 +628,13 @@ def test_bf16_prefill_runs_on_amx_where_the_cpu_has_it(isa):
     the reference within the bf16 tolerance."""
     if not cpu_has_amx_bf16():
         pytest.skip("this CPU lacks amx_bf16/amx_tile/avx512_bf16 (/proc/cpuinfo): no AMX path to run")
-    run = subprocess.run([sys.executable, "-c", AMX_SCRIPT], capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "ASCEND_PASSES_ISA": isa, "ONEDNN_VERBOSE": "1"})
+    run = subprocess.run(
+        [sys.executable, "-c", AMX_SCRIPT],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "ASCEND_PASSES_ISA": isa, "ONEDNN_VERBOSE": "1"},
+    )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "amx-case-ok" in run.stdout
     kernels_out = run.stdout.split("MARK-END-OF-KERNELS")[0]
@@ -581,10 +667,15 @@ def test_library_built_for_other_schemas_falls_back_instead_of_aborting():
     loaded (a static registration against the new schema throws where nothing can catch it); now
     the schemas are compared first and the ops fall back to the reference with one warning."""
     assert kernels.stale_schemas() == []  # the library under test matches the package
-    proc = subprocess.run([sys.executable, "-c", STALE_SCRIPT], capture_output=True, text=True, timeout=300,
-                          env={k: v for k, v in os.environ.items() if k != "ASCEND_PASSES_KERNELS"})
+    proc = subprocess.run(
+        [sys.executable, "-c", STALE_SCRIPT],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={k: v for k, v in os.environ.items() if k != "ASCEND_PASSES_KERNELS"},
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = proc.stdout.splitlines()
-    warnings = [l for l in lines if l.startswith("WARNING:ascend_passes.kernels")]
+    warnings = [line for line in lines if line.startswith("WARNING:ascend_passes.kernels")]
     assert len(warnings) == 1 and "were built for other op schemas (zz_retired: not an ascend op)" in warnings[0]
     assert "backend reference ['zz_retired: not an ascend op']" in lines and lines[-1] == "ran"

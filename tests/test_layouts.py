@@ -15,10 +15,10 @@ import pytest
 import torch
 import torch.fx as fx
 import transformers
+from _helpers import rel_diff
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import ascend_passes as ap
-from _helpers import rel_diff
 from ascend_passes.config import AscendPassConfig
 from ascend_passes.errors import PassError
 from ascend_passes.pass_manager import Pass, PassContext, PassManager, PassResult
@@ -36,8 +36,17 @@ def _compile(fn, inputs, **options):
 # ----------------------------------------------------------------------------- HF models
 def hunyuan_v1_moe(experts: str) -> tuple[torch.nn.Module, torch.Tensor]:
     config = transformers.HunYuanMoEV1Config(
-        vocab_size=128, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, num_experts=4, moe_topk=2, max_position_embeddings=64)
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=4,
+        moe_topk=2,
+        max_position_embeddings=64,
+    )
     config._experts_implementation = experts
     torch.manual_seed(0)
     return transformers.HunYuanMoEV1ForCausalLM(config).eval(), torch.randint(0, 128, (2, 5))
@@ -46,10 +55,23 @@ def hunyuan_v1_moe(experts: str) -> tuple[torch.nn.Module, torch.Tensor]:
 def jamba(experts: str) -> tuple[torch.nn.Module, torch.Tensor]:
     # layer 0: attention + dense MLP; layer 1: Mamba + MoE (4 experts)
     config = transformers.JambaConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, expert_layer_period=2,
-        expert_layer_offset=1, attn_layer_period=2, attn_layer_offset=0, use_mamba_kernels=False,
-        mamba_d_state=8, mamba_expand=2, max_position_embeddings=64)
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts=4,
+        num_experts_per_tok=2,
+        expert_layer_period=2,
+        expert_layer_offset=1,
+        attn_layer_period=2,
+        attn_layer_offset=0,
+        use_mamba_kernels=False,
+        mamba_d_state=8,
+        mamba_expand=2,
+        max_position_embeddings=64,
+    )
     config._experts_implementation = experts
     torch.manual_seed(0)
     return transformers.JambaForCausalLM(config).eval(), torch.randint(0, 128, (2, 4))
@@ -59,19 +81,38 @@ def jamba(experts: str) -> tuple[torch.nn.Module, torch.Tensor]:
 MODELS = {
     # 2 x (input, post-attention, q, k) norms + the final one; q/k norms follow RoPE's add, so
     # all but the first norm take their residual add: 1 rms_norm + 8 add_rms_norm
-    "hunyuan_v1_moe": (hunyuan_v1_moe, {"ascend.rms_norm": 1, "ascend.add_rms_norm": 8,
-                                        "ascend.moe_gating_top_k_softmax": 2, "ascend.grouped_matmul": 4},
-                       None),
+    "hunyuan_v1_moe": (
+        hunyuan_v1_moe,
+        {
+            "ascend.rms_norm": 1,
+            "ascend.add_rms_norm": 8,
+            "ascend.moe_gating_top_k_softmax": 2,
+            "ascend.grouped_matmul": 4,
+        },
+        None,
+    ),
     # layer 0: input + pre-ff norms, dense SwiGLU MLP; layer 1: Mamba's dt/B/C norms and its
     # gate (up * silu(gate) on [B, D, S]), input + pre-ff norms, MoE; the final norm
-    "jamba": (jamba, {"ascend.rms_norm": 4, "ascend.add_rms_norm": 4, "ascend.swiglu": 3,
-                      "ascend.moe_gating_top_k_softmax": 1, "ascend.grouped_matmul": 2},
-              ["model.layers.0", "model.layers.1"]),
+    "jamba": (
+        jamba,
+        {
+            "ascend.rms_norm": 4,
+            "ascend.add_rms_norm": 4,
+            "ascend.swiglu": 3,
+            "ascend.moe_gating_top_k_softmax": 1,
+            "ascend.grouped_matmul": 2,
+        },
+        ["model.layers.0", "model.layers.1"],
+    ),
 }
 
 # every model with both experts implementations, each downstream compiler with both models
-CASES = [("hunyuan_v1_moe", "grouped_mm", "eager"), ("hunyuan_v1_moe", "batched_mm", "inductor"),
-         ("jamba", "grouped_mm", "inductor"), ("jamba", "batched_mm", "eager")]
+CASES = [
+    ("hunyuan_v1_moe", "grouped_mm", "eager"),
+    ("hunyuan_v1_moe", "batched_mm", "inductor"),
+    ("jamba", "grouped_mm", "inductor"),
+    ("jamba", "batched_mm", "eager"),
+]
 
 
 @pytest.mark.parametrize("name,experts,compiler", CASES, ids=["-".join(c) for c in CASES])
@@ -134,13 +175,21 @@ def norm_over_non_innermost_dim(x, gamma):
 
 
 SMALL = {
-    "qk_norm": (qk_norm_attention, lambda: (torch.randn(2, 5, 32), torch.randn(32, 32) / 6,
-                                            torch.randn(32, 16) / 6, torch.rand(8) + 0.5),
-                {"ascend.rms_norm": 1}),
-    "mamba_gate": (mamba_gate, lambda: (torch.randn(2, 5, 16), torch.randn(16, 24) / 4,
-                                        torch.randn(12, 16) / 4), {"ascend.swiglu": 1}),
-    "halves_gate": (halves_gate, lambda: (torch.randn(2, 6, 16), torch.randn(16, 5) / 4,
-                                          torch.randn(5, 8) / 4), {"ascend.swiglu": 1}),
+    "qk_norm": (
+        qk_norm_attention,
+        lambda: (torch.randn(2, 5, 32), torch.randn(32, 32) / 6, torch.randn(32, 16) / 6, torch.rand(8) + 0.5),
+        {"ascend.rms_norm": 1},
+    ),
+    "mamba_gate": (
+        mamba_gate,
+        lambda: (torch.randn(2, 5, 16), torch.randn(16, 24) / 4, torch.randn(12, 16) / 4),
+        {"ascend.swiglu": 1},
+    ),
+    "halves_gate": (
+        halves_gate,
+        lambda: (torch.randn(2, 6, 16), torch.randn(16, 5) / 4, torch.randn(5, 8) / 4),
+        {"ascend.swiglu": 1},
+    ),
 }
 
 
@@ -159,8 +208,7 @@ def test_replacement_keeps_the_replaced_layout(name, compiler):
 def test_norm_whose_normalised_dim_is_not_innermost_is_a_near_miss():
     torch.manual_seed(0)
     x, gamma = torch.randn(2, 8, 5), torch.rand(8) + 0.5
-    out, (report,) = _compile(norm_over_non_innermost_dim, (x, gamma), passes="cleanup,norm",
-                              compiler="eager")
+    out, (report,) = _compile(norm_over_non_innermost_dim, (x, gamma), passes="cleanup,norm", compiler="eager")
     assert rel_diff(out, norm_over_non_innermost_dim(x, gamma)) <= 1e-5
     norm = report.passes["norm"]
     assert norm.status == "ok" and report.count("ascend.rms_norm") == 0
@@ -209,8 +257,11 @@ def test_rewrite_that_breaks_a_later_view_is_rolled_back(strict):
     manager = PassManager(config, [_Relayout(config, torch.contiguous_format)])
     ctx = PassContext(config, [gm.graph.find_nodes(op="placeholder")[0].meta["val"]])
     if strict:
-        with pytest.raises(PassError, match=r"pass 'relayout' failed: LayoutChangeError: view\w* "
-                                            r"\(aten\.view\.default\) can no longer run"):
+        with pytest.raises(
+            PassError,
+            match=r"pass 'relayout' failed: LayoutChangeError: view\w* "
+            r"\(aten\.view\.default\) can no longer run",
+        ):
             manager.run(gm, ctx)
         assert [n.target for n in gm.graph.nodes] == targets  # put back before raising
         return

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _helpers import rel_diff
 from torch import nn
 
 import ascend_passes as ap
-from _helpers import rel_diff
 from ascend_passes import models
 from ascend_passes.config import AscendPassConfig
 from ascend_passes.pass_manager import PassContext

@@ -13,12 +13,11 @@ import copy
 import pytest
 import torch
 import torch.fx as fx
+from _helpers import skip_unless
 from torch._dynamo.backends.common import aot_autograd
 from torch._guards import detect_fake_mode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
-
-from _helpers import skip_unless
 
 import ascend_passes.ops  # noqa: F401  (registers the ascend ops)
 from ascend_passes import models, npu, npu_schemas
@@ -29,9 +28,11 @@ from ascend_passes.passes.lower import GRAPH_ADAPT, LowerPass
 
 A = torch.ops.ascend
 
-skip_unless(npu_schemas.wheel_path() is not None,
-            f"no torch_npu {npu_schemas.TORCH_NPU_VERSION} wheel (run tools/setup.sh or set {npu_schemas.WHEEL_ENV})",
-            allow_module_level=True)
+skip_unless(
+    npu_schemas.wheel_path() is not None,
+    f"no torch_npu {npu_schemas.TORCH_NPU_VERSION} wheel (run tools/setup.sh or set {npu_schemas.WHEEL_ENV})",
+    allow_module_level=True,
+)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -80,8 +81,13 @@ def _capture_model(model, inputs, options=None, dynamic: bool = False):
     return records
 
 
-MODELS = ["deepseek_v3_grouped_mm", "deepseek_v3_batched_mm", "qwen3_moe_grouped_mm", "deepseek_v3_mtp1",
-          "deepseek_v3_mtp2"]
+MODELS = [
+    "deepseek_v3_grouped_mm",
+    "deepseek_v3_batched_mm",
+    "qwen3_moe_grouped_mm",
+    "deepseek_v3_mtp1",
+    "deepseek_v3_mtp2",
+]
 _CACHE: dict = {}
 
 
@@ -92,8 +98,11 @@ def _records(name: str, dynamic: bool = False):
 
 
 def _npu_nodes(gm: fx.GraphModule) -> list[fx.Node]:
-    return [n for n in gm.graph.nodes if n.op == "call_function"
-            and isinstance(n.target, torch._ops.OpOverload) and n.target.namespace == "npu"]
+    return [
+        n
+        for n in gm.graph.nodes
+        if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) and n.target.namespace == "npu"
+    ]
 
 
 def _shape_dtype(v):
@@ -107,8 +116,11 @@ def _shape_dtype(v):
 def _check_lowered(before: fx.GraphModule, gm: fx.GraphModule) -> None:
     ascend_before = [n for n in before.graph.nodes if str(n.target).startswith("ascend.")]
     assert ascend_before, "the passes found nothing: the test would prove nothing"
-    assert not [n for n in gm.graph.nodes if "ascend::" in str(getattr(n.target, "_schema", ""))
-                or str(n.target).startswith("ascend.")]
+    assert not [
+        n
+        for n in gm.graph.nodes
+        if "ascend::" in str(getattr(n.target, "_schema", "")) or str(n.target).startswith("ascend.")
+    ]
     gm.graph.lint()
     wheel_ops = npu_schemas.schemas()
     converters = npu_schemas.converters()
@@ -143,8 +155,13 @@ def test_bundled_model_lowers_completely(name):
         # the tiny models' MLA is outside the NPU limits (fp32, He 64, Hckv 32, query not absorbed)
         mla = [nm for nm in lower.near_misses if nm.pattern.startswith("mla_prolog")]
         if name.startswith("deepseek"):
-            assert mla and all("decomposed to ATen" in nm.reason and "weight_uk None" in nm.reason
-                               and "Hckv=32" in nm.reason and nm.layer for nm in mla)
+            assert mla and all(
+                "decomposed to ATen" in nm.reason
+                and "weight_uk None" in nm.reason
+                and "Hckv=32" in nm.reason
+                and nm.layer
+                for nm in mla
+            )
             assert any(n.target is torch.ops.npu.npu_moe_finalize_routing.default for n in gm.graph.nodes)
 
 
@@ -159,9 +176,12 @@ def _tp2_rank_lowers(rank: int, world_size: int):  # a spawned gloo rank
         for before, gm, _ in records:
             _check_lowered(before, gm)
     targets = [str(n.target) for _, gm, _ in records for n in gm.graph.nodes if n.op == "call_function"]
-    return len(records), sorted({t for t in targets if t.startswith("npu.")}), \
-        sum(t.startswith("_c10d_functional.reduce_scatter") for t in targets), \
-        [nm.pattern for _, _, r in records for nm in r.passes["shared_expert_dp"].near_misses]
+    return (
+        len(records),
+        sorted({t for t in targets if t.startswith("npu.")}),
+        sum(t.startswith("_c10d_functional.reduce_scatter") for t in targets),
+        [nm.pattern for _, _, r in records for nm in r.passes["shared_expert_dp"].near_misses],
+    )
 
 
 def test_tp2_sequence_parallel_and_shared_expert_dp_graph_lowers_completely():
@@ -173,9 +193,14 @@ def test_tp2_sequence_parallel_and_shared_expert_dp_graph_lowers_completely():
     (graphs, ops, reduce_scatters, _), _ = run_on_ranks(_tp2_rank_lowers, 2, timeout_s=600.0)
     assert graphs == 1
     assert reduce_scatters >= 4  # SP applied: one per TP all-reduce
-    assert {"npu.npu_add_rms_norm.default", "npu.npu_grouped_matmul.default",
-            "npu.npu_moe_gating_top_k.default", "npu.npu_moe_init_routing_v2.default",
-            "npu.npu_moe_finalize_routing.default", "npu.npu_swiglu.default"} <= set(ops), ops
+    assert {
+        "npu.npu_add_rms_norm.default",
+        "npu.npu_grouped_matmul.default",
+        "npu.npu_moe_gating_top_k.default",
+        "npu.npu_moe_init_routing_v2.default",
+        "npu.npu_moe_finalize_routing.default",
+        "npu.npu_swiglu.default",
+    } <= set(ops), ops
 
 
 def test_dynamic_token_dim_lowers_with_symbolic_shapes():
@@ -217,11 +242,16 @@ def _lower(fn, *inputs):
 
 
 def test_bf16_linear_is_decomposed_with_near_miss():
-    x, w, b = torch.randn(4, 8, dtype=torch.bfloat16), torch.randn(6, 8, dtype=torch.bfloat16), torch.randn(6, dtype=torch.bfloat16)
+    x, w, b = (
+        torch.randn(4, 8, dtype=torch.bfloat16),
+        torch.randn(6, 8, dtype=torch.bfloat16),
+        torch.randn(6, dtype=torch.bfloat16),
+    )
     gm, result = _lower(lambda x, w, b: A.linear(x, w, b), x, w, b)
     assert not _npu_nodes(gm)
     assert [nm.reason for nm in result.near_misses] == [
-        "decomposed to ATen: input dtype torch.bfloat16 (npu_linear: float32/float16 only)"]
+        "decomposed to ATen: input dtype torch.bfloat16 (npu_linear: float32/float16 only)"
+    ]
     torch.testing.assert_close(gm(x, w, b), A.linear(x, w, b))
     gm32, result32 = _lower(lambda x, w, b: A.linear(x, w, b), x.float(), w.float(), b.float())
     assert [n.target for n in _npu_nodes(gm32)] == [torch.ops.npu.npu_linear.default] and not result32.near_misses
@@ -231,8 +261,14 @@ def _routing(tokens=6, k=2, experts=4, hidden=8):
     g = torch.Generator().manual_seed(0)
     x = torch.randn(tokens, hidden, generator=g)
     idx = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(tokens)]).int()
-    ex, row_idx, counts, _ = A.moe_init_routing_v2(x, idx, expert_num=experts, expert_tokens_num_type=1,
-                                                   expert_tokens_num_flag=True, active_expert_range=[0, experts])
+    ex, row_idx, counts, _ = A.moe_init_routing_v2(
+        x,
+        idx,
+        expert_num=experts,
+        expert_tokens_num_type=1,
+        expert_tokens_num_flag=True,
+        active_expert_range=[0, experts],
+    )
     scales = torch.rand(tokens, k, generator=g)
     return ex * 2 + 1, row_idx, idx, scales
 
@@ -257,8 +293,9 @@ def test_finalize_after_a_partial_expert_range_is_decomposed():
     scales = torch.rand(5, 2)
 
     def f(x, idx, scales):  # expert parallelism: this rank holds experts [0, 2) of 4
-        ex, row_idx, _, _ = A.moe_init_routing_v2(x, idx, expert_num=4, expert_tokens_num_type=1,
-                                                  expert_tokens_num_flag=True, active_expert_range=[0, 2])
+        ex, row_idx, _, _ = A.moe_init_routing_v2(
+            x, idx, expert_num=4, expert_tokens_num_type=1, expert_tokens_num_flag=True, active_expert_range=[0, 2]
+        )
         return A.moe_finalize_routing(ex, None, None, None, scales, row_idx, idx, 2, 2)
 
     gm, result = _lower(f, x, idx, scales)
@@ -275,8 +312,17 @@ def _mla_inputs(dtype, he=6144, hcq=32, n=2, d=8, dr=8, hckv=512, tokens=3):
 
     ang = torch.randn(tokens, dr // 2, generator=g)
     cos, sin = torch.cat([ang.cos()] * 2, -1).to(dtype), torch.cat([ang.sin()] * 2, -1).to(dtype)
-    return (r(tokens, he), r(he, hcq), r(hcq, n * (d + dr)), r(n, d, hckv), r(he, hckv + dr),
-            (1 + r(hcq)), (1 + r(hckv)), sin, cos)
+    return (
+        r(tokens, he),
+        r(he, hcq),
+        r(hcq, n * (d + dr)),
+        r(n, d, hckv),
+        r(he, hckv + dr),
+        (1 + r(hcq)),
+        (1 + r(hckv)),
+        sin,
+        cos,
+    )
 
 
 def _mla(*a):
@@ -298,14 +344,25 @@ def test_mla_outside_limits_is_decomposed_and_inside_lowers_to_v3_functional():
     assert call.kwargs["cache_mode"] == "PA_BSND" and "cache_index" in call.kwargs
     out = [n for n in gm.graph.nodes if n.op == "output"][0].args[0]
     expected = _mla(*full)
-    assert [(tuple(o.meta["val"].shape), o.meta["val"].dtype) for o in out] == [(tuple(e.shape), e.dtype) for e in expected]
+    assert [(tuple(o.meta["val"].shape), o.meta["val"].dtype) for o in out] == [
+        (tuple(e.shape), e.dtype) for e in expected
+    ]
 
 
 # ------------------------------------------------------------------------------ numerics
 # Test-only CPU implementations of the npu ops whose arguments lower adapts, written from
 # torch_npu/_op_plugin_docs.py (not from our reference), registered for this module's tests only.
-def _npu_finalize_cpu(expanded_permuted_rows, skip1, skip2, bias, scales, expanded_src_to_dst_row,
-                      export_for_source_row, drop_pad_mode=0, k=1):
+def _npu_finalize_cpu(
+    expanded_permuted_rows,
+    skip1,
+    skip2,
+    bias,
+    scales,
+    expanded_src_to_dst_row,
+    export_for_source_row,
+    drop_pad_mode=0,
+    k=1,
+):
     # docs: out(i,j) = skip1 + skip2 + sum_k scales[i,k] * (rows[src2dst[i + k*num_rows], j] + bias[expert[i,k], j])
     assert drop_pad_mode == 0
     num_rows = scales.shape[0]
@@ -322,26 +379,63 @@ def _npu_finalize_cpu(expanded_permuted_rows, skip1, skip2, bias, scales, expand
     return out.to(expanded_permuted_rows.dtype)
 
 
-def _npu_grouped_matmul_cpu(x, weight, *, bias=None, scale=None, offset=None, antiquant_scale=None,
-                            antiquant_offset=None, per_token_scale=None, group_list=None, activation_input=None,
-                            activation_quant_scale=None, activation_quant_offset=None, split_item=0,
-                            group_type=None, group_list_type=0, act_type=0, tuning_config=None,
-                            output_dtype=None, x_dtype=None, weight_dtype=None, scale_dtype=None,
-                            per_token_scale_dtype=None):
+def _npu_grouped_matmul_cpu(
+    x,
+    weight,
+    *,
+    bias=None,
+    scale=None,
+    offset=None,
+    antiquant_scale=None,
+    antiquant_offset=None,
+    per_token_scale=None,
+    group_list=None,
+    activation_input=None,
+    activation_quant_scale=None,
+    activation_quant_offset=None,
+    split_item=0,
+    group_type=None,
+    group_list_type=0,
+    act_type=0,
+    tuning_config=None,
+    output_dtype=None,
+    x_dtype=None,
+    weight_dtype=None,
+    scale_dtype=None,
+    per_token_scale_dtype=None,
+):
     # docs: group_type 0 splits x's rows by group_list (type 0 cumsum, 1 counts); y_g = x_g @ w_g
     assert group_type == 0 and len(x) == 1 and split_item in (2, 3)
-    counts = group_list.tolist() if group_list_type == 1 else torch.diff(group_list, prepend=group_list.new_zeros(1)).tolist()
+    counts = (
+        group_list.tolist()
+        if group_list_type == 1
+        else torch.diff(group_list, prepend=group_list.new_zeros(1)).tolist()
+    )
     y = torch.zeros(x[0].shape[0], weight[0].shape[2], dtype=x[0].dtype)
     begin = 0
     for g, c in enumerate(counts):
-        y[begin:begin + c] = x[0][begin:begin + c] @ weight[0][g]
+        y[begin : begin + c] = x[0][begin : begin + c] @ weight[0][g]
         begin += c
     return [y]
 
 
-def _npu_init_routing_cpu(x, expert_idx, *, scale=None, offset=None, active_num=-1, expert_capacity=-1,
-                          expert_num=-1, drop_pad_mode=0, expert_tokens_num_type=0, expert_tokens_num_flag=False,
-                          quant_mode=-1, active_expert_range=(), row_idx_type=0, x_dtype=None):
+def _npu_init_routing_cpu(
+    x,
+    expert_idx,
+    *,
+    scale=None,
+    offset=None,
+    active_num=-1,
+    expert_capacity=-1,
+    expert_num=-1,
+    drop_pad_mode=0,
+    expert_tokens_num_type=0,
+    expert_tokens_num_flag=False,
+    quant_mode=-1,
+    active_expert_range=(),
+    row_idx_type=0,
+    x_dtype=None,
+):
     # docs (dropless, full range): rows sorted stably by expert; expanded_row_idx[src] = position;
     # expert_tokens_num_type 1: tokens per expert (int64)
     assert drop_pad_mode == 0 and expert_tokens_num_type == 1 and row_idx_type == 0
@@ -354,12 +448,33 @@ def _npu_init_routing_cpu(x, expert_idx, *, scale=None, offset=None, active_num=
     return expanded_x, row_idx, counts, torch.zeros(order.numel(), dtype=torch.float32)
 
 
-def _npu_mla_prolog_v3_functional_cpu(token_x, weight_dq, weight_uq_qr, weight_uk, weight_dkv_kr,
-                                      rmsnorm_gamma_cq, rmsnorm_gamma_ckv, rope_sin, rope_cos, kv_cache, kr_cache,
-                                      *, cache_index=None, dequant_scale_x=None, dequant_scale_w_dq=None,
-                                      dequant_scale_w_uq_qr=None, dequant_scale_w_dkv_kr=None, quant_scale_ckv=None,
-                                      quant_scale_ckr=None, smooth_scales_cq=None, rmsnorm_epsilon_cq=1e-05,
-                                      rmsnorm_epsilon_ckv=1e-05, cache_mode="PA_BSND", qc_qr_scale=1.0, kc_scale=1.0):
+def _npu_mla_prolog_v3_functional_cpu(
+    token_x,
+    weight_dq,
+    weight_uq_qr,
+    weight_uk,
+    weight_dkv_kr,
+    rmsnorm_gamma_cq,
+    rmsnorm_gamma_ckv,
+    rope_sin,
+    rope_cos,
+    kv_cache,
+    kr_cache,
+    *,
+    cache_index=None,
+    dequant_scale_x=None,
+    dequant_scale_w_dq=None,
+    dequant_scale_w_uq_qr=None,
+    dequant_scale_w_dkv_kr=None,
+    quant_scale_ckv=None,
+    quant_scale_ckr=None,
+    smooth_scales_cq=None,
+    rmsnorm_epsilon_cq=1e-05,
+    rmsnorm_epsilon_ckv=1e-05,
+    cache_mode="PA_BSND",
+    qc_qr_scale=1.0,
+    kc_scale=1.0,
+):
     # docs (npu_mla_prolog_v3, non-quantised): path 1/2: cq = RmsNorm(x @ W_DQ); q = cq @ W_UQ_QR, per head
     # [D | Dr] (the docs give W_UQ_QR as (Hcq, N*(D+Dr)) without the per-head split; DeepSeek's
     # q_b_proj layout assumed); query = q_nope @ W_UK (N, D, Hckv); query_rope = ROPE(q_rope) (halves
@@ -368,8 +483,18 @@ def _npu_mla_prolog_v3_functional_cpu(token_x, weight_dq, weight_uq_qr, weight_u
     # BlockSize, Nkv, H), slot = block * BlockSize + offset). Outputs: query, query_rope,
     # dequant_scale_q_nope (1,), query_norm (1,), dequant_scale_q_norm (1,), kv_cache, kr_cache.
     assert cache_mode == "PA_BSND" and qc_qr_scale == 1.0 and kc_scale == 1.0
-    assert all(t is None for t in (dequant_scale_x, dequant_scale_w_dq, dequant_scale_w_uq_qr,
-                                   dequant_scale_w_dkv_kr, quant_scale_ckv, quant_scale_ckr, smooth_scales_cq))
+    assert all(
+        t is None
+        for t in (
+            dequant_scale_x,
+            dequant_scale_w_dq,
+            dequant_scale_w_uq_qr,
+            dequant_scale_w_dkv_kr,
+            quant_scale_ckv,
+            quant_scale_ckr,
+            smooth_scales_cq,
+        )
+    )
 
     def rms(v, gamma, eps):
         return v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps) * gamma.float()
@@ -396,8 +521,15 @@ def _npu_mla_prolog_v3_functional_cpu(token_x, weight_dq, weight_uq_qr, weight_u
     kr_out.view(-1, kr_out.shape[-2], dr)[slots] = kr.to(kr_out.dtype).unsqueeze(1)
     dt = token_x.dtype
     zeros = token_x.new_zeros(1)
-    return (query.to(dt).reshape(*lead, n, hckv), query_rope.to(dt).reshape(*lead, n, dr),
-            zeros.float(), zeros, zeros.float(), kv_out, kr_out)
+    return (
+        query.to(dt).reshape(*lead, n, hckv),
+        query_rope.to(dt).reshape(*lead, n, dr),
+        zeros.float(),
+        zeros,
+        zeros.float(),
+        kv_out,
+        kr_out,
+    )
 
 
 @pytest.fixture
@@ -424,8 +556,10 @@ def test_adapted_finalize_and_grouped_matmul_equal_the_unlowered_graph(npu_cpu_i
     assert call.args[7] == 0 and not result.near_misses
     torch.testing.assert_close(gm(rows, skip, bias, scales, row_idx, idx), fin(rows, skip, bias, scales, row_idx, idx))
     # without the transposition the NPU op reads other rows: the check can fail
-    assert not torch.allclose(_npu_finalize_cpu(rows, skip, None, bias, scales, row_idx, idx, 0, 3),
-                              fin(rows, skip, bias, scales, row_idx, idx))
+    assert not torch.allclose(
+        _npu_finalize_cpu(rows, skip, None, bias, scales, row_idx, idx, 0, 3),
+        fin(rows, skip, bias, scales, row_idx, idx),
+    )
 
     x, w = torch.randn(9, 4), torch.randn(3, 4, 5)
     counts = torch.tensor([2, 0, 7])
@@ -443,8 +577,9 @@ def test_init_routing_cumsum_counts_are_lowered_as_counts_plus_cumsum(npu_cpu_im
     x, idx = torch.randn(6, 4), torch.randint(0, 5, (6, 2), dtype=torch.int32)
 
     def f(x, idx):  # expert_tokens_num_type 0 (cumsum) is not documented on the NPU: 1 + cumsum
-        return A.moe_init_routing_v2(x, idx, expert_num=5, expert_tokens_num_type=0, expert_tokens_num_flag=True,
-                                     active_expert_range=[0, 5])[:3]
+        return A.moe_init_routing_v2(
+            x, idx, expert_num=5, expert_tokens_num_type=0, expert_tokens_num_flag=True, active_expert_range=[0, 5]
+        )[:3]
 
     gm, result = _lower(f, x, idx)
     (call,) = _npu_nodes(gm)

@@ -8,8 +8,8 @@ import math
 
 import pytest
 import torch
-
 from _helpers import compile_and_run, rel_diff
+
 import ascend_passes.ops.mla  # noqa: F401  (registers ascend.mla_prolog)
 from ascend_passes import models
 from ascend_passes.inspect.layers import ops_by_layer
@@ -64,8 +64,17 @@ def test_batch_of_sequences(interleave):
 
 def test_tables_with_too_few_rows_are_a_clear_error():
     x = torch.randn(2, 4, 16)
-    args = (x, torch.randn(16, 8), torch.randn(8, 2 * 12), None, torch.randn(16, 8 + 4), torch.ones(8),
-            torch.ones(8), torch.randn(1, 4, 4), torch.randn(1, 4, 4))
+    args = (
+        x,
+        torch.randn(16, 8),
+        torch.randn(8, 2 * 12),
+        None,
+        torch.randn(16, 8 + 4),
+        torch.ones(8),
+        torch.ones(8),
+        torch.randn(1, 4, 4),
+        torch.randn(1, 4, 4),
+    )
     with pytest.raises(ValueError, match="ascend.mla_prolog: rope_sin .* must have one row per token of token_x"):
         OP(*args, head_num=2)
 
@@ -108,21 +117,32 @@ B, S, HE, HCQ, N, D, DR, HCKV = 2, 3, 16, 12, 2, 6, 4, 8
 def _args(dtype, q_lora=True, absorb=False, seed=0):
     g = torch.Generator().manual_seed(seed)
     t = lambda *s: torch.randn(*s, generator=g).to(dtype)  # noqa: E731
-    return (t(B, S, HE), t(HE, HCQ) if q_lora else None, t(HCQ if q_lora else HE, N * (D + DR)),
-            t(N, D, HCKV) if absorb else None, t(HE, HCKV + DR), t(HCQ) if q_lora else None, t(HCKV),
-            t(B, S, DR), t(B, S, DR))
+    return (
+        t(B, S, HE),
+        t(HE, HCQ) if q_lora else None,
+        t(HCQ if q_lora else HE, N * (D + DR)),
+        t(N, D, HCKV) if absorb else None,
+        t(HE, HCKV + DR),
+        t(HCQ) if q_lora else None,
+        t(HCKV),
+        t(B, S, DR),
+        t(B, S, DR),
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("q_lora,absorb,interleave", [(True, False, True), (True, True, False),
-                                                     (False, False, False), (False, True, True)])
+@pytest.mark.parametrize(
+    "q_lora,absorb,interleave", [(True, False, True), (True, True, False), (False, False, False), (False, True, True)]
+)
 def test_opcheck(dtype, q_lora, absorb, interleave):
-    torch.library.opcheck(OP, _args(dtype, q_lora, absorb),
-                          {"head_num": N, "rmsnorm_epsilon_cq": 1e-6, "rope_interleave": interleave})
+    torch.library.opcheck(
+        OP, _args(dtype, q_lora, absorb), {"head_num": N, "rmsnorm_epsilon_cq": 1e-6, "rope_interleave": interleave}
+    )
 
 
 def _formula(x, w_dq, w_uq_qr, w_uk, w_dkv_kr, g_cq, g_ckv, theta, eps, interleave):
     """Token by token, head by head, with RoPE as a complex rotation of (x_j, x_j') pairs."""
+
     def rms(v, g):
         return v / math.sqrt(float((v * v).mean()) + eps) * g
 
@@ -149,15 +169,29 @@ def _formula(x, w_dq, w_uq_qr, w_uk, w_dkv_kr, g_cq, g_ckv, theta, eps, interlea
     return shape(q_out), shape(qr_out), shape(kv_out), shape(kr_out)
 
 
-@pytest.mark.parametrize("q_lora,absorb,interleave", [(True, False, True), (True, True, False),
-                                                     (False, False, False), (True, False, False)])
+@pytest.mark.parametrize(
+    "q_lora,absorb,interleave", [(True, False, True), (True, True, False), (False, False, False), (True, False, False)]
+)
 def test_against_independent_formula(q_lora, absorb, interleave):
     x, w_dq, w_uq_qr, w_uk, w_dkv_kr, g_cq, g_ckv, _, _ = _args(torch.float32, q_lora, absorb)
     theta = torch.rand(B, S, DR // 2) * 6.0
     cos = torch.cat([theta.cos(), theta.cos()], -1)  # the op's (*, Dr) tables
     sin = torch.cat([theta.sin(), theta.sin()], -1)
-    got = OP(x, w_dq, w_uq_qr, w_uk, w_dkv_kr, g_cq, g_ckv, sin, cos, head_num=N,
-             rmsnorm_epsilon_cq=1e-5, rmsnorm_epsilon_ckv=1e-5, rope_interleave=interleave)
+    got = OP(
+        x,
+        w_dq,
+        w_uq_qr,
+        w_uk,
+        w_dkv_kr,
+        g_cq,
+        g_ckv,
+        sin,
+        cos,
+        head_num=N,
+        rmsnorm_epsilon_cq=1e-5,
+        rmsnorm_epsilon_ckv=1e-5,
+        rope_interleave=interleave,
+    )
     want = _formula(x, w_dq, w_uq_qr, w_uk, w_dkv_kr, g_cq, g_ckv, theta, 1e-5, interleave)
     for g, w in zip(got, want):
         assert g.shape == w.shape

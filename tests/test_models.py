@@ -11,9 +11,10 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 pytest.importorskip("transformers")
 
+from _helpers import forward_with_hooks  # noqa: E402
+
 from ascend_passes import models  # noqa: E402
 from ascend_passes.errors import ConfigError  # noqa: E402
-from _helpers import forward_with_hooks  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -119,8 +120,9 @@ def _captured_routing(model, example_inputs):
     """(router module, router input, top-k expert ids) for every MoE layer of one eager forward."""
     routers = [m for m in model.modules() if type(m).__name__ in ("DeepseekV3TopkRouter", "Qwen3MoeTopKRouter")]
     captured = []
-    forward_with_hooks(model, example_inputs, routers,
-                       lambda i, mod, args, out: captured.append((mod, args[0], out[2])))
+    forward_with_hooks(
+        model, example_inputs, routers, lambda i, mod, args, out: captured.append((mod, args[0], out[2]))
+    )
     assert len(captured) == len(routers) > 0
     return captured
 

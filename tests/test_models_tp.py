@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from _helpers import rel_diff
+
 from ascend_passes.spawn import run_on_ranks
 
 NUM_LAYERS = 3

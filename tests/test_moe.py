@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
@@ -139,7 +138,8 @@ def test_model_without_transformers_loaded_compiles_with_every_pass_ok():
         "import sys, torch, ascend_passes\n"
         "m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.SiLU())\n"
         "with torch.no_grad(), ascend_passes.capture() as r:\n"
-        "    torch.compile(m, backend='ascend_passes', options={'compiler': 'eager', 'strict': True})(torch.randn(2, 8))\n"
+        "    opts = {'compiler': 'eager', 'strict': True}\n"
+        "    torch.compile(m, backend='ascend_passes', options=opts)(torch.randn(2, 8))\n"
         "assert 'transformers' not in sys.modules\n"
         "print(sorted(k for k, v in r[0].passes.items() if v.status == 'ok'))\n"
     )
@@ -166,8 +166,9 @@ def _traced_router(fn, decompositions: str):
 def test_deepseek_constants_read_off_view_or_reshape(decompositions):
     """Post-grad (inductor_pass) the group view is an aten.reshape and the -inf fill a full([], -inf):
     the group count, top-k groups and the fill are still read, not defaulted."""
-    from ascend_passes.passes.moe import _deepseek_constants
     from ascend_passes.patterns import moe_router
+
+    from ascend_passes.passes.moe import _deepseek_constants
 
     nodes = _traced_router(lambda x, b: moe_router.deepseek_router(x, b, num_groups=4, topk_groups=3), decompositions)
     targets = {n.target for n in nodes}
@@ -180,8 +181,9 @@ def test_deepseek_constants_read_off_view_or_reshape(decompositions):
 
 def test_deepseek_constants_missing_node_is_a_reason_not_a_default():
     """A grouped reader given a router without the group view must not assume one group."""
-    from ascend_passes.passes.moe import _deepseek_constants
     from ascend_passes.patterns import moe_router
+
+    from ascend_passes.passes.moe import _deepseek_constants
 
     nodes = _traced_router(lambda x, b: moe_router.sigmoid_router(x, b), "none")
     c, _, reason = _deepseek_constants(nodes, 2, 16, True, grouped=True)

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _helpers import compile_and_run, rel_diff
 from torch import nn
 
-from _helpers import compile_and_run, rel_diff
 from ascend_passes import models
 from ascend_passes.passes import moe as moe_pass
 from ascend_passes.passes import moe_candidates
@@ -21,40 +21,80 @@ transformers = pytest.importorskip("transformers")
 # ----------------------------------------------------------------------------- tiny models
 def _gpt_oss(impl: str):
     config = transformers.GptOssConfig(
-        vocab_size=128, hidden_size=32, intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2,
-        max_position_embeddings=64, use_cache=False, layer_types=["full_attention"] * 2)
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=64,
+        use_cache=False,
+        layer_types=["full_attention"] * 2,
+    )
     config._attn_implementation = "eager"  # gpt-oss has no sdpa path
     config._experts_implementation = impl
-    return models._seeded_lm(transformers.GptOssForCausalLM, config, "gpt_oss", torch.float32, batch=1,
-                             tokens=8, seed=0)
+    return models._seeded_lm(
+        transformers.GptOssForCausalLM, config, "gpt_oss", torch.float32, batch=1, tokens=8, seed=0
+    )
 
 
 def _llama4():
     config = transformers.Llama4TextConfig(
-        vocab_size=128, hidden_size=32, intermediate_size=16, intermediate_size_mlp=48, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=1,
-        max_position_embeddings=64, use_cache=False, interleave_moe_layer_step=1, no_rope_layers=[1, 1])
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=16,
+        intermediate_size_mlp=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_local_experts=4,
+        num_experts_per_tok=1,
+        max_position_embeddings=64,
+        use_cache=False,
+        interleave_moe_layer_step=1,
+        no_rope_layers=[1, 1],
+    )
     config._attn_implementation = "sdpa"  # Llama 4 has no _experts_implementation: one bmm form
-    return models._seeded_lm(transformers.Llama4ForCausalLM, config, "llama4", torch.float32, batch=1,
-                             tokens=8, seed=0)
+    return models._seeded_lm(transformers.Llama4ForCausalLM, config, "llama4", torch.float32, batch=1, tokens=8, seed=0)
 
 
 def _deepseek_v4(impl: str):
     # layer 0: hash-routed (tid2eid[input_ids]) under compressed sparse attention, whose indexer
     # has a top-k of its own (no router: must not be a candidate); layer 1: top-k routed
     config = transformers.DeepseekV4Config(
-        vocab_size=128, hidden_size=32, moe_intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=1, head_dim=16, q_lora_rank=16, n_routed_experts=8, num_experts_per_tok=2,
-        max_position_embeddings=64, use_cache=False, mlp_layer_types=["hash_moe", "moe"],
+        vocab_size=128,
+        hidden_size=32,
+        moe_intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=16,
+        q_lora_rank=16,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        max_position_embeddings=64,
+        use_cache=False,
+        mlp_layer_types=["hash_moe", "moe"],
         layer_types=["compressed_sparse_attention", "heavily_compressed_attention"],
         compress_rates={"compressed_sparse_attention": 2, "heavily_compressed_attention": 4},
-        o_groups=2, o_lora_rank=8, index_n_heads=2, index_head_dim=8, index_topk=4, sliding_window=8,
-        hc_mult=2, hc_sinkhorn_iters=3)
+        o_groups=2,
+        o_lora_rank=8,
+        index_n_heads=2,
+        index_head_dim=8,
+        index_topk=4,
+        sliding_window=8,
+        hc_mult=2,
+        hc_sinkhorn_iters=3,
+    )
     config._attn_implementation = "eager"
     config._experts_implementation = impl
-    model, inputs = models._seeded_lm(transformers.DeepseekV4ForCausalLM, config, "deepseek_v4", torch.float32,
-                                      batch=1, tokens=8, seed=0)
+    model, inputs = models._seeded_lm(
+        transformers.DeepseekV4ForCausalLM, config, "deepseek_v4", torch.float32, batch=1, tokens=8, seed=0
+    )
     gen = torch.Generator().manual_seed(1)
     for name, table in model.named_buffers():
         if name.endswith("tid2eid"):  # distinct experts per token id (zeros route everything to expert 0)
@@ -69,8 +109,8 @@ class _ToyExperts(nn.Module):
     def __init__(self, hidden: int = 16, inter: int = 8, experts: int = 4, graph_break: bool = False):
         super().__init__()
         self.router = nn.Linear(hidden, experts, bias=False)
-        self.gate_up = nn.Parameter(torch.randn(experts, hidden, 2 * inter) / hidden ** 0.5)
-        self.down = nn.Parameter(torch.randn(experts, inter, hidden) / inter ** 0.5)
+        self.gate_up = nn.Parameter(torch.randn(experts, hidden, 2 * inter) / hidden**0.5)
+        self.down = nn.Parameter(torch.randn(experts, inter, hidden) / inter**0.5)
         self.graph_break = graph_break
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -105,8 +145,10 @@ def seen(monkeypatch):
     run = moe_pass.MoePass.run
 
     def spy(self, gm, ctx):
-        found.extend((c.layer, c.kind, c.num_experts, moe_candidates.explain(c, {"router", "experts"}))
-                     for c in moe_candidates.find(gm.graph))
+        found.extend(
+            (c.layer, c.kind, c.num_experts, moe_candidates.explain(c, {"router", "experts"}))
+            for c in moe_candidates.find(gm.graph)
+        )
         return run(self, gm, ctx)
 
     monkeypatch.setattr(moe_pass.MoePass, "run", spy)
@@ -155,8 +197,10 @@ GPT_OSS_EXPERTS = [
     "[-7.0, 7.0] (a swiglu_limit), not SwiGLU `up * silu(gate)`",
     "the expert matmuls add per-expert biases",
 ]
-V4_EXPERTS = ("experts not fused: the SwiGLU's inputs are clamped first: gate/up clamped to [-inf, 10.0] and "
-              "[-10.0, 10.0] (a swiglu_limit)")
+V4_EXPERTS = (
+    "experts not fused: the SwiGLU's inputs are clamped first: gate/up clamped to [-inf, 10.0] and "
+    "[-10.0, 10.0] (a swiglu_limit)"
+)
 
 
 # ----------------------------------------------------------------------------- tests
@@ -186,12 +230,26 @@ def test_llama4_every_block_fused_or_explained(seen):
 @pytest.mark.parametrize("impl", ["grouped_mm", "batched_mm"])
 def test_deepseek_v4_every_block_fused_or_explained(impl, seen):
     # the CSA layer's indexer top-k is no router: exactly the two MoE blocks are candidates
-    _check(*_deepseek_v4(impl), seen, {
-        "model.layers.0": ("lookup", None, ["router not fused: the expert ids come from a fixed table (",
-                                            "hash routing", V4_EXPERTS]),
-        "model.layers.1": ("topk", 8, ["router not fused: it computes sqrtsoftplus scores (sqrt(softplus(logits))) "
-                                       "+ a per-expert correction bias before its top-2", V4_EXPERTS]),
-    })
+    _check(
+        *_deepseek_v4(impl),
+        seen,
+        {
+            "model.layers.0": (
+                "lookup",
+                None,
+                ["router not fused: the expert ids come from a fixed table (", "hash routing", V4_EXPERTS],
+            ),
+            "model.layers.1": (
+                "topk",
+                8,
+                [
+                    "router not fused: it computes sqrtsoftplus scores (sqrt(softplus(logits))) "
+                    "+ a per-expert correction bias before its top-2",
+                    V4_EXPERTS,
+                ],
+            ),
+        },
+    )
 
 
 def test_unknown_moe_form_is_explained_per_layer(seen):
@@ -200,9 +258,14 @@ def test_unknown_moe_form_is_explained_per_layer(seen):
     report = _check(model, (x,), seen, {f"layers.{i}": ("topk", 4, []) for i in (0, 1)})
     misses = report.passes["moe"].near_misses
     assert [(nm.pattern, nm.layer) for nm in misses] == [("moe_block", "layers.0"), ("moe_block", "layers.1")]
-    assert all(nm.reason == (
-        "MoE block not fused: router not fused: no router pattern matched its scores: linear → tanh → top-2; "
-        "experts not fused: the activation is `up * relu(gate)`, not SwiGLU `up * silu(gate)`") for nm in misses)
+    assert all(
+        nm.reason
+        == (
+            "MoE block not fused: router not fused: no router pattern matched its scores: linear → tanh → top-2; "
+            "experts not fused: the activation is `up * relu(gate)`, not SwiGLU `up * silu(gate)`"
+        )
+        for nm in misses
+    )
     layers = {e.layer: e for e in report.facts["moe_layers"]}
     assert layers["layers.0"].num_experts == 4 and layers["layers.0"].unsupported == misses[0].reason
 
@@ -236,4 +299,6 @@ def test_bundled_deepseek_v3_no_false_alarm(seen):
     assert sorted((c[0], c[1], c[2]) for c in seen) == [("model.layers.1", "topk", 16), ("model.layers.2", "topk", 16)]
     after = moe_candidates.find(reports[0].graph.graph)
     assert [(c.layer, c.router_fused, c.experts_fused) for c in after] == [
-        ("model.layers.1", True, True), ("model.layers.2", True, True)]
+        ("model.layers.1", True, True),
+        ("model.layers.2", True, True),
+    ]

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _helpers import rel_diff
 
 import ascend_passes as ap
-from _helpers import rel_diff
 from ascend_passes import models
 
 transformers = pytest.importorskip("transformers")
@@ -26,9 +26,20 @@ LIMIT, ALPHA = 0.5, 1.3
 
 def _block(experts: str, **fields) -> torch.nn.Module:
     config = transformers.GptOssConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=32, num_hidden_layers=1, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=64, num_local_experts=8,
-        num_experts_per_tok=2, swiglu_limit=LIMIT, swiglu_alpha=ALPHA, **fields)
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=64,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        swiglu_limit=LIMIT,
+        swiglu_alpha=ALPHA,
+        **fields,
+    )
     config._experts_implementation = experts
     torch.manual_seed(0)
     lm = transformers.GptOssForCausalLM(config)
@@ -50,8 +61,9 @@ def _compile(block: torch.nn.Module, compiler: str):
     return ref, out, report
 
 
-@pytest.mark.parametrize("experts, compiler", [("grouped_mm", "eager"), ("batched_mm", "eager"),
-                                               ("grouped_mm", "inductor")])
+@pytest.mark.parametrize(
+    "experts, compiler", [("grouped_mm", "eager"), ("batched_mm", "eager"), ("grouped_mm", "inductor")]
+)
 def test_gpt_oss_experts_fused_exact(experts, compiler):
     block = _block(experts)
     ref, out, report = _compile(block, compiler)
@@ -65,7 +77,12 @@ def test_gpt_oss_experts_fused_exact(experts, compiler):
     (match,) = [m for m in moe.matches if m.pattern.startswith("gptoss_")]
     assert match.pattern == f"gptoss_{experts}_experts"
     assert {k: match.details[k] for k in ("gate_max", "up_min", "up_max", "alpha", "up_add")} == {
-        "gate_max": LIMIT, "up_min": -LIMIT, "up_max": LIMIT, "alpha": ALPHA, "up_add": 1.0}
+        "gate_max": LIMIT,
+        "up_min": -LIMIT,
+        "up_max": LIMIT,
+        "alpha": ALPHA,
+        "up_add": 1.0,
+    }
     assert report.count("ascend.moe_init_routing_v2") == 1
     assert report.count("ascend.grouped_matmul") == 2
     assert report.count("ascend.moe_finalize_routing") == 1

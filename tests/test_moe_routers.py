@@ -15,23 +15,32 @@ after Inductor's ``view_to_reshape`` (``inductor_pass``) gets its real group cou
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
 import transformers
+from _helpers import rel_diff
 from torch._inductor import config as inductor_config
 
 import ascend_passes as ap
-from _helpers import rel_diff
 from ascend_passes import models
 
 TOL = 1e-4  # fp32, relative to the output scale
 
 
 def _tiny(config_cls: Any, lm_cls: Any, experts: str | None, **fields: Any) -> torch.nn.Module:
-    base = dict(vocab_size=128, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, head_dim=16, max_position_embeddings=64)
+    base = dict(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=64,
+    )
     config = config_cls(**{**base, **fields})
     if experts is not None:
         config._experts_implementation = experts
@@ -47,51 +56,83 @@ def deepseek_v3_one_group(experts: str) -> torch.nn.Module:
 
 
 def minimax_m2(experts: str) -> torch.nn.Module:
-    return _tiny(transformers.MiniMaxM2Config, transformers.MiniMaxM2ForCausalLM, experts,
-                 num_local_experts=8, num_experts_per_tok=2)
+    return _tiny(
+        transformers.MiniMaxM2Config,
+        transformers.MiniMaxM2ForCausalLM,
+        experts,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+    )
 
 
 def granitemoe(experts: str) -> torch.nn.Module:
-    return _tiny(transformers.GraniteMoeConfig, transformers.GraniteMoeForCausalLM, experts,
-                 num_local_experts=8, num_experts_per_tok=2)
+    return _tiny(
+        transformers.GraniteMoeConfig,
+        transformers.GraniteMoeForCausalLM,
+        experts,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+    )
 
 
 def gpt_oss(experts: str) -> torch.nn.Module:
-    return _tiny(transformers.GptOssConfig, transformers.GptOssForCausalLM, experts,
-                 num_local_experts=8, num_experts_per_tok=2)
+    return _tiny(
+        transformers.GptOssConfig, transformers.GptOssForCausalLM, experts, num_local_experts=8, num_experts_per_tok=2
+    )
 
 
 def llama4(experts: str) -> torch.nn.Module:  # no experts implementation to choose: one dense bmm
-    return _tiny(transformers.Llama4TextConfig, transformers.Llama4ForCausalLM, None,
-                 num_local_experts=8, num_experts_per_tok=1, intermediate_size_mlp=64)
+    return _tiny(
+        transformers.Llama4TextConfig,
+        transformers.Llama4ForCausalLM,
+        None,
+        num_local_experts=8,
+        num_experts_per_tok=1,
+        intermediate_size_mlp=64,
+    )
 
 
 # model -> (factory, router pattern, fused gating op, what the match read)
 MODELS: dict[str, tuple[Callable[[str], torch.nn.Module], str, str, dict[str, Any]]] = {
-    "deepseek_v3_n_group_1": (deepseek_v3_one_group, "deepseek_router", "ascend.moe_gating_top_k",
-                              {"num_groups": 1, "topk_groups": 1, "top_k": 4, "routed_scaling_factor": 2.5,
-                               "eps": 1e-20}),
-    "minimax_m2": (minimax_m2, "sigmoid_router", "ascend.moe_gating_top_k",
-                   {"num_groups": 1, "top_k": 2, "routed_scaling_factor": 1.0, "eps": 0.0}),
-    "granitemoe": (granitemoe, "topk_softmax_router", "ascend.moe_gating_top_k_softmax",
-                   {"top_k": 2, "renormalize": True}),
-    "gpt_oss": (gpt_oss, "topk_softmax_router", "ascend.moe_gating_top_k_softmax",
-                {"top_k": 2, "renormalize": True}),
+    "deepseek_v3_n_group_1": (
+        deepseek_v3_one_group,
+        "deepseek_router",
+        "ascend.moe_gating_top_k",
+        {"num_groups": 1, "topk_groups": 1, "top_k": 4, "routed_scaling_factor": 2.5, "eps": 1e-20},
+    ),
+    "minimax_m2": (
+        minimax_m2,
+        "sigmoid_router",
+        "ascend.moe_gating_top_k",
+        {"num_groups": 1, "top_k": 2, "routed_scaling_factor": 1.0, "eps": 0.0},
+    ),
+    "granitemoe": (
+        granitemoe,
+        "topk_softmax_router",
+        "ascend.moe_gating_top_k_softmax",
+        {"top_k": 2, "renormalize": True},
+    ),
+    "gpt_oss": (gpt_oss, "topk_softmax_router", "ascend.moe_gating_top_k_softmax", {"top_k": 2, "renormalize": True}),
 }
 
 # every model with both experts implementations under eager; each model under Inductor once
 CASES = [(name, experts, "eager") for name in MODELS for experts in ("grouped_mm", "batched_mm")] + [
-    ("deepseek_v3_n_group_1", "batched_mm", "inductor"), ("minimax_m2", "grouped_mm", "inductor"),
-    ("granitemoe", "batched_mm", "inductor"), ("gpt_oss", "grouped_mm", "inductor")]
+    ("deepseek_v3_n_group_1", "batched_mm", "inductor"),
+    ("minimax_m2", "grouped_mm", "inductor"),
+    ("granitemoe", "batched_mm", "inductor"),
+    ("gpt_oss", "grouped_mm", "inductor"),
+]
 
 
 def _moe_block(lm: torch.nn.Module) -> torch.nn.Module:
-    return next(m for _, m in lm.named_modules()
-                if hasattr(m, "experts") and (hasattr(m, "gate") or hasattr(m, "router")))
+    return next(
+        m for _, m in lm.named_modules() if hasattr(m, "experts") and (hasattr(m, "gate") or hasattr(m, "router"))
+    )
 
 
 def _compile_block(block: torch.nn.Module, compiler: str) -> tuple[float, Any]:
     """The block compiled with ``compiler`` downstream against the uncompiled block: (rel diff, report)."""
+
     def first(out: Any) -> torch.Tensor:  # gpt-oss's block returns (hidden, router scores)
         return out[0] if isinstance(out, tuple) else out
 
@@ -141,9 +182,15 @@ class _Router(torch.nn.Module):
         return torch.softmax(value, dim=self.softmax_dim), index
 
 
-@pytest.mark.parametrize("topk_dim, softmax_dim, why", [
-    (-1, -1, None), (1, 1, None), (0, -1, "aten.topk.default) works on dim [0]"),
-    (-1, 0, "aten._softmax.default) works on dim [0]")])
+@pytest.mark.parametrize(
+    "topk_dim, softmax_dim, why",
+    [
+        (-1, -1, None),
+        (1, 1, None),
+        (0, -1, "aten.topk.default) works on dim [0]"),
+        (-1, 0, "aten._softmax.default) works on dim [0]"),
+    ],
+)
 def test_router_dims_are_read_not_assumed(topk_dim, softmax_dim, why):
     torch.manual_seed(0)
     router = _Router(topk_dim, softmax_dim).eval()
@@ -171,8 +218,11 @@ def test_deepseek_router_through_inductor_pass_reads_its_group_count():
     hidden = torch.randn(16, 64, generator=torch.Generator().manual_seed(2))
     torch._dynamo.reset()
     custom = ap.inductor_pass(compiler="inductor", strict=True)
-    with inductor_config.patch(post_grad_custom_post_pass=custom, fx_graph_cache=False), torch.no_grad(), \
-            ap.capture() as reports:
+    with (
+        inductor_config.patch(post_grad_custom_post_pass=custom, fx_graph_cache=False),
+        torch.no_grad(),
+        ap.capture() as reports,
+    ):
         _, ref_weights, ref_ids = gate(hidden)
         _, weights, ids = torch.compile(gate)(hidden)
     (report,) = reports

@@ -35,8 +35,7 @@ def one_process():
     main, main_inputs = drafter1.main_model, drafter1.main_example_inputs
     torch._dynamo.reset()
     runs = {}
-    for name, model, inputs in (("main", main, main_inputs), ("mtp1", drafter1, inputs1),
-                                ("mtp2", drafter2, inputs2)):
+    for name, model, inputs in (("main", main, main_inputs), ("mtp1", drafter1, inputs1), ("mtp2", drafter2, inputs2)):
         with torch.no_grad():
             ref = model(*inputs)
         with torch.no_grad(), ap.capture() as reports:
@@ -87,8 +86,9 @@ def test_every_mtp_layer_found_and_fully_rewritten(one_process, name, num_mtp):
     for result in report.passes.values():
         assert result.status == "ok" and result.near_misses == [], result.name
     # the fused MLA ops carry the tag themselves
-    tagged = [n.meta.get(MTP_TAG) for n in graph.find_nodes(op="call_function",
-                                                           target=torch.ops.ascend.mla_prolog.default)]
+    tagged = [
+        n.meta.get(MTP_TAG) for n in graph.find_nodes(op="call_function", target=torch.ops.ascend.mla_prolog.default)
+    ]
     assert tagged == list(range(num_mtp))
 
 

@@ -38,10 +38,16 @@ def _node(graph: fx.Graph, name: str, **meta) -> fx.Node:
 
 def test_copy_location_copies_exactly_the_location_and_ascend_tags():
     graph = fx.Graph()
-    where = {"stack_trace": "File model.py, line 3", "nn_module_stack": {"k": ("L['self'].layers.0", object)},
-             "source_fn_stack": [("relu", torch.relu)], MTP_TAG: 1, "ascend_other_tag": "x"}
-    src = _node(graph, "src", **where, val="src value", tensor_meta="tm", from_node=["f"], custom={"c": 1},
-                eager_input_vals="e")
+    where = {
+        "stack_trace": "File model.py, line 3",
+        "nn_module_stack": {"k": ("L['self'].layers.0", object)},
+        "source_fn_stack": [("relu", torch.relu)],
+        MTP_TAG: 1,
+        "ascend_other_tag": "x",
+    }
+    src = _node(
+        graph, "src", **where, val="src value", tensor_meta="tm", from_node=["f"], custom={"c": 1}, eager_input_vals="e"
+    )
     assert LOCATION_KEYS == ("stack_trace", "nn_module_stack", "source_fn_stack")
 
     one = _node(graph, "one", val="own value")
@@ -140,8 +146,13 @@ _SP_SCRIPT = textwrap.dedent("""
 
 
 def test_sequence_parallel_and_shared_expert_dp_keep_the_location():
-    proc = subprocess.run([sys.executable, "-c", _SP_SCRIPT], capture_output=True, text=True, timeout=600,
-                          cwd=Path(__file__).resolve().parent)
+    proc = subprocess.run(
+        [sys.executable, "-c", _SP_SCRIPT],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=Path(__file__).resolve().parent,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     import json
 

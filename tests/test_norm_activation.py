@@ -9,10 +9,10 @@ import collections
 import pytest
 import torch
 import torch.nn.functional as F
+from _helpers import forward_with_hooks
 from torch import nn
 
 import ascend_passes as ap
-from _helpers import forward_with_hooks
 from ascend_passes import models
 from ascend_passes.passes import activation as activation_pass
 from ascend_passes.passes import norm as norm_pass
@@ -41,22 +41,38 @@ def _assert_close(out, ref, dtype):
 def _executed(model, inputs, predicate) -> collections.Counter:
     """Forward calls per module class name, for modules where ``predicate(module)``."""
     calls: collections.Counter = collections.Counter()
-    forward_with_hooks(model, inputs, [m for m in model.modules() if predicate(m)],
-                       lambda i, mod, args, out: calls.update([type(mod).__name__]))
+    forward_with_hooks(
+        model,
+        inputs,
+        [m for m in model.modules() if predicate(m)],
+        lambda i, mod, args, out: calls.update([type(mod).__name__]),
+    )
     return calls
 
 
 # ----------------------------------------------------------------------------- HF models
 HF_CASES = {
     # (factory, dtype, compiler): a fp32 and a bf16 compile for each model, each compiler once
-    "deepseek_v3-fp32-eager": (lambda dt: models.deepseek_v3("grouped_mm", num_layers=2, dtype=dt),
-                               torch.float32, "eager"),
-    "deepseek_v3-bf16-inductor": (lambda dt: models.deepseek_v3("grouped_mm", num_layers=2, dtype=dt),
-                                  torch.bfloat16, "inductor"),
-    "qwen3_moe-bf16-eager": (lambda dt: models.qwen3_moe("grouped_mm", num_layers=2, dtype=dt),
-                             torch.bfloat16, "eager"),
-    "qwen3_moe-fp32-inductor": (lambda dt: models.qwen3_moe("grouped_mm", num_layers=1, dtype=dt),
-                                torch.float32, "inductor"),
+    "deepseek_v3-fp32-eager": (
+        lambda dt: models.deepseek_v3("grouped_mm", num_layers=2, dtype=dt),
+        torch.float32,
+        "eager",
+    ),
+    "deepseek_v3-bf16-inductor": (
+        lambda dt: models.deepseek_v3("grouped_mm", num_layers=2, dtype=dt),
+        torch.bfloat16,
+        "inductor",
+    ),
+    "qwen3_moe-bf16-eager": (
+        lambda dt: models.qwen3_moe("grouped_mm", num_layers=2, dtype=dt),
+        torch.bfloat16,
+        "eager",
+    ),
+    "qwen3_moe-fp32-inductor": (
+        lambda dt: models.qwen3_moe("grouped_mm", num_layers=1, dtype=dt),
+        torch.float32,
+        "inductor",
+    ),
 }
 
 
@@ -70,9 +86,17 @@ def hf(request):
     mlps = _executed(model, inputs, lambda m: type(m).__name__.endswith("MLP"))  # dense + shared
     moe_experts = _executed(model, inputs, lambda m: type(m).__name__.endswith("Experts"))
     out, report = _compile(model, inputs, compiler=compiler, strict=True)
-    return dict(name=request.param, model=model, dtype=dtype, ref=ref, out=out, report=report,
-                norms=sum(norms.values()), mlps=sum(mlps.values()),
-                experts=sum(moe_experts.values()))
+    return dict(
+        name=request.param,
+        model=model,
+        dtype=dtype,
+        ref=ref,
+        out=out,
+        report=report,
+        norms=sum(norms.values()),
+        mlps=sum(mlps.values()),
+        experts=sum(moe_experts.values()),
+    )
 
 
 def test_hf_every_rmsnorm_rewritten(hf):
@@ -257,9 +281,12 @@ def test_swiglu_operand_orders_and_fused_halves():
             gu = self.gate_up(x)
             a, b, c = gu[..., :16], gu[..., 16:32], gu[..., 32:]
             halves_gate, halves_up = self.gate_up(x * 2)[..., :32].chunk(2, dim=-1)
-            return (F.silu(a) * b, c * F.silu(b),  # both operand orders
-                    F.silu(halves_gate) * halves_up,  # split of one tensor: no copy
-                    F.silu(c) * a[..., :1])  # broadcasting: not a swiglu
+            return (
+                F.silu(a) * b,
+                c * F.silu(b),  # both operand orders
+                F.silu(halves_gate) * halves_up,  # split of one tensor: no copy
+                F.silu(c) * a[..., :1],
+            )  # broadcasting: not a swiglu
 
     model = Variants().eval()
     x = torch.randn(4, 16)
@@ -300,20 +327,22 @@ class AlmostRMSNorm(nn.Module):
 class AlmostModel(nn.Module):
     def __init__(self, kind: str) -> None:
         super().__init__()
-        self.layers = nn.ModuleList([nn.ModuleDict({"proj": nn.Linear(16, 16),
-                                                    "norm": AlmostRMSNorm(16, kind)})])
+        self.layers = nn.ModuleList([nn.ModuleDict({"proj": nn.Linear(16, 16), "norm": AlmostRMSNorm(16, kind)})])
 
     def forward(self, x):
         layer = self.layers[0]
         return layer["norm"](layer["proj"](x))
 
 
-@pytest.mark.parametrize("kind, dtype, reason", [
-    ("mean_over_dim0", torch.float32, "reduction over a non-last dim"),
-    ("eps_after_rsqrt", torch.float32, "eps is added after the rsqrt"),
-    ("eps_tensor", torch.float32, "eps is not a constant"),
-    ("weight_before_cast", torch.bfloat16, "weight applied before the cast"),
-])
+@pytest.mark.parametrize(
+    "kind, dtype, reason",
+    [
+        ("mean_over_dim0", torch.float32, "reduction over a non-last dim"),
+        ("eps_after_rsqrt", torch.float32, "eps is added after the rsqrt"),
+        ("eps_tensor", torch.float32, "eps is not a constant"),
+        ("weight_before_cast", torch.bfloat16, "weight applied before the cast"),
+    ],
+)
 def test_almost_rmsnorm_is_a_near_miss(kind, dtype, reason):
     torch.manual_seed(0)
     model = AlmostModel(kind).to(dtype).eval()
@@ -349,8 +378,11 @@ def test_inductor_post_grad_pass_rewrites_norms(dtype):
     x = torch.randn(2, 5, 32, dtype=dtype)
     torch._dynamo.reset()
     custom = ap.inductor_pass(passes=PASSES, strict=True)
-    with torch._inductor.config.patch(post_grad_custom_post_pass=custom, fx_graph_cache=False), \
-            torch.no_grad(), ap.capture() as reports:
+    with (
+        torch._inductor.config.patch(post_grad_custom_post_pass=custom, fx_graph_cache=False),
+        torch.no_grad(),
+        ap.capture() as reports,
+    ):
         out = torch.compile(model, backend="inductor")(x)
         ref = model(x)
     _assert_close(out, ref, dtype)
@@ -382,9 +414,15 @@ def test_pattern_pass_from_a_table_reports_matches_and_check_reasons():
     def only_square(v):
         return None if v["x"].shape[-1] == v["x"].shape[-2] else "not square"
 
-    table = [Rewrite("relu_add", relu_add_pattern, relu_add_replacement,
-                     lambda dt: (torch.empty(3, 3, dtype=dt), torch.empty(3, 3, dtype=dt)),
-                     check=only_square)]
+    table = [
+        Rewrite(
+            "relu_add",
+            relu_add_pattern,
+            relu_add_replacement,
+            lambda dt: (torch.empty(3, 3, dtype=dt), torch.empty(3, 3, dtype=dt)),
+            check=only_square,
+        )
+    ]
 
     class ReluAdd(PatternPass):
         name = "relu_add"

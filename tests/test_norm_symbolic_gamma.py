@@ -39,8 +39,12 @@ def test_fused_add_norm_with_symbolic_hidden_size_compiles_and_matches() -> None
     ref = _fused_add_norm(a, b, w, w2, w3)
     torch._dynamo.reset()
     with ap.capture() as reports, torch.no_grad():
-        out = torch.compile(_fused_add_norm, dynamic=True, backend="ascend_passes",
-                            options={"compiler": "eager", "passes": "cleanup,norm"})(a, b, w, w2, w3)
+        out = torch.compile(
+            _fused_add_norm,
+            dynamic=True,
+            backend="ascend_passes",
+            options={"compiler": "eager", "passes": "cleanup,norm"},
+        )(a, b, w, w2, w3)
     for o, r in zip(out, ref):
         torch.testing.assert_close(o.float(), r.float(), atol=0.07, rtol=0.02)
     report = reports[-1]
@@ -64,8 +68,7 @@ def test_restore_graph_repairs_a_graph_left_with_a_cycle() -> None:
     saved = torch.fx.Graph()
     out = saved.graph_copy(gm.graph, {}, return_output_node=True)
     saved.output(out[0] if isinstance(out, tuple) else out)
-    add, relu = (n for n in gm.graph.nodes if n.op in ("call_function", "call_method")
-                 and n.target is not operator.mul)
+    add, relu = (n for n in gm.graph.nodes if n.op in ("call_function", "call_method") and n.target is not operator.mul)
     add.args = (relu, 1)  # add now reads relu, which reads add: a cycle
     restore_graph(gm.graph, saved)
     gm.graph.lint()

@@ -12,9 +12,9 @@ import warnings
 
 import pytest
 import torch
+from _helpers import skip_unless
 
 import ascend_passes.ops as ops
-from _helpers import skip_unless
 from ascend_passes import kernels
 from ascend_passes.ops import reference
 
@@ -37,8 +37,11 @@ def backend(request):
 
 
 def tol(dtype: torch.dtype) -> dict:
-    return {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
-            torch.float16: dict(atol=2e-3, rtol=2e-3)}[dtype]
+    return {
+        torch.float32: dict(atol=1e-5, rtol=1e-5),
+        torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
+        torch.float16: dict(atol=2e-3, rtol=2e-3),
+    }[dtype]
 
 
 def distinct_topk_ids(tokens: int, experts: int, k: int, seed: int = 0) -> torch.Tensor:
@@ -155,7 +158,7 @@ def test_gating_top_k_softmax_ties_finished_and_3d():
 def loop_deepseek_router(logits, bias, k, k_group, groups, mode, norm_type, scale, eps=1e-20):
     """DeepSeek-V3 noaux_tc routing written per token."""
     ys, ids = [], []
-    for t, row in enumerate(logits.double().tolist()):
+    for row in logits.double().tolist():
         if norm_type == 1:
             s = [1 / (1 + math.exp(-v)) for v in row]
         else:
@@ -166,7 +169,7 @@ def loop_deepseek_router(logits, bias, k, k_group, groups, mode, norm_type, scal
         size = len(v) // groups
         gscores = []
         for g in range(groups):
-            members = sorted(v[g * size:(g + 1) * size], reverse=True)
+            members = sorted(v[g * size : (g + 1) * size], reverse=True)
             gscores.append(members[0] if mode == 0 else sum(members[:2]))
         kept = sorted(range(groups), key=lambda g: (-gscores[g], g))[:k_group]
         cand = [i for i in range(len(v)) if i // size in kept]
@@ -187,8 +190,17 @@ def test_gating_top_k_grouped(norm_type, mode, with_bias):
     logits = torch.randn(9, 32)
     bias = torch.randn(32) * 0.1 if with_bias else None
     y, idx, norm_out = A.moe_gating_top_k(
-        logits, 4, bias=bias, k_group=2, group_count=8, group_select_mode=mode, renorm=0,
-        norm_type=norm_type, out_flag=True, routed_scaling_factor=2.5, eps=1e-20,
+        logits,
+        4,
+        bias=bias,
+        k_group=2,
+        group_count=8,
+        group_select_mode=mode,
+        renorm=0,
+        norm_type=norm_type,
+        out_flag=True,
+        routed_scaling_factor=2.5,
+        eps=1e-20,
     )
     ey, eidx = loop_deepseek_router(logits, bias, 4, 2, 8, mode, norm_type, 2.5)
     assert torch.equal(idx, eidx)
@@ -240,15 +252,22 @@ def test_gating_top_k_hash_mode(backend, norm_type, ids_dtype):
     tid2eid[5] = torch.tensor([31, 31, 0, 2])  # a repeated expert is taken twice
     ey, eidx = loop_hash_router(logits, input_ids, tid2eid, norm_type, 2.5)
     for kw in (dict(), dict(bias=torch.randn(32), k_group=2, group_count=8, group_select_mode=1)):
-        y, idx, norm_out = A.moe_gating_top_k(logits, 4, input_ids=input_ids, tid2eid=tid2eid, norm_type=norm_type,
-                                              routed_scaling_factor=2.5, **kw)
+        y, idx, norm_out = A.moe_gating_top_k(
+            logits, 4, input_ids=input_ids, tid2eid=tid2eid, norm_type=norm_type, routed_scaling_factor=2.5, **kw
+        )
         assert idx.dtype == torch.int32 and torch.equal(idx, eidx)
         torch.testing.assert_close(y.double(), ey, atol=1e-6, rtol=1e-5)
         expected_norm = torch.sigmoid(logits) if norm_type == 1 else torch.softmax(logits, -1)
         torch.testing.assert_close(norm_out, expected_norm)
     # the table is read in its own strides (a transposed [E, V] table viewed as [V, k])
-    y, idx, _ = A.moe_gating_top_k(logits, 4, input_ids=input_ids, tid2eid=tid2eid.t().contiguous().t(),
-                                   norm_type=norm_type, routed_scaling_factor=2.5)
+    y, idx, _ = A.moe_gating_top_k(
+        logits,
+        4,
+        input_ids=input_ids,
+        tid2eid=tid2eid.t().contiguous().t(),
+        norm_type=norm_type,
+        routed_scaling_factor=2.5,
+    )
     assert torch.equal(idx, eidx)
 
 
@@ -258,8 +277,7 @@ def test_gating_top_k_hash_mode(backend, norm_type, ids_dtype):
 def loop_init_routing(x, expert_idx, start, end):
     """Sort (token, k) pairs by expert, stable in token-major order; drop experts outside [start, end)."""
     n, k = expert_idx.shape
-    order = [(r * k + j) for e in range(start, end) for r in range(n) for j in range(k)
-             if int(expert_idx[r, j]) == e]
+    order = [(r * k + j) for e in range(start, end) for r in range(n) for j in range(k) if int(expert_idx[r, j]) == e]
     rows = torch.zeros(n * k, x.shape[1], dtype=x.dtype)
     row_idx = torch.full((n * k,), -1, dtype=torch.int32)
     for dst, src in enumerate(order):
@@ -276,15 +294,19 @@ def test_init_routing_matches_loop(backend, dtype, tokens, experts, k):
     ids = distinct_topk_ids(tokens, experts, k)
     scale = torch.rand(tokens)
     expanded_x, row_idx, counts, expanded_scale = A.moe_init_routing_v2(
-        x, ids, scale=scale, expert_num=experts, expert_tokens_num_type=1, expert_tokens_num_flag=True,
+        x,
+        ids,
+        scale=scale,
+        expert_num=experts,
+        expert_tokens_num_type=1,
+        expert_tokens_num_flag=True,
     )
     e_rows, e_row_idx, e_counts, order = loop_init_routing(x, ids, 0, experts)
     assert torch.equal(expanded_x, e_rows)
     assert torch.equal(row_idx, e_row_idx) and row_idx.dtype == torch.int32
     assert torch.equal(counts, e_counts) and counts.dtype == torch.int64
     torch.testing.assert_close(expanded_scale, torch.tensor([float(scale[s // k]) for s in order]))
-    cumsum = A.moe_init_routing_v2(x, ids, expert_num=experts, expert_tokens_num_type=0,
-                                   expert_tokens_num_flag=True)[2]
+    cumsum = A.moe_init_routing_v2(x, ids, expert_num=experts, expert_tokens_num_type=0, expert_tokens_num_flag=True)[2]
     assert torch.equal(cumsum, e_counts.cumsum(0))
 
 
@@ -292,7 +314,12 @@ def test_init_routing_expert_parallel_slice(backend):
     x = torch.randn(10, 8)
     ids = distinct_topk_ids(10, 16, 4, seed=3)
     expanded_x, row_idx, counts, _ = A.moe_init_routing_v2(
-        x, ids, expert_num=16, expert_tokens_num_type=1, expert_tokens_num_flag=True, active_expert_range=[4, 8],
+        x,
+        ids,
+        expert_num=16,
+        expert_tokens_num_type=1,
+        expert_tokens_num_flag=True,
+        active_expert_range=[4, 8],
     )
     e_rows, e_row_idx, e_counts, order = loop_init_routing(x, ids, 4, 8)
     assert counts.shape == (4,) and torch.equal(counts, e_counts)
@@ -300,13 +327,14 @@ def test_init_routing_expert_parallel_slice(backend):
     assert torch.equal(expanded_x, e_rows)  # rows past the local ones are zero
     assert int((row_idx >= 0).sum()) == len(order)
     # key-value counts: (expert, count) for experts with tokens, then zero pairs
-    kv = A.moe_init_routing_v2(x, ids, expert_num=16, expert_tokens_num_type=2, expert_tokens_num_flag=True,
-                               active_expert_range=[4, 8])[2]
+    kv = A.moe_init_routing_v2(
+        x, ids, expert_num=16, expert_tokens_num_type=2, expert_tokens_num_flag=True, active_expert_range=[4, 8]
+    )[2]
     pairs = [[4 + e, c] for e, c in enumerate(e_counts.tolist()) if c]
-    assert kv.shape == (16, 2) and kv[: len(pairs)].tolist() == pairs and not kv[len(pairs):].any()
+    assert kv.shape == (16, 2) and kv[: len(pairs)].tolist() == pairs and not kv[len(pairs) :].any()
     # scatter-type index: source (token * k + j) of each expanded row
     scatter = A.moe_init_routing_v2(x, ids, expert_num=16, active_expert_range=[4, 8], row_idx_type=1)[1]
-    assert scatter[: len(order)].tolist() == order and (scatter[len(order):] == -1).all()
+    assert scatter[: len(order)].tolist() == order and (scatter[len(order) :] == -1).all()
 
 
 def test_init_routing_experts_without_tokens_and_flag_off(backend):
@@ -337,8 +365,9 @@ def test_grouped_matmul_matches_loop(backend, dtype, counts):
     bias = torch.randn(4, 10).to(dtype)
     expected = loop_grouped_matmul(x, w, counts, bias)
     for group_list, gl_type in ((torch.tensor(counts), 1), (torch.tensor(counts).cumsum(0), 0)):
-        (y,) = A.grouped_matmul([x], [w], bias=[bias], group_list=group_list, group_type=0,
-                                group_list_type=gl_type, split_item=2)
+        (y,) = A.grouped_matmul(
+            [x], [w], bias=[bias], group_list=group_list, group_type=0, group_list_type=gl_type, split_item=2
+        )
         assert y.dtype == dtype and y.shape == (m, 10)
         torch.testing.assert_close(y.double(), expected, atol=tol(dtype)["atol"] * 10, rtol=tol(dtype)["rtol"])
 
@@ -346,8 +375,9 @@ def test_grouped_matmul_matches_loop(backend, dtype, counts):
 def test_grouped_matmul_transposed_weight_and_list_form(backend):
     x = torch.randn(7, 16)
     w_hf = torch.randn(3, 5, 16)  # Hugging Face [E, N, K]; pass its [E, K, N] view
-    (y,) = A.grouped_matmul([x], [w_hf.transpose(1, 2)], group_list=torch.tensor([2, 4, 1]), group_type=0,
-                            group_list_type=1)
+    (y,) = A.grouped_matmul(
+        [x], [w_hf.transpose(1, 2)], group_list=torch.tensor([2, 4, 1]), group_type=0, group_list_type=1
+    )
     torch.testing.assert_close(y, loop_grouped_matmul(x, w_hf.transpose(1, 2), [2, 4, 1]).float())
     xs, ws = [torch.randn(3, 4), torch.randn(2, 4)], [torch.randn(4, 6), torch.randn(4, 6)]
     outs = A.grouped_matmul(xs, ws)
@@ -378,9 +408,14 @@ def test_finalize_routing_matches_loop(backend, dtype, drop_pad_mode):
     perm[4] = -1  # a pair dropped by init_routing contributes nothing
     out = A.moe_finalize_routing(rows, skip1, skip2, bias, scales, perm, experts, drop_pad_mode, k)
     if drop_pad_mode == 2:
-        def dst_of(i, j): return int(perm[i * k + j])
+
+        def dst_of(i, j):
+            return int(perm[i * k + j])
     else:
-        def dst_of(i, j): return int(perm[j * n + i])
+
+        def dst_of(i, j):
+            return int(perm[j * n + i])
+
     expected = loop_finalize(rows, skip1, skip2, bias, scales, dst_of, experts, n, k)
     assert out.dtype == dtype and out.shape == (n, h)
     torch.testing.assert_close(out.double(), expected, atol=tol(dtype)["atol"] * 5, rtol=tol(dtype)["rtol"])
@@ -397,7 +432,8 @@ def moe_chain(x, logits, w13, w2, k):
     num_experts = logits.shape[1]
     weights, ids, _ = A.moe_gating_top_k_softmax(logits, None, k)
     ex, row_idx, counts, _ = A.moe_init_routing_v2(
-        x, ids, expert_num=num_experts, expert_tokens_num_type=1, expert_tokens_num_flag=True)
+        x, ids, expert_num=num_experts, expert_tokens_num_type=1, expert_tokens_num_flag=True
+    )
     (h,) = A.grouped_matmul([ex], [w13], group_list=counts, group_type=0, group_list_type=1, split_item=2)
     (y,) = A.grouped_matmul([A.swiglu(h)], [w2], group_list=counts, group_type=0, group_list_type=1, split_item=2)
     return A.moe_finalize_routing(y, None, None, None, weights, row_idx, ids, 2, k)
@@ -419,137 +455,274 @@ def loop_moe(x, logits, w13, w2, k):
 def test_moe_chain_matches_per_token_loop(backend, tokens):
     x, logits = torch.randn(tokens, 16), torch.randn(tokens, 6)
     w13, w2 = torch.randn(6, 16, 2 * 8) / 4, torch.randn(6, 8, 16) / 3
-    torch.testing.assert_close(moe_chain(x, logits, w13, w2, 2).double(), loop_moe(x, logits, w13, w2, 2),
-                               atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        moe_chain(x, logits, w13, w2, 2).double(), loop_moe(x, logits, w13, w2, 2), atol=1e-5, rtol=1e-5
+    )
 
 
 # ---------------------------------------------------------------- bad input
 
 
 BAD_INPUTS = [
-    ("init_routing id out of range",
-     lambda: A.moe_init_routing_v2(torch.randn(2, 4), torch.tensor([[0], [9]], dtype=torch.int32), expert_num=8),
-     r"expert id 9 out of range \[0, expert_num=8\)"),
-    ("init_routing negative id",
-     lambda: A.moe_init_routing_v2(torch.randn(2, 4), torch.tensor([[0], [-3]], dtype=torch.int32), expert_num=8),
-     r"expert id -3 out of range"),
-    ("init_routing k > experts",
-     lambda: A.moe_init_routing_v2(torch.randn(2, 4), torch.zeros(2, 5, dtype=torch.int32), expert_num=4),
-     r"k=5 \(expert_idx.size\(1\)\) must be <= expert_num=4"),
-    ("init_routing int64 ids",
-     lambda: A.moe_init_routing_v2(torch.randn(2, 4), torch.zeros(2, 1, dtype=torch.int64), expert_num=4),
-     r"expert_idx must be int32, got torch.int64"),
-    ("init_routing bad range",
-     lambda: A.moe_init_routing_v2(torch.randn(2, 4), torch.zeros(2, 1, dtype=torch.int32), expert_num=4,
-                                   active_expert_range=[2, 9]),
-     r"active_expert_range=\[2, 9\] must satisfy 0 <= start < end <= expert_num=4"),
-    ("init_routing drop_pad",
-     lambda: A.moe_init_routing_v2(torch.randn(2, 4), torch.zeros(2, 1, dtype=torch.int32), expert_num=4,
-                                   drop_pad_mode=1),
-     r"drop_pad_mode must be one of \[0\], got 1"),
-    ("topk_softmax k > experts",
-     lambda: A.moe_gating_top_k_softmax(torch.randn(2, 4), None, 5),
-     r"k=5 must be in \[1, number of experts=4\]"),
-    ("gating_top_k k > experts",
-     lambda: A.moe_gating_top_k(torch.randn(2, 8), 9),
-     r"k=9 must be in \[1, experts per group \* k_group = 8\]"),
-    ("gating_top_k group_count",
-     lambda: A.moe_gating_top_k(torch.randn(2, 10), 2, group_count=4, k_group=2),
-     r"group_count=4 must be >= 1 and divide the number of experts=10"),
-    ("gating_top_k bias dtype",
-     lambda: A.moe_gating_top_k(torch.randn(2, 8), 2, bias=torch.randn(8, dtype=torch.float64)),
-     r"bias dtype torch.float64 does not match x dtype torch.float32"),
-    ("gating_top_k hash mode without tid2eid",
-     lambda: A.moe_gating_top_k(torch.randn(2, 8), 2, input_ids=torch.tensor([0, 1])),
-     r"input_ids and tid2eid must be given together \(hash mode\) or both be None"),
-    ("gating_top_k hash table width",
-     lambda: A.moe_gating_top_k(torch.randn(2, 8), 2, input_ids=torch.tensor([0, 1]),
-                                tid2eid=torch.zeros(4, 3, dtype=torch.int32)),
-     r"tid2eid has 3 columns, must equal k=2"),
-    ("gating_top_k hash ids per row",
-     lambda: A.moe_gating_top_k(torch.randn(2, 8), 2, input_ids=torch.tensor([0, 1, 2]),
-                                tid2eid=torch.zeros(4, 2, dtype=torch.int32)),
-     r"input_ids has 3 entries, x has 2 rows"),
-    ("gating_top_k hash ids dtype",
-     lambda: A.moe_gating_top_k(torch.randn(2, 8), 2, input_ids=torch.tensor([0.0, 1.0]),
-                                tid2eid=torch.zeros(4, 2, dtype=torch.int32)),
-     r"input_ids must be int32 or int64, got torch.float32"),
-    ("gating_top_k hash token id out of range",
-     lambda: A.moe_gating_top_k(torch.randn(3, 8), 2, input_ids=torch.tensor([0, 4, -1]),
-                                tid2eid=torch.zeros(4, 2, dtype=torch.int32)),
-     r"input_ids value 4 out of range \[0, tid2eid rows=4\)"),
-    ("gating_top_k hash expert id out of range",
-     lambda: A.moe_gating_top_k(torch.randn(2, 8), 2, input_ids=torch.tensor([0, 3]),
-                                tid2eid=torch.tensor([[0, 1], [2, 3], [4, 5], [6, 8]])),
-     r"tid2eid\[3\] holds expert id 8 out of range \[0, number of experts=8\)"),
-    ("eplb_map expert id out of range",
-     lambda: A.eplb_map(torch.tensor([[0, 1], [5, 0]]), torch.tensor([[0, -1], [1, 2]]), torch.tensor([1, 2])),
-     r"ascend.eplb_map: expert_idx holds logical expert id 5 out of range \[0, 2\)"),
-    ("eplb_record_load slot out of range",
-     lambda: A.eplb_record_load(torch.zeros(3, dtype=torch.int64), torch.tensor([[0, -1]]),
-                                torch.ones(1, dtype=torch.bool)),
-     r"ascend.eplb_record_load: expert_idx holds physical slot -1 out of range \[0, 3\)"),
-    ("eplb_logical_weight slot out of range",
-     lambda: A.eplb_logical_weight(torch.randn(3, 2), torch.tensor([[0], [4]]), torch.tensor([1, 1]),
-                                   torch.zeros(3, dtype=torch.int64), torch.ones(1, dtype=torch.bool)),
-     r"ascend.eplb_logical_weight: log2phy\[:, 0\] holds physical slot 4 out of range \[0, 3\)"),
-    ("rms_norm gamma dtype",
-     lambda: A.rms_norm(torch.randn(2, 8), torch.randn(8, dtype=torch.bfloat16)),
-     r"gamma dtype torch.bfloat16 does not match x dtype torch.float32"),
-    ("rms_norm gamma shape",
-     lambda: A.rms_norm(torch.randn(2, 8), torch.randn(4)),
-     r"gamma shape \(4,\) must equal the trailing dims of x \(2, 8\)"),
-    ("add_rms_norm dtypes",
-     lambda: A.add_rms_norm(torch.randn(2, 8), torch.randn(2, 8, dtype=torch.float16), torch.randn(8)),
-     r"x2 dtype torch.float16 does not match x1 dtype torch.float32"),
-    ("swiglu odd",
-     lambda: A.swiglu(torch.randn(2, 7)),
-     r"x.shape\[1\]=7 must be even"),
-    ("gmm weight dtype",
-     lambda: A.grouped_matmul([torch.randn(4, 8)], [torch.randn(2, 8, 3, dtype=torch.bfloat16)],
-                              group_list=torch.tensor([2, 2]), group_type=0, group_list_type=1),
-     r"weight\[0\] dtype torch.bfloat16 does not match x\[0\] dtype torch.float32"),
-    ("gmm group_list too long",
-     lambda: A.grouped_matmul([torch.randn(4, 8)], [torch.randn(2, 8, 3)], group_list=torch.tensor([3, 2]),
-                              group_type=0, group_list_type=1),
-     r"group_list covers 5 rows but x\[0\] has only 4"),
-    ("gmm cumsum past the rows",
-     lambda: A.grouped_matmul([torch.randn(4, 8)], [torch.randn(2, 8, 3)], group_list=torch.tensor([2, 2**63 - 1]),
-                              group_type=0, group_list_type=0),
-     r"group_list covers 9223372036854775807 rows but x\[0\] has only 4"),
-    ("init_routing negative id without expert_num",
-     lambda: A.moe_init_routing_v2(torch.randn(2, 4), torch.tensor([[1], [-1]], dtype=torch.int32)),
-     r"expert id -1 must be >= 0 \(expert_num=-1 sets no upper bound\)"),
-    ("gmm group_list not monotone",
-     lambda: A.grouped_matmul([torch.randn(4, 8)], [torch.randn(2, 8, 3)], group_list=torch.tensor([3, 2]),
-                              group_type=0, group_list_type=0),
-     r"non-decreasing cumsum"),
-    ("gmm experts mismatch",
-     lambda: A.grouped_matmul([torch.randn(4, 8)], [torch.randn(2, 8, 3)], group_list=torch.tensor([4]),
-                              group_type=0, group_list_type=1),
-     r"group_list has 1 entries but weight has 2 experts"),
-    ("finalize dst out of range",
-     lambda: A.moe_finalize_routing(torch.randn(4, 2), None, None, None, torch.rand(2, 2),
-                                    torch.tensor([0, 1, 2, 7], dtype=torch.int32), None, 2, 2),
-     r"expanded_src_to_dst_row value 7 out of range \[-1, 4\)"),
-    ("linear 3-D input", lambda: A.linear(torch.randn(2, 3, 8), torch.randn(4, 8)),
-     r"ascend.linear: input must be 2-D, got 3-D"),
-    ("linear K mismatch", lambda: A.linear(torch.randn(3, 8), torch.randn(4, 6)),
-     r"ascend.linear: input has K=8 columns but weight \[N, K\] has K=6"),
-    ("linear bias shape", lambda: A.linear(torch.randn(3, 8), torch.randn(4, 8), torch.randn(5)),
-     r"ascend.linear: bias must have shape \[4\], got \(5,\)"),
-    ("linear dtype mismatch", lambda: A.linear(torch.randn(3, 8), torch.randn(4, 8).to(torch.bfloat16)),
-     r"ascend.linear: weight dtype torch.bfloat16 does not match input dtype torch.float32"),
-    ("linear integer input", lambda: A.linear(torch.ones(3, 8, dtype=torch.int32), torch.ones(4, 8, dtype=torch.int32)),
-     r"ascend.linear: input must be float32, bfloat16 or float16, got torch.int32"),
-    ("finalize bias without experts",
-     lambda: A.moe_finalize_routing(torch.randn(4, 2), None, None, torch.randn(3, 2), torch.rand(2, 2),
-                                    torch.arange(4, dtype=torch.int32), None, 2, 2),
-     r"bias needs export_for_source_row"),
-    ("finalize scales dtype",
-     lambda: A.moe_finalize_routing(torch.randn(4, 2), None, None, None, torch.rand(2, 2, dtype=torch.float64),
-                                    torch.arange(4, dtype=torch.int32), None, 2, 2),
-     r"scales dtype torch.float64 must be float32 or match expanded_permuted_rows"),
+    (
+        "init_routing id out of range",
+        lambda: A.moe_init_routing_v2(torch.randn(2, 4), torch.tensor([[0], [9]], dtype=torch.int32), expert_num=8),
+        r"expert id 9 out of range \[0, expert_num=8\)",
+    ),
+    (
+        "init_routing negative id",
+        lambda: A.moe_init_routing_v2(torch.randn(2, 4), torch.tensor([[0], [-3]], dtype=torch.int32), expert_num=8),
+        r"expert id -3 out of range",
+    ),
+    (
+        "init_routing k > experts",
+        lambda: A.moe_init_routing_v2(torch.randn(2, 4), torch.zeros(2, 5, dtype=torch.int32), expert_num=4),
+        r"k=5 \(expert_idx.size\(1\)\) must be <= expert_num=4",
+    ),
+    (
+        "init_routing int64 ids",
+        lambda: A.moe_init_routing_v2(torch.randn(2, 4), torch.zeros(2, 1, dtype=torch.int64), expert_num=4),
+        r"expert_idx must be int32, got torch.int64",
+    ),
+    (
+        "init_routing bad range",
+        lambda: A.moe_init_routing_v2(
+            torch.randn(2, 4), torch.zeros(2, 1, dtype=torch.int32), expert_num=4, active_expert_range=[2, 9]
+        ),
+        r"active_expert_range=\[2, 9\] must satisfy 0 <= start < end <= expert_num=4",
+    ),
+    (
+        "init_routing drop_pad",
+        lambda: A.moe_init_routing_v2(
+            torch.randn(2, 4), torch.zeros(2, 1, dtype=torch.int32), expert_num=4, drop_pad_mode=1
+        ),
+        r"drop_pad_mode must be one of \[0\], got 1",
+    ),
+    (
+        "topk_softmax k > experts",
+        lambda: A.moe_gating_top_k_softmax(torch.randn(2, 4), None, 5),
+        r"k=5 must be in \[1, number of experts=4\]",
+    ),
+    (
+        "gating_top_k k > experts",
+        lambda: A.moe_gating_top_k(torch.randn(2, 8), 9),
+        r"k=9 must be in \[1, experts per group \* k_group = 8\]",
+    ),
+    (
+        "gating_top_k group_count",
+        lambda: A.moe_gating_top_k(torch.randn(2, 10), 2, group_count=4, k_group=2),
+        r"group_count=4 must be >= 1 and divide the number of experts=10",
+    ),
+    (
+        "gating_top_k bias dtype",
+        lambda: A.moe_gating_top_k(torch.randn(2, 8), 2, bias=torch.randn(8, dtype=torch.float64)),
+        r"bias dtype torch.float64 does not match x dtype torch.float32",
+    ),
+    (
+        "gating_top_k hash mode without tid2eid",
+        lambda: A.moe_gating_top_k(torch.randn(2, 8), 2, input_ids=torch.tensor([0, 1])),
+        r"input_ids and tid2eid must be given together \(hash mode\) or both be None",
+    ),
+    (
+        "gating_top_k hash table width",
+        lambda: A.moe_gating_top_k(
+            torch.randn(2, 8), 2, input_ids=torch.tensor([0, 1]), tid2eid=torch.zeros(4, 3, dtype=torch.int32)
+        ),
+        r"tid2eid has 3 columns, must equal k=2",
+    ),
+    (
+        "gating_top_k hash ids per row",
+        lambda: A.moe_gating_top_k(
+            torch.randn(2, 8), 2, input_ids=torch.tensor([0, 1, 2]), tid2eid=torch.zeros(4, 2, dtype=torch.int32)
+        ),
+        r"input_ids has 3 entries, x has 2 rows",
+    ),
+    (
+        "gating_top_k hash ids dtype",
+        lambda: A.moe_gating_top_k(
+            torch.randn(2, 8), 2, input_ids=torch.tensor([0.0, 1.0]), tid2eid=torch.zeros(4, 2, dtype=torch.int32)
+        ),
+        r"input_ids must be int32 or int64, got torch.float32",
+    ),
+    (
+        "gating_top_k hash token id out of range",
+        lambda: A.moe_gating_top_k(
+            torch.randn(3, 8), 2, input_ids=torch.tensor([0, 4, -1]), tid2eid=torch.zeros(4, 2, dtype=torch.int32)
+        ),
+        r"input_ids value 4 out of range \[0, tid2eid rows=4\)",
+    ),
+    (
+        "gating_top_k hash expert id out of range",
+        lambda: A.moe_gating_top_k(
+            torch.randn(2, 8), 2, input_ids=torch.tensor([0, 3]), tid2eid=torch.tensor([[0, 1], [2, 3], [4, 5], [6, 8]])
+        ),
+        r"tid2eid\[3\] holds expert id 8 out of range \[0, number of experts=8\)",
+    ),
+    (
+        "eplb_map expert id out of range",
+        lambda: A.eplb_map(torch.tensor([[0, 1], [5, 0]]), torch.tensor([[0, -1], [1, 2]]), torch.tensor([1, 2])),
+        r"ascend.eplb_map: expert_idx holds logical expert id 5 out of range \[0, 2\)",
+    ),
+    (
+        "eplb_record_load slot out of range",
+        lambda: A.eplb_record_load(
+            torch.zeros(3, dtype=torch.int64), torch.tensor([[0, -1]]), torch.ones(1, dtype=torch.bool)
+        ),
+        r"ascend.eplb_record_load: expert_idx holds physical slot -1 out of range \[0, 3\)",
+    ),
+    (
+        "eplb_logical_weight slot out of range",
+        lambda: A.eplb_logical_weight(
+            torch.randn(3, 2),
+            torch.tensor([[0], [4]]),
+            torch.tensor([1, 1]),
+            torch.zeros(3, dtype=torch.int64),
+            torch.ones(1, dtype=torch.bool),
+        ),
+        r"ascend.eplb_logical_weight: log2phy\[:, 0\] holds physical slot 4 out of range \[0, 3\)",
+    ),
+    (
+        "rms_norm gamma dtype",
+        lambda: A.rms_norm(torch.randn(2, 8), torch.randn(8, dtype=torch.bfloat16)),
+        r"gamma dtype torch.bfloat16 does not match x dtype torch.float32",
+    ),
+    (
+        "rms_norm gamma shape",
+        lambda: A.rms_norm(torch.randn(2, 8), torch.randn(4)),
+        r"gamma shape \(4,\) must equal the trailing dims of x \(2, 8\)",
+    ),
+    (
+        "add_rms_norm dtypes",
+        lambda: A.add_rms_norm(torch.randn(2, 8), torch.randn(2, 8, dtype=torch.float16), torch.randn(8)),
+        r"x2 dtype torch.float16 does not match x1 dtype torch.float32",
+    ),
+    ("swiglu odd", lambda: A.swiglu(torch.randn(2, 7)), r"x.shape\[1\]=7 must be even"),
+    (
+        "gmm weight dtype",
+        lambda: A.grouped_matmul(
+            [torch.randn(4, 8)],
+            [torch.randn(2, 8, 3, dtype=torch.bfloat16)],
+            group_list=torch.tensor([2, 2]),
+            group_type=0,
+            group_list_type=1,
+        ),
+        r"weight\[0\] dtype torch.bfloat16 does not match x\[0\] dtype torch.float32",
+    ),
+    (
+        "gmm group_list too long",
+        lambda: A.grouped_matmul(
+            [torch.randn(4, 8)],
+            [torch.randn(2, 8, 3)],
+            group_list=torch.tensor([3, 2]),
+            group_type=0,
+            group_list_type=1,
+        ),
+        r"group_list covers 5 rows but x\[0\] has only 4",
+    ),
+    (
+        "gmm cumsum past the rows",
+        lambda: A.grouped_matmul(
+            [torch.randn(4, 8)],
+            [torch.randn(2, 8, 3)],
+            group_list=torch.tensor([2, 2**63 - 1]),
+            group_type=0,
+            group_list_type=0,
+        ),
+        r"group_list covers 9223372036854775807 rows but x\[0\] has only 4",
+    ),
+    (
+        "init_routing negative id without expert_num",
+        lambda: A.moe_init_routing_v2(torch.randn(2, 4), torch.tensor([[1], [-1]], dtype=torch.int32)),
+        r"expert id -1 must be >= 0 \(expert_num=-1 sets no upper bound\)",
+    ),
+    (
+        "gmm group_list not monotone",
+        lambda: A.grouped_matmul(
+            [torch.randn(4, 8)],
+            [torch.randn(2, 8, 3)],
+            group_list=torch.tensor([3, 2]),
+            group_type=0,
+            group_list_type=0,
+        ),
+        r"non-decreasing cumsum",
+    ),
+    (
+        "gmm experts mismatch",
+        lambda: A.grouped_matmul(
+            [torch.randn(4, 8)], [torch.randn(2, 8, 3)], group_list=torch.tensor([4]), group_type=0, group_list_type=1
+        ),
+        r"group_list has 1 entries but weight has 2 experts",
+    ),
+    (
+        "finalize dst out of range",
+        lambda: A.moe_finalize_routing(
+            torch.randn(4, 2),
+            None,
+            None,
+            None,
+            torch.rand(2, 2),
+            torch.tensor([0, 1, 2, 7], dtype=torch.int32),
+            None,
+            2,
+            2,
+        ),
+        r"expanded_src_to_dst_row value 7 out of range \[-1, 4\)",
+    ),
+    (
+        "linear 3-D input",
+        lambda: A.linear(torch.randn(2, 3, 8), torch.randn(4, 8)),
+        r"ascend.linear: input must be 2-D, got 3-D",
+    ),
+    (
+        "linear K mismatch",
+        lambda: A.linear(torch.randn(3, 8), torch.randn(4, 6)),
+        r"ascend.linear: input has K=8 columns but weight \[N, K\] has K=6",
+    ),
+    (
+        "linear bias shape",
+        lambda: A.linear(torch.randn(3, 8), torch.randn(4, 8), torch.randn(5)),
+        r"ascend.linear: bias must have shape \[4\], got \(5,\)",
+    ),
+    (
+        "linear dtype mismatch",
+        lambda: A.linear(torch.randn(3, 8), torch.randn(4, 8).to(torch.bfloat16)),
+        r"ascend.linear: weight dtype torch.bfloat16 does not match input dtype torch.float32",
+    ),
+    (
+        "linear integer input",
+        lambda: A.linear(torch.ones(3, 8, dtype=torch.int32), torch.ones(4, 8, dtype=torch.int32)),
+        r"ascend.linear: input must be float32, bfloat16 or float16, got torch.int32",
+    ),
+    (
+        "finalize bias without experts",
+        lambda: A.moe_finalize_routing(
+            torch.randn(4, 2),
+            None,
+            None,
+            torch.randn(3, 2),
+            torch.rand(2, 2),
+            torch.arange(4, dtype=torch.int32),
+            None,
+            2,
+            2,
+        ),
+        r"bias needs export_for_source_row",
+    ),
+    (
+        "finalize scales dtype",
+        lambda: A.moe_finalize_routing(
+            torch.randn(4, 2),
+            None,
+            None,
+            None,
+            torch.rand(2, 2, dtype=torch.float64),
+            torch.arange(4, dtype=torch.int32),
+            None,
+            2,
+            2,
+        ),
+        r"scales dtype torch.float64 must be float32 or match expanded_permuted_rows",
+    ),
 ]
 
 
@@ -575,7 +748,9 @@ def test_linear_matches_dot_product_formula(backend, dtype, rows, with_bias):
     expected = torch.empty(rows, 7)
     for i in range(rows):
         for n in range(7):
-            expected[i, n] = sum(float(x[i, j]) * float(w[n, j]) for j in range(24)) + (float(b[n]) if b is not None else 0.0)
+            expected[i, n] = sum(float(x[i, j]) * float(w[n, j]) for j in range(24)) + (
+                float(b[n]) if b is not None else 0.0
+            )
     torch.testing.assert_close(y.float(), expected, **tol(dtype))
 
 
@@ -592,20 +767,59 @@ def sample_calls():
         ("add_rms_norm", (x, torch.randn(6, 16), torch.randn(16), 1e-6), {}),
         ("swiglu", (x, -1), {}),
         ("moe_gating_top_k_softmax", (torch.randn(6, 8), None, 2), {}),
-        ("moe_gating_top_k", (torch.randn(6, 16), 4),
-         dict(bias=torch.randn(16), k_group=2, group_count=4, group_select_mode=1, norm_type=1,
-              routed_scaling_factor=2.0)),
-        ("moe_gating_top_k", (torch.randn(6, 16), 3),
-         dict(input_ids=torch.tensor([3, 0, 9, 3, 1, 2]), tid2eid=torch.randint(0, 16, (10, 3)), norm_type=1,
-              routed_scaling_factor=2.0)),
-        ("moe_init_routing_v2", (x, ids),
-         dict(scale=torch.rand(6), expert_num=8, expert_tokens_num_type=1, expert_tokens_num_flag=True,
-              active_expert_range=[2, 6])),
-        ("grouped_matmul", ([torch.randn(12, 16)], [torch.randn(8, 16, 4)]),
-         dict(bias=[torch.randn(8, 4)], group_list=counts, group_type=0, group_list_type=1)),
-        ("moe_finalize_routing",
-         (torch.randn(12, 16), torch.randn(6, 16), None, torch.randn(8, 16), torch.rand(6, 2),
-          torch.randperm(12).to(torch.int32), ids, 2, 2), {}),
+        (
+            "moe_gating_top_k",
+            (torch.randn(6, 16), 4),
+            dict(
+                bias=torch.randn(16),
+                k_group=2,
+                group_count=4,
+                group_select_mode=1,
+                norm_type=1,
+                routed_scaling_factor=2.0,
+            ),
+        ),
+        (
+            "moe_gating_top_k",
+            (torch.randn(6, 16), 3),
+            dict(
+                input_ids=torch.tensor([3, 0, 9, 3, 1, 2]),
+                tid2eid=torch.randint(0, 16, (10, 3)),
+                norm_type=1,
+                routed_scaling_factor=2.0,
+            ),
+        ),
+        (
+            "moe_init_routing_v2",
+            (x, ids),
+            dict(
+                scale=torch.rand(6),
+                expert_num=8,
+                expert_tokens_num_type=1,
+                expert_tokens_num_flag=True,
+                active_expert_range=[2, 6],
+            ),
+        ),
+        (
+            "grouped_matmul",
+            ([torch.randn(12, 16)], [torch.randn(8, 16, 4)]),
+            dict(bias=[torch.randn(8, 4)], group_list=counts, group_type=0, group_list_type=1),
+        ),
+        (
+            "moe_finalize_routing",
+            (
+                torch.randn(12, 16),
+                torch.randn(6, 16),
+                None,
+                torch.randn(8, 16),
+                torch.rand(6, 2),
+                torch.randperm(12).to(torch.int32),
+                ids,
+                2,
+                2,
+            ),
+            {},
+        ),
         ("linear", (x, torch.randn(5, 16), torch.randn(5)), {}),
     ]
 
@@ -637,8 +851,9 @@ def test_opcheck_non_contiguous_inputs(backend, name, args, kwargs):
     """The fake promises the strides the kernel returns (contiguous) whatever the inputs'
     strides, and the values do not depend on them (a q/k norm after ``transpose(1, 2)``)."""
     args, kwargs = non_contiguous(args), non_contiguous(kwargs)
-    assert any(not t.is_contiguous() for t in torch.utils._pytree.tree_leaves((args, kwargs))
-               if isinstance(t, torch.Tensor))
+    assert any(
+        not t.is_contiguous() for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)
+    )
     op = getattr(A, name).default
     torch.library.opcheck(op, args, kwargs)
     for out in torch.utils._pytree.tree_leaves(op(*args, **kwargs)):

@@ -14,17 +14,32 @@ from ascend_passes.pass_manager import Pass, PassContext, PassManager, PassResul
 from ascend_passes.passes import PASS_TABLE, pass_class
 
 MISORDERED = [
-    ("activation,moe", "pass 'moe' must run before 'activation' (activation would fuse the experts' silu·up); "
-                       "use passes='moe,activation' or the default order"),
-    ("eplb,moe", "pass 'moe' must run before 'eplb' (eplb indirects the experts of the MoE layers moe fused); "
-                 "use passes='moe,eplb' or the default order"),
-    ("linear,moe", "pass 'moe' must run before 'linear' (linear turns matmuls into ascend.linear, which moe does "
-                   "not match); use passes='moe,linear' or the default order"),
-    ("cleanup,norm,sequence_parallel,mtp", "pass 'mtp' must run before 'norm' (mtp tags the MTP layers' nodes and "
-     "every rewrite copies the tag onto what it makes; rewritten before, an MTP layer's ops are named, balanced and "
-     "split as the main model's); use passes='cleanup,mtp,norm,sequence_parallel' or the default order"),
-    ("norm,cleanup", "pass 'cleanup' must run before 'norm' (the patterns expect cleanup's canonical graph (no-op "
-                     "views, clones and casts removed)); use passes='cleanup,norm' or the default order"),
+    (
+        "activation,moe",
+        "pass 'moe' must run before 'activation' (activation would fuse the experts' silu·up); "
+        "use passes='moe,activation' or the default order",
+    ),
+    (
+        "eplb,moe",
+        "pass 'moe' must run before 'eplb' (eplb indirects the experts of the MoE layers moe fused); "
+        "use passes='moe,eplb' or the default order",
+    ),
+    (
+        "linear,moe",
+        "pass 'moe' must run before 'linear' (linear turns matmuls into ascend.linear, which moe does "
+        "not match); use passes='moe,linear' or the default order",
+    ),
+    (
+        "cleanup,norm,sequence_parallel,mtp",
+        "pass 'mtp' must run before 'norm' (mtp tags the MTP layers' nodes and "
+        "every rewrite copies the tag onto what it makes; rewritten before, an MTP layer's ops are named, balanced and "
+        "split as the main model's); use passes='cleanup,mtp,norm,sequence_parallel' or the default order",
+    ),
+    (
+        "norm,cleanup",
+        "pass 'cleanup' must run before 'norm' (the patterns expect cleanup's canonical graph (no-op "
+        "views, clones and casts removed)); use passes='cleanup,norm' or the default order",
+    ),
 ]
 
 
@@ -46,8 +61,9 @@ def test_activation_before_moe_on_deepseek_is_refused_before_any_pass_runs():
     model, inputs = models.deepseek_v3("grouped_mm", num_layers=2)
     torch._dynamo.reset()
     seen: list[str] = []
-    backend = ap.make_backend(passes="activation,moe", compiler="eager",
-                              hooks=[lambda name, stage, gm, result: seen.append(name)])
+    backend = ap.make_backend(
+        passes="activation,moe", compiler="eager", hooks=[lambda name, stage, gm, result: seen.append(name)]
+    )
     with pytest.raises(BackendCompilerFailed) as info, torch.no_grad(), ap.capture() as reports:
         torch.compile(model, backend=backend)(*inputs)
     assert isinstance(info.value.inner_exception, ap.ConfigError)
@@ -75,8 +91,7 @@ def test_moe_near_miss_does_not_advise_grouped_mm_to_a_grouped_mm_model():
 
     torch._dynamo.reset()
     with torch.no_grad():
-        torch.compile(model, backend=ap.make_backend(config, passes="cleanup",
-                                                     hooks=[activation_then_moe]))(*inputs)
+        torch.compile(model, backend=ap.make_backend(config, passes="cleanup", hooks=[activation_then_moe]))(*inputs)
     (moe,) = moe_results
     blocks = [nm for nm in moe.near_misses if nm.pattern == "moe_block"]
     assert blocks and all(nm.layer is not None for nm in blocks)
@@ -91,8 +106,13 @@ def test_default_order_and_every_subset_of_it_in_order_are_accepted():
     # a pass alone (or any subset in the default order) is a valid pipeline: relations are about order
     for name in DEFAULT_PIPELINE:
         PassManager(ap.AscendPassConfig(passes=name))
-    for passes in ("cleanup,norm,activation", "cleanup,mla", "cleanup,mtp",
-                   "cleanup,mtp,moe,activation,mla,sequence_parallel", "moe,activation,linear"):
+    for passes in (
+        "cleanup,norm,activation",
+        "cleanup,mla",
+        "cleanup,mtp",
+        "cleanup,mtp,moe,activation,mla,sequence_parallel",
+        "moe,activation,linear",
+    ):
         PassManager(ap.AscendPassConfig(passes=passes))
 
 
@@ -120,7 +140,8 @@ def test_a_required_pass_missing_while_switched_on_is_refused_with_the_fix():
     assert str(info.value) == (
         "pass 'eplb' needs 'moe' before it (eplb indirects the experts of the MoE layers moe fused), and the "
         "pipeline cleanup,norm,eplb has no 'moe'; use passes='cleanup,norm,moe,eplb' or the default order, "
-        "or set eplb.enabled=False")
+        "or set eplb.enabled=False"
+    )
     with pytest.raises(ap.ConfigError, match=r"has no 'moe'; remove 'moe' from disable, or set eplb.enabled=False"):
         PassManager(ap.AscendPassConfig.from_options(on, disable="moe"))
     # switched off, the pass has nothing to do: no requirement (disable="moe" stays a valid debugging step)
@@ -148,8 +169,11 @@ def test_custom_pass_objects_are_checked_too():
     """A serving engine's own passes (``make_backend(pipeline=...)``, the CLI's extra passes) declare the same way."""
     config = ap.AscendPassConfig()
     check_pipeline([_Producer(config), _Consumer(config)], config)
-    with pytest.raises(ap.ConfigError, match=r"^pass 'producer' must run before 'consumer' \(consumer reads "
-                                             r"producer's facts\); use passes='producer,consumer'"):
+    with pytest.raises(
+        ap.ConfigError,
+        match=r"^pass 'producer' must run before 'consumer' \(consumer reads "
+        r"producer's facts\); use passes='producer,consumer'",
+    ):
         PassManager(config, [_Consumer(config), _Producer(config)])
     with pytest.raises(ap.ConfigError, match=r"^pass 'consumer' needs 'producer' before it"):
         PassManager(config, [_Consumer(config)])
@@ -195,8 +219,13 @@ def test_second_compile_traces_no_pattern_and_keeps_its_own_fake_values(monkeypa
     assert first == second
     assert second["norm"] and second["moe"] and second["mla"] and second["activation"]
     assert second_traces == []
-    modes = {leaf.fake_mode for node in gm.graph.nodes if node.op == "placeholder"
-             for leaf in torch.utils._pytree.tree_leaves(node.meta.get("val")) if isinstance(leaf, FakeTensor)}
+    modes = {
+        leaf.fake_mode
+        for node in gm.graph.nodes
+        if node.op == "placeholder"
+        for leaf in torch.utils._pytree.tree_leaves(node.meta.get("val"))
+        if isinstance(leaf, FakeTensor)
+    }
     assert len(modes) == 1
     for node in gm.graph.nodes:
         for leaf in torch.utils._pytree.tree_leaves(node.meta.get("val")):

@@ -74,11 +74,16 @@ class _Decoder(torch.nn.Module):
         self.gate = torch.nn.ParameterList([param(E, H, scale=H**-0.5) for _ in range(LAYERS)])
         # a correction bias 1 apart per expert decides the top-2 whatever the sigmoid scores (in
         # (0, 1)) are: no expert choice flips on bf16 rounding; the scores still weight the two
-        self.bias = torch.nn.ParameterList([torch.nn.Parameter(torch.randperm(E, generator=g).float())
-                                            for _ in range(LAYERS)])
+        self.bias = torch.nn.ParameterList(
+            [torch.nn.Parameter(torch.randperm(E, generator=g).float()) for _ in range(LAYERS)]
+        )
         self.expert = torch.nn.ParameterList([param(E * H, H, scale=H**-0.5) for _ in range(LAYERS)])
-        self.norms = torch.nn.ParameterList([torch.nn.Parameter(
-            (1 + 0.1 * torch.randn(H, generator=g)).to(torch.bfloat16)) for _ in range(2 * LAYERS + 1)])
+        self.norms = torch.nn.ParameterList(
+            [
+                torch.nn.Parameter((1 + 0.1 * torch.randn(H, generator=g)).to(torch.bfloat16))
+                for _ in range(2 * LAYERS + 1)
+            ]
+        )
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         residual = h
@@ -104,8 +109,7 @@ def _late_writers(nodes: list) -> list:
     producer = {name: node for node in nodes for name in node.get_buffer_names()}
 
     def deferrable(node) -> bool:
-        return node.is_extern() and all(isinstance(buf.node.layout, NoneLayout)
-                                        for buf in node.get_outputs())
+        return node.is_extern() and all(isinstance(buf.node.layout, NoneLayout) for buf in node.get_outputs())
 
     order: list = []
     placed: set[int] = set()
@@ -131,10 +135,18 @@ def _late_writers(nodes: list) -> list:
 def _compile_and_compare(model: torch.nn.Module, token_counts: tuple[int, ...]) -> list:
     passes = ap.inductor_pass(compiler="inductor", passes="cleanup,norm")
     compiled = torch.compile(model)  # the token dim marked dynamic below, as vLLM does
-    with ap.capture() as reports, inductor_config.patch(
-            post_grad_custom_post_pass=passes, fx_graph_cache=False, size_asserts=False,
-            enable_auto_functionalized_v2=False, reorder_for_peak_memory=False,
-            _post_fusion_custom_pass=_late_writers), torch.no_grad():
+    with (
+        ap.capture() as reports,
+        inductor_config.patch(
+            post_grad_custom_post_pass=passes,
+            fx_graph_cache=False,
+            size_asserts=False,
+            enable_auto_functionalized_v2=False,
+            reorder_for_peak_memory=False,
+            _post_fusion_custom_pass=_late_writers,
+        ),
+        torch.no_grad(),
+    ):
         g = torch.Generator().manual_seed(1)
         for n in token_counts:
             x = torch.randn(n, H, generator=g).to(torch.bfloat16)

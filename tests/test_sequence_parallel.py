@@ -10,10 +10,10 @@ from typing import Any
 
 import pytest
 import torch
+from _helpers import rel_diff
 
 import ascend_passes
 from ascend_passes import ConfigError
-from _helpers import rel_diff
 from ascend_passes.spawn import free_port, run_on_ranks
 
 NUM_LAYERS = 2  # layer 0 dense, layer 1 MoE
@@ -79,9 +79,13 @@ def _case_mtp(rank: int, ws: int, name: str, shared: str, options: dict) -> dict
         got = torch.compile(drafter, backend="ascend_passes", options={"compiler": "eager", **options})(*inputs)
         tp = drafter(*inputs)
         single = ref(*ref_inputs)
-    out = {"case": name, "errors": {
-        "logits": {"TP": rel_diff(got[0], tp[0]), "single process": rel_diff(got[0], single[0])},
-        "hidden": {"TP": rel_diff(got[1], tp[1]), "single process": rel_diff(got[1], single[1])}}}
+    out = {
+        "case": name,
+        "errors": {
+            "logits": {"TP": rel_diff(got[0], tp[0]), "single process": rel_diff(got[0], single[0])},
+            "hidden": {"TP": rel_diff(got[1], tp[1]), "single process": rel_diff(got[1], single[1])},
+        },
+    }
     out.update(_summary(reports[0]))
     return out
 
@@ -99,8 +103,9 @@ def _case_ep(rank: int, ws: int, name: str, options: dict, tokens: list[int]) ->
     state = attach(model, eplb)
     out: dict[str, Any] = {"case": name, "errors": {}}
     with torch.no_grad(), ascend_passes.capture() as reports:
-        compiled = torch.compile(model, backend="ascend_passes",
-                                 options={"compiler": "eager", "eplb": {"enabled": True, **eplb}, **options})
+        compiled = torch.compile(
+            model, backend="ascend_passes", options={"compiler": "eager", "eplb": {"enabled": True, **eplb}, **options}
+        )
         for t in tokens:
             ids = _ids(t)
             torch._dynamo.mark_dynamic(ids, 1)
@@ -170,8 +175,12 @@ def test_sp_collectives_match_the_layers(world) -> None:
     r = res["sp"]
     expected = expected_all_reduce_count(NUM_LAYERS)  # embedding + (o_proj, MLP/MoE) per layer
     assert r["counts"] == {AR: 0, RS: expected, AG: expected + 1}  # + the LM head's logits gather
-    assert r["sp"] == {"reduce_scatter": expected, "rms_norm_on_shard": 1, "add_rms_norm_on_shard": 2 * NUM_LAYERS,
-                       "all_gather": expected}
+    assert r["sp"] == {
+        "reduce_scatter": expected,
+        "rms_norm_on_shard": 1,
+        "add_rms_norm_on_shard": 2 * NUM_LAYERS,
+        "all_gather": expected,
+    }
 
 
 def test_sp_outputs_equal_tp_and_single_process_for_every_token_count(world) -> None:

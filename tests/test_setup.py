@@ -31,8 +31,14 @@ def _copy_repo(dst: Path) -> Path:
 def _build_editable(repo: Path, **env: str) -> tuple[subprocess.CompletedProcess, list[str]]:
     out = repo / "dist"
     clean = {k: v for k, v in os.environ.items() if not k.startswith("ASCEND_PASSES_")}
-    proc = subprocess.run([sys.executable, "-c", _BUILD_EDITABLE, str(out)], cwd=repo, env={**clean, **env},
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", _BUILD_EDITABLE, str(out)],
+        cwd=repo,
+        env={**clean, **env},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     wheels = sorted(p.name for p in out.glob("*.whl")) if out.exists() else []
     return proc, wheels
 
@@ -54,7 +60,9 @@ def test_editable_install_without_the_kernels(tmp_path):
 
     # a kernel build that fails: reported, skipped, the install goes on (outside CI) ...
     cmake_lists = repo / "CMakeLists.txt"  # fails at once, before looking for torch
-    cmake_lists.write_text('message(FATAL_ERROR "broken on purpose by tests/test_setup.py")\n' + cmake_lists.read_text())
+    cmake_lists.write_text(
+        'message(FATAL_ERROR "broken on purpose by tests/test_setup.py")\n' + cmake_lists.read_text()
+    )
     shutil.rmtree(repo / "dist")
     proc, wheels = _build_editable(repo)
     assert proc.returncode == 0, proc.stderr[-2000:]

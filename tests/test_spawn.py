@@ -28,16 +28,18 @@ def test_the_rank_that_died_is_named_not_the_survivor():
     with pytest.raises(RankFailed) as info:
         run_on_ranks(_rank1_exits, 2, "exit", timeout_s=120)
     message = str(info.value)
-    assert message.startswith("rank 1 of 2 died with exit code 3 before reporting (os._exit, a crash in "
-                              "native code, or a kill such as the OOM killer's; the other ranks then "
-                              "fail in their next collective)"), message
+    assert message.startswith(
+        "rank 1 of 2 died with exit code 3 before reporting (os._exit, a crash in "
+        "native code, or a kill such as the OOM killer's; the other ranks then "
+        "fail in their next collective)"
+    ), message
     assert not message.startswith("rank 0")
 
 
 def test_death_by_signal_is_named_by_the_signal():
     assert _death_message({1: -signal.SIGKILL, 3: 2}, 4).startswith(
-        "rank 1 of 4 died with signal SIGKILL before reporting; rank 3 of 4 died with exit code 2 "
-        "before reporting (")
+        "rank 1 of 4 died with signal SIGKILL before reporting; rank 3 of 4 died with exit code 2 before reporting ("
+    )
     assert _death_message({0: -200}, 2).startswith("rank 0 of 2 died with signal 200 before")
 
 

@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from _helpers import skip_unless
 
 try:
@@ -50,12 +49,30 @@ def _write_checkpoint(path: Path) -> None:
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     config = DeepseekV3Config(
-        vocab_size=256, hidden_size=128, intermediate_size=192, moe_intermediate_size=64,
-        num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=2, n_shared_experts=1,
-        n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, norm_topk_prob=True,
-        routed_scaling_factor=2.5, first_k_dense_replace=1, q_lora_rank=64, kv_lora_rank=512,
-        qk_nope_head_dim=32, qk_rope_head_dim=64, v_head_dim=32, max_position_embeddings=256,
-        tie_word_embeddings=False, num_nextn_predict_layers=0)
+        vocab_size=256,
+        hidden_size=128,
+        intermediate_size=192,
+        moe_intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        n_shared_experts=1,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        norm_topk_prob=True,
+        routed_scaling_factor=2.5,
+        first_k_dense_replace=1,
+        q_lora_rank=64,
+        kv_lora_rank=512,
+        qk_nope_head_dim=32,
+        qk_rope_head_dim=64,
+        v_head_dim=32,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        num_nextn_predict_layers=0,
+    )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         model = DeepseekV3ForCausalLM(config)
@@ -102,17 +119,22 @@ _RUNNER = textwrap.dedent("""
 """)
 
 
-def _generate(model: Path, llm: dict[str, Any], post_grad: dict[str, Any] | None = None,
-              env: dict[str, str] | None = None) -> dict[str, Any]:
-    spec = {"model": str(model), "llm": llm, "post_grad": post_grad, "prompts": PROMPTS,
-            "max_tokens": MAX_TOKENS}
-    child_env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
-                 **(env or {})}
-    proc = subprocess.run([sys.executable, "-c", _RUNNER, json.dumps(spec)], env=child_env,
-                          capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+def _generate(
+    model: Path, llm: dict[str, Any], post_grad: dict[str, Any] | None = None, env: dict[str, str] | None = None
+) -> dict[str, Any]:
+    spec = {"model": str(model), "llm": llm, "post_grad": post_grad, "prompts": PROMPTS, "max_tokens": MAX_TOKENS}
+    child_env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", **(env or {})}
+    proc = subprocess.run(
+        [sys.executable, "-c", _RUNNER, json.dumps(spec)],
+        env=child_env,
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT_S,
+    )
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, (
-        f"vLLM run failed (rc={proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+        f"vLLM run failed (rc={proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    )
     return json.loads(lines[-1].removeprefix("RESULT "))
 
 
@@ -124,8 +146,10 @@ def _assert_same_tokens(result: dict[str, Any], eager: dict[str, Any]) -> None:
         for i, (a, b) in enumerate(zip(toks, ref_toks)):
             if a != b:
                 gap = ref_top2[i][0] - ref_top2[i][1]
-                assert gap < TIE, (f"prompt {p} token {i}: {a} != eager's {b} (eager's top-2 gap "
-                                   f"{gap:.3f} is no tie); tokens {toks} vs {ref_toks}")
+                assert gap < TIE, (
+                    f"prompt {p} token {i}: {a} != eager's {b} (eager's top-2 gap "
+                    f"{gap:.3f} is no tie); tokens {toks} vs {ref_toks}"
+                )
                 break  # after a legitimate flip the continuations differ
 
 
@@ -151,8 +175,9 @@ def vllm_inductor(checkpoint: Path) -> dict[str, Any]:
 
 def test_post_grad_route_cleanup_matches_vllm_inductor(checkpoint: Path, vllm_inductor: dict[str, Any]) -> None:
     """The post-grad route with ``cleanup`` only: same tokens as vLLM's Inductor route."""
-    result = _generate(checkpoint, {"compilation_config": {"mode": 2}},
-                       post_grad={"compiler": "inductor", "passes": "cleanup"})
+    result = _generate(
+        checkpoint, {"compilation_config": {"mode": 2}}, post_grad={"compiler": "inductor", "passes": "cleanup"}
+    )
     assert result["reports"], "the post-grad pass never ran (no report captured)"
     assert not any(r["rolled_back"] for r in result["reports"]), result["reports"]
     _assert_same_tokens(result, vllm_inductor)
@@ -165,8 +190,9 @@ def test_post_grad_route_norm_matches_vllm_inductor(checkpoint: Path, vllm_induc
     wrong schedule is made at compile time, the NaN only depended on what the uninitialised memory
     held: token equality catches it in every run.  Several prompts and decode steps in one LLM: each
     step runs the compiled graph."""
-    result = _generate(checkpoint, {"compilation_config": {"mode": 2}},
-                       post_grad={"compiler": "inductor", "passes": "cleanup,norm"})
+    result = _generate(
+        checkpoint, {"compilation_config": {"mode": 2}}, post_grad={"compiler": "inductor", "passes": "cleanup,norm"}
+    )
     assert not any(r["rolled_back"] for r in result["reports"]), result["reports"]
     ops = {k: v for r in result["reports"] for k, v in r["ops"].items()}
     assert ops.get("ascend.rms_norm", 0) >= 4 and ops.get("ascend.add_rms_norm", 0) >= 3, result["reports"]

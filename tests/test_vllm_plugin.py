@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from _helpers import skip_unless
 
 try:
@@ -87,11 +86,17 @@ _HASHER = textwrap.dedent("""
 
 def _python(code: str, arg: Any, env: dict[str, str]) -> dict[str, Any]:
     child_env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", **env}
-    proc = subprocess.run([sys.executable, "-c", code, json.dumps(arg)], env=child_env,
-                          capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    proc = subprocess.run(
+        [sys.executable, "-c", code, json.dumps(arg)],
+        env=child_env,
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT_S,
+    )
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, (
-        f"run failed (rc={proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-8000:]}")
+        f"run failed (rc={proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-8000:]}"
+    )
     return json.loads(lines[-1].removeprefix("RESULT "))
 
 
@@ -133,8 +138,7 @@ def fresh_caches(tmp_path_factory: pytest.TempPathFactory):
     root = tmp_path_factory.mktemp("caches")
 
     def env(name: str) -> dict[str, str]:
-        return {"VLLM_CACHE_ROOT": str(root / name / "vllm"),
-                "TORCHINDUCTOR_CACHE_DIR": str(root / name / "inductor")}
+        return {"VLLM_CACHE_ROOT": str(root / name / "vllm"), "TORCHINDUCTOR_CACHE_DIR": str(root / name / "inductor")}
 
     return env
 
@@ -142,34 +146,36 @@ def fresh_caches(tmp_path_factory: pytest.TempPathFactory):
 @pytest.fixture(scope="module")
 def vllm_inductor(checkpoint: Path, fresh_caches) -> dict[str, Any]:
     """vLLM's own Inductor route (mode 2, no ascend_passes), same custom_ops: the reference."""
-    result = _generate(checkpoint, {"compilation_config": {"mode": 2, "custom_ops": ["none"]}},
-                       fresh_caches("reference"))
+    result = _generate(
+        checkpoint, {"compilation_config": {"mode": 2, "custom_ops": ["none"]}}, fresh_caches("reference")
+    )
     assert not any(math.isnan(v) for top2 in result["top2"] for pair in top2 for v in pair)
     return result
 
 
-def test_mode2_backend_under_default_aot_compile(checkpoint: Path, vllm_inductor: dict[str, Any],
-                                                 fresh_caches) -> None:
+def test_mode2_backend_under_default_aot_compile(checkpoint: Path, vllm_inductor: dict[str, Any], fresh_caches) -> None:
     """(a) ``compilation_config={"mode": 2, "backend": "ascend_passes"}`` with vLLM's defaults (its
     ahead-of-time compile on): was ``AssertionError: expected OutputCode, got function``."""
     env = {k: v for k, v in os.environ.items() if k == "VLLM_USE_AOT_COMPILE"}
     assert not env, "the test must run under vLLM's default (VLLM_USE_AOT_COMPILE unset)"
-    result = _generate(checkpoint, {"compilation_config": {"mode": 2, "backend": "ascend_passes",
-                                                           "custom_ops": ["none"]}},
-                       {**fresh_caches("mode2"), "ASCEND_PASSES_OPTIONS": json.dumps(OPTIONS)})
+    result = _generate(
+        checkpoint,
+        {"compilation_config": {"mode": 2, "backend": "ascend_passes", "custom_ops": ["none"]}},
+        {**fresh_caches("mode2"), "ASCEND_PASSES_OPTIONS": json.dumps(OPTIONS)},
+    )
     assert result["mode"] == 2 and result["backend"] == "ascend_passes", result
     _assert_rewrites_and_near_misses(result)
     _assert_same_tokens(result, vllm_inductor)
 
 
-def test_piecewise_route_compiles_then_loads_from_cache(checkpoint: Path, vllm_inductor: dict[str, Any],
-                                                        fresh_caches) -> None:
+def test_piecewise_route_compiles_then_loads_from_cache(
+    checkpoint: Path, vllm_inductor: dict[str, Any], fresh_caches
+) -> None:
     """(c) The platform plugin keeps mode 3 and vLLM's piecewise backend compiles every piece with
     AscendCompiler (one report per piece, distinct ids); a second process on the same cache
     directory compiles nothing and gives the same tokens."""
     env = {**fresh_caches("piecewise"), "ASCEND_PASSES_VLLM": "1"}
-    llm = {"compilation_config": {"mode": 3, "custom_ops": ["none"]},
-           "additional_config": {"ascend_passes": OPTIONS}}
+    llm = {"compilation_config": {"mode": 3, "custom_ops": ["none"]}, "additional_config": {"ascend_passes": OPTIONS}}
     cold = _generate(checkpoint, llm, env)
     assert cold["platform"] == "AscendCpuPlatform" and cold["mode"] == 3, cold
     assert cold["backend"] == "ascend_passes.vllm.AscendCompiler", cold
@@ -238,10 +244,9 @@ def test_opaque_vllm_ops_are_near_misses() -> None:
     ``auto_functionalized``) as near-misses and leaves the graph unchanged; plain ATen: none."""
     import torch
     import torch.fx as fx
-    from torch._higher_order_ops.auto_functionalize import auto_functionalized
-
     import vllm.model_executor.layers.attention.mla_attention  # noqa: F401  (registers the ops)
     import vllm.model_executor.layers.fused_moe.layer  # noqa: F401
+    from torch._higher_order_ops.auto_functionalize import auto_functionalized
 
     import ascend_passes as ap
     from ascend_passes.passes.vllm_opaque import VllmOpaquePass
@@ -250,8 +255,9 @@ def test_opaque_vllm_ops_are_near_misses() -> None:
     x = graph.placeholder("x")
     y = graph.call_function(torch.ops.aten.relu.default, (x,))
     moe = graph.call_function(torch.ops.vllm.moe_forward.default, (y, y, "layers.1.mlp.experts"))
-    attn = graph.call_function(auto_functionalized, (torch.ops.vllm.unified_mla_attention_with_output.default,),
-                               {"q": y})
+    attn = graph.call_function(
+        auto_functionalized, (torch.ops.vllm.unified_mla_attention_with_output.default,), {"q": y}
+    )
     graph.output((moe, attn))
     gm = fx.GraphModule(torch.nn.Module(), graph)
     before = str(gm.graph)

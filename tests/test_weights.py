@@ -164,10 +164,12 @@ def test_wrong_expert_shape_raises_and_keeps_old_weights(tiny: nn.Module, loader
     param = tiny.get_parameter(f"{EXPERTS}.gate_up_proj")  # [16, 64, 64]
     param.weight_loader = loader
     before = param.detach().clone()
-    with pytest.raises(weights.WeightLoadError,
-                       match=r"cannot load a tensor of shape \(64, 63\) into "
-                             r"'lm\.model\.layers\.1\.mlp\.experts\.gate_up_proj' \(shape \(16, 64, 64\)\)"
-                             r".*the old weights are kept"):
+    with pytest.raises(
+        weights.WeightLoadError,
+        match=r"cannot load a tensor of shape \(64, 63\) into "
+        r"'lm\.model\.layers\.1\.mlp\.experts\.gate_up_proj' \(shape \(16, 64, 64\)\)"
+        r".*the old weights are kept",
+    ):
         weights.load_weight(tiny, f"{EXPERTS}.gate_up_proj", torch.ones(64, 63), 3)
     assert torch.equal(param, before)
     assert param.weight_loader is loader
@@ -179,7 +181,9 @@ def test_bad_expert_id_and_full_shape_and_name(tiny: nn.Module) -> None:
     before = down.detach().clone()
     with pytest.raises(weights.WeightLoadError, match=r"expert_id 16 outside \[0, 16\)"):
         weights.load_weight(tiny, f"{EXPERTS}.down_proj", torch.ones(64, 32), 16)
-    with pytest.raises(weights.WeightLoadError, match=r"expects one expert's weight of shape \(64, 32\), got \(32, 64\)"):
+    with pytest.raises(
+        weights.WeightLoadError, match=r"expects one expert's weight of shape \(64, 32\), got \(32, 64\)"
+    ):
         weights.load_weight(tiny, f"{EXPERTS}.down_proj", torch.ones(32, 64), 0)
     assert torch.equal(down, before)
 

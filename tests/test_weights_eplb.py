@@ -12,10 +12,10 @@ from typing import Any
 
 import pytest
 import torch
+from _helpers import rel_diff
 from torch import nn
 
 import ascend_passes as ap
-from _helpers import rel_diff
 from ascend_passes import models, weights
 from ascend_passes.eplb.state import attach
 from ascend_passes.spawn import run_on_ranks
@@ -34,8 +34,7 @@ def vllm_style_loader(param: nn.Parameter, loaded_weight: torch.Tensor, expert_i
 def _zipf(num_layers: int, seed: int) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
     share = 1.0 / torch.arange(1, NUM_EXPERTS + 1, dtype=torch.float64) ** 1.2
-    return torch.stack([(share[torch.randperm(NUM_EXPERTS, generator=gen)] * 10_000).long()
-                        for _ in range(num_layers)])
+    return torch.stack([(share[torch.randperm(NUM_EXPERTS, generator=gen)] * 10_000).long() for _ in range(num_layers)])
 
 
 def _slots_hold_logical(state: Any, eager: nn.Module) -> bool:
@@ -114,9 +113,13 @@ def test_rl_updates_reach_every_replica_of_compiled_target_and_drafter() -> None
                 target_state.rebalance(_zipf(target_state.num_layers, seed=1))
                 drafter_state.rebalance(_zipf(drafter_state.num_layers, seed=2))
                 assert not torch.equal(target_state.phy2log, old)
-            replicated = [_update(model, eager, state, gen, whole=update == 1)
-                          for model, eager, state in ((target, eager_target, target_state),
-                                                      (drafter, eager_drafter, drafter_state))]
+            replicated = [
+                _update(model, eager, state, gen, whole=update == 1)
+                for model, eager, state in (
+                    (target, eager_target, target_state),
+                    (drafter, eager_drafter, drafter_state),
+                )
+            ]
             assert all(replicated)
             assert _slots_hold_logical(target_state, eager_target), f"update {update}: a stale replica"
             assert _slots_hold_logical(drafter_state, eager_drafter), f"update {update}: a stale replica"
@@ -148,7 +151,8 @@ def test_physical_name_refuses_one_slot_and_takes_a_whole_physical_tensor(attach
     assert str(info.value) == (
         f"'{EXPERTS}.eplb_down_proj' holds the physical slots of EPLB-attached experts (a redundant expert has "
         f"several); load expert weights through the logical name '{EXPERTS}.down_proj' with the logical expert id "
-        "(every replica is updated); the old weights are kept")
+        "(every replica is updated); the old weights are kept"
+    )
     assert torch.equal(physical, before)
     whole = torch.randn(physical.shape)
     weights.load_weight(model, f"{EXPERTS}.eplb_down_proj", whole)
@@ -164,19 +168,33 @@ def test_logical_name_errors_change_nothing(attached: Any) -> None:
     before = gate_up.detach().clone()
     name = f"{EXPERTS}.gate_up_proj"
     cases = [
-        ((torch.ones(64, 64), 16), f"cannot load a tensor of shape (64, 64) into '{name}': expert_id 16 outside "
-                                   "[0, 16); the old weights are kept"),
-        ((torch.ones(64, 63), 0), f"cannot load a tensor of shape (64, 63) into '{name}': expects one expert's "
-                                  "weight of shape (64, 64), got (64, 63); the old weights are kept"),
-        ((torch.ones(64, 64), "0"), f"cannot load a tensor of shape (64, 64) into '{name}': expert_id must be "
-                                    "an int, got str '0'; the old weights are kept"),
-        ((torch.ones(20, 64, 64),), f"cannot load a tensor of shape (20, 64, 64) into '{name}': expects the "
-                                    "logical shape (16, 64, 64) (or one expert's weight (64, 64) with an expert "
-                                    "id), got (20, 64, 64); the old weights are kept"),
-        ((torch.ones(64, 64, dtype=torch.int64), 0),
-         f"cannot load a torch.int64 tensor into '{name}' (torch.float32): a floating-point parameter takes "
-         "floating-point tensors only, a cast would change the values silently; convert the tensor first "
-         "(e.g. tensor.to(torch.float32)) if that is meant; the old weights are kept"),
+        (
+            (torch.ones(64, 64), 16),
+            f"cannot load a tensor of shape (64, 64) into '{name}': expert_id 16 outside "
+            "[0, 16); the old weights are kept",
+        ),
+        (
+            (torch.ones(64, 63), 0),
+            f"cannot load a tensor of shape (64, 63) into '{name}': expects one expert's "
+            "weight of shape (64, 64), got (64, 63); the old weights are kept",
+        ),
+        (
+            (torch.ones(64, 64), "0"),
+            f"cannot load a tensor of shape (64, 64) into '{name}': expert_id must be "
+            "an int, got str '0'; the old weights are kept",
+        ),
+        (
+            (torch.ones(20, 64, 64),),
+            f"cannot load a tensor of shape (20, 64, 64) into '{name}': expects the "
+            "logical shape (16, 64, 64) (or one expert's weight (64, 64) with an expert "
+            "id), got (20, 64, 64); the old weights are kept",
+        ),
+        (
+            (torch.ones(64, 64, dtype=torch.int64), 0),
+            f"cannot load a torch.int64 tensor into '{name}' (torch.float32): a floating-point parameter takes "
+            "floating-point tensors only, a cast would change the values silently; convert the tensor first "
+            "(e.g. tensor.to(torch.float32)) if that is meant; the old weights are kept",
+        ),
     ]
     for args, message in cases:
         with pytest.raises(weights.WeightLoadError) as info:
@@ -218,30 +236,44 @@ def test_bad_argument_types_and_dtypes_are_weight_load_errors() -> None:
     experts.weight_loader = weights.expert_weight_loader
     kept = norm.detach().clone(), experts.detach().clone()
     cases = [
-        (("lm.model.norm.weight", torch.ones(64, dtype=torch.int64)),
-         "cannot load a torch.int64 tensor into 'lm.model.norm.weight' (torch.float32): a floating-point "
-         "parameter takes floating-point tensors only, a cast would change the values silently; convert the "
-         "tensor first (e.g. tensor.to(torch.float32)) if that is meant; the old weights are kept"),
-        (("lm.model.norm.weight", torch.ones(64, dtype=torch.bool)),
-         "cannot load a torch.bool tensor into 'lm.model.norm.weight' (torch.float32): a floating-point "
-         "parameter takes floating-point tensors only, a cast would change the values silently; convert the "
-         "tensor first (e.g. tensor.to(torch.float32)) if that is meant; the old weights are kept"),
-        (("lm.model.norm.weight", torch.ones(64, dtype=torch.complex64)),
-         "cannot load a torch.complex64 tensor into 'lm.model.norm.weight' (torch.float32): a floating-point "
-         "parameter takes floating-point tensors only, a cast would change the values silently; convert the "
-         "tensor first (e.g. tensor.to(torch.float32)) if that is meant; the old weights are kept"),
-        (("lm.model.norm.weight", [1.0] * 64),
-         "cannot load a list into 'lm.model.norm.weight': loaded_weight must be a torch.Tensor (convert it "
-         "with torch.as_tensor); the old weights are kept"),
-        ((f"{EXPERTS}.down_proj", torch.ones(64, 32), "0"),
-         f"cannot load a tensor of shape (64, 32) into '{EXPERTS}.down_proj' (shape (16, 64, 32)): expert_id "
-         "must be an int, got str '0'; the old weights are kept"),
-        ((f"{EXPERTS}.down_proj", torch.ones(64, 32), 1.0),
-         f"cannot load a tensor of shape (64, 32) into '{EXPERTS}.down_proj' (shape (16, 64, 32)): expert_id "
-         "must be an int, got float 1.0; the old weights are kept"),
-        ((f"{EXPERTS}.down_proj", torch.ones(32, 64), 0),
-         f"cannot load a tensor of shape (32, 64) into '{EXPERTS}.down_proj' (shape (16, 64, 32)): expects one "
-         "expert's weight of shape (64, 32), got (32, 64); the old weights are kept"),
+        (
+            ("lm.model.norm.weight", torch.ones(64, dtype=torch.int64)),
+            "cannot load a torch.int64 tensor into 'lm.model.norm.weight' (torch.float32): a floating-point "
+            "parameter takes floating-point tensors only, a cast would change the values silently; convert the "
+            "tensor first (e.g. tensor.to(torch.float32)) if that is meant; the old weights are kept",
+        ),
+        (
+            ("lm.model.norm.weight", torch.ones(64, dtype=torch.bool)),
+            "cannot load a torch.bool tensor into 'lm.model.norm.weight' (torch.float32): a floating-point "
+            "parameter takes floating-point tensors only, a cast would change the values silently; convert the "
+            "tensor first (e.g. tensor.to(torch.float32)) if that is meant; the old weights are kept",
+        ),
+        (
+            ("lm.model.norm.weight", torch.ones(64, dtype=torch.complex64)),
+            "cannot load a torch.complex64 tensor into 'lm.model.norm.weight' (torch.float32): a floating-point "
+            "parameter takes floating-point tensors only, a cast would change the values silently; convert the "
+            "tensor first (e.g. tensor.to(torch.float32)) if that is meant; the old weights are kept",
+        ),
+        (
+            ("lm.model.norm.weight", [1.0] * 64),
+            "cannot load a list into 'lm.model.norm.weight': loaded_weight must be a torch.Tensor (convert it "
+            "with torch.as_tensor); the old weights are kept",
+        ),
+        (
+            (f"{EXPERTS}.down_proj", torch.ones(64, 32), "0"),
+            f"cannot load a tensor of shape (64, 32) into '{EXPERTS}.down_proj' (shape (16, 64, 32)): expert_id "
+            "must be an int, got str '0'; the old weights are kept",
+        ),
+        (
+            (f"{EXPERTS}.down_proj", torch.ones(64, 32), 1.0),
+            f"cannot load a tensor of shape (64, 32) into '{EXPERTS}.down_proj' (shape (16, 64, 32)): expert_id "
+            "must be an int, got float 1.0; the old weights are kept",
+        ),
+        (
+            (f"{EXPERTS}.down_proj", torch.ones(32, 64), 0),
+            f"cannot load a tensor of shape (32, 64) into '{EXPERTS}.down_proj' (shape (16, 64, 32)): expects one "
+            "expert's weight of shape (64, 32), got (32, 64); the old weights are kept",
+        ),
         ((0, torch.ones(64)), "load_weight() takes the parameter's name as a str, got int 0"),
     ]
     for args, message in cases:
@@ -250,15 +282,20 @@ def test_bad_argument_types_and_dtypes_are_weight_load_errors() -> None:
         assert str(info.value) == message
     with pytest.raises(weights.WeightLoadError) as info:  # by keyword, whatever the loader
         weights.load_weight(model, f"{EXPERTS}.down_proj", torch.ones(64, 32), expert_id=True)
-    assert str(info.value) == (f"cannot load a tensor of shape (64, 32) into '{EXPERTS}.down_proj' (shape "
-                               "(16, 64, 32)): expert_id must be an int, got bool True; the old weights are kept")
-    for call, what in ((lambda: weights.load_weight("model", "x", torch.ones(1)), "load_weight()"),
-                       (lambda: weights.prepare("model"), "prepare()"),
-                       (lambda: weights.restore(model, "model"), "restore()")):
+    assert str(info.value) == (
+        f"cannot load a tensor of shape (64, 32) into '{EXPERTS}.down_proj' (shape "
+        "(16, 64, 32)): expert_id must be an int, got bool True; the old weights are kept"
+    )
+    for call, what in (
+        (lambda: weights.load_weight("model", "x", torch.ones(1)), "load_weight()"),
+        (lambda: weights.prepare("model"), "prepare()"),
+        (lambda: weights.restore(model, "model"), "restore()"),
+    ):
         with pytest.raises(weights.WeightLoadError) as info:
             call()
-        assert str(info.value) == (f"{what} takes models (torch.nn.Module: a target and its MTP drafter), "
-                                   "got str 'model'")
+        assert str(info.value) == (
+            f"{what} takes models (torch.nn.Module: a target and its MTP drafter), got str 'model'"
+        )
     assert torch.equal(norm, kept[0]) and torch.equal(experts, kept[1])
     # what stays allowed: a floating-point cast (a bf16 checkpoint into fp32 weights), a NumPy / tensor id
     weights.load_weight(model, "lm.model.norm.weight", torch.full((64,), 0.5, dtype=torch.bfloat16))
@@ -289,14 +326,26 @@ def _ep_rank(rank: int, world_size: int) -> dict:  # a spawned rank (gloo)
                 state.rebalance(_zipf(state.num_layers, seed=3))  # collective: replicas move between ranks
             replicated = _update(model, eager, state, gen, whole=update == 1)
             layer = state.layers[0]
-            spans = [sorted({s // state.slots_per_rank
-                             for s in layer.log2phy[e, :int(layer.replica_count[e])].tolist()}) for e in replicated]
+            spans = [
+                sorted({s // state.slots_per_rank for s in layer.log2phy[e, : int(layer.replica_count[e])].tolist()})
+                for e in replicated
+            ]
             out = compiled(*inputs)
-            rounds.append({"vs_eager": rel_diff(out, eager(*inputs)), "changed": rel_diff(out, previous),
-                           "slots_ok": _slots_hold_logical(state, eager), "spans": spans})
+            rounds.append(
+                {
+                    "vs_eager": rel_diff(out, eager(*inputs)),
+                    "changed": rel_diff(out, previous),
+                    "slots_ok": _slots_hold_logical(state, eager),
+                    "spans": spans,
+                }
+            )
             previous = out
-    return {"rank": rank, "rounds": rounds, "compiles": len(reports),
-            "slots": tuple(layer.experts.eplb_gate_up_proj.shape[0] for layer in state.layers)}
+    return {
+        "rank": rank,
+        "rounds": rounds,
+        "compiles": len(reports),
+        "slots": tuple(layer.experts.eplb_gate_up_proj.shape[0] for layer in state.layers),
+    }
 
 
 def test_expert_parallel_updates_reach_the_replicas_on_every_rank() -> None:
@@ -356,8 +405,10 @@ def test_expert_updates_and_layout_changes_wait_for_forwards_in_flight(attached:
     slots = layer.log2phy[expert, :2].tolist()
     param = layer.experts.eplb_down_proj
     new = torch.randn(param.shape[1:])
-    assert _waits_for_a_forward(lambda: weights.load_weight(model, f"{EXPERTS}.down_proj", new, expert)) \
-        == (False, True)
+    assert _waits_for_a_forward(lambda: weights.load_weight(model, f"{EXPERTS}.down_proj", new, expert)) == (
+        False,
+        True,
+    )
     assert all(torch.equal(param[s], new) for s in slots)  # landed after the forward, in every replica
     with FORWARD_LOCK.reading(), pytest.raises(ap.ConfigError, match="from inside a forward"):
         weights.load_weight(model, f"{EXPERTS}.down_proj", new, expert)

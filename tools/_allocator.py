@@ -17,8 +17,7 @@ import sys
 CHOICES = ("tcmalloc", "system")
 _REEXEC_FLAG = "ASCEND_BENCH_ALLOCATOR_REEXEC"
 _TCMALLOC_NAMES = ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4")
-_SEARCH_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib",
-                "/usr/local/lib")
+_SEARCH_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib", "/usr/local/lib")
 
 
 def find_tcmalloc() -> str | None:
@@ -58,7 +57,9 @@ def ensure(choice: str) -> str:
             os.execve(sys.executable, [sys.executable, *sys.argv], env)
     using = current()
     if choice == "tcmalloc" and using != "tcmalloc":
-        return (f"allocator: {using} — TCMalloc not found (apt install libtcmalloc-minimal4); outputs "
-                "above 32 MiB are then page-faulted on every call")
+        return (
+            f"allocator: {using} — TCMalloc not found (apt install libtcmalloc-minimal4); outputs "
+            "above 32 MiB are then page-faulted on every call"
+        )
     other = "--allocator system" if using == "tcmalloc" else "--allocator tcmalloc"
     return f"allocator: {using} (the other one: {other})"

@@ -17,5 +17,7 @@ def cpu_features_line() -> str:
         return "yes" if set(names) <= flags else "no"
 
     cap = os.environ.get("ASCEND_PASSES_ISA", "")
-    return (f"CPU: AVX-512 {yes('avx512f', 'avx512bw', 'avx512vl', 'avx512dq')}, avx512_bf16 {yes('avx512_bf16')}, "
-            f"AMX {yes('amx_tile', 'amx_bf16')} (amx_tile + amx_bf16); ASCEND_PASSES_ISA={cap or '(unset: widest)'}")
+    return (
+        f"CPU: AVX-512 {yes('avx512f', 'avx512bw', 'avx512vl', 'avx512dq')}, avx512_bf16 {yes('avx512_bf16')}, "
+        f"AMX {yes('amx_tile', 'amx_bf16')} (amx_tile + amx_bf16); ASCEND_PASSES_ISA={cap or '(unset: widest)'}"
+    )

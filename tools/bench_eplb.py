@@ -66,9 +66,7 @@ def equal_partitions(items: tuple[int, ...], size: int) -> Iterator[list[tuple[i
             yield [block, *tail]
 
 
-def hierarchical_bound(
-    load: torch.Tensor, slots: int, groups: int, nodes: int, ranks: int
-) -> torch.Tensor:
+def hierarchical_bound(load: torch.Tensor, slots: int, groups: int, nodes: int, ranks: int) -> torch.Tensor:
     """``[L]`` lower bound on max/mean when whole expert groups stay on one node.
 
     Minimum over every assignment of groups to nodes of the maximum over nodes of
@@ -141,13 +139,20 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=1 << 20, help="routed tokens per layer")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeat", type=int, default=5, help="timed runs per policy")
-    parser.add_argument("--forward", action="store_true",
-                        help="also time the forward pass of the bundled deepseek_v3 with and "
-                        "without the EPLB indirection (R = 0)")
-    parser.add_argument("--gloo", type=int, default=0, metavar="W",
-                        help="also run the bundled deepseek_v3 with expert parallelism over W real "
-                        "gloo processes, a Zipf-skewed router, and report the per-rank recorded "
-                        "loads before and after rebalance()")
+    parser.add_argument(
+        "--forward",
+        action="store_true",
+        help="also time the forward pass of the bundled deepseek_v3 with and without the EPLB indirection (R = 0)",
+    )
+    parser.add_argument(
+        "--gloo",
+        type=int,
+        default=0,
+        metavar="W",
+        help="also run the bundled deepseek_v3 with expert parallelism over W real "
+        "gloo processes, a Zipf-skewed router, and report the per-rank recorded "
+        "loads before and after rebalance()",
+    )
     args = parser.parse_args()
 
     layers = args.moe_layers + args.mtp_layers
@@ -159,13 +164,13 @@ def main() -> None:
 
     glob = global_bound(load, slots, args.ranks)
     hier = hierarchical_bound(load, slots, args.groups, args.nodes, args.ranks)
+
     def place(groups: int, nodes: int, refine: bool) -> Callable[[], torch.Tensor]:
         return lambda: rebalance_experts(load, slots, groups, nodes, args.ranks, refine=refine)[0]
 
     hierarchy = (args.groups, args.nodes)
     policies = [
-        ("default (no rebalance)",
-         lambda: default_placement(layers, args.experts, args.redundant, args.ranks), None),
+        ("default (no rebalance)", lambda: default_placement(layers, args.experts, args.redundant, args.ranks), None),
         ("global, greedy only", place(1, 1, refine=False), glob),
         ("global", place(1, 1, refine=True), glob),
         ("hierarchical, greedy only", place(*hierarchy, refine=False), hier),
@@ -190,8 +195,7 @@ def main() -> None:
         f"EPLB placement, {args.moe_layers}+{args.mtp_layers} layers, {args.experts} experts + "
         f"{args.redundant} redundant on {args.ranks} ranks ({args.nodes} nodes, {args.groups} "
         f"groups), Zipf({args.zipf}), seed {args.seed}, {torch.get_num_threads()} threads",
-        ["policy", "time s (min / median)", "max/mean: mean", "worst", "bound: mean", "worst",
-         "achieved / bound"],
+        ["policy", "time s (min / median)", "max/mean: mean", "worst", "bound: mean", "worst", "achieved / bound"],
         rows,
     )
     print(
@@ -211,8 +215,7 @@ def main() -> None:
         f"Tiny scale: 16 experts + 4 redundant on EP 4, Zipf({args.zipf}), 64 random layers",
         ["placement", "max/mean: mean", "worst"],
         [
-            ["default (in order, copies of 0..3 appended)",
-             f"{before.mean():.4f}", f"{before.max():.4f}"],
+            ["default (in order, copies of 0..3 appended)", f"{before.mean():.4f}", f"{before.max():.4f}"],
             ["rebalanced (global)", f"{after.mean():.4f}", f"{after.max():.4f}"],
             ["lower bound", f"{bound.mean():.4f}", f"{bound.max():.4f}"],
         ],
@@ -223,15 +226,21 @@ def main() -> None:
         real_ranks(args.gloo, args.zipf, args.seed)
 
 
-def _rank_worker(rank: int, world: int, redundant: int, tokens: int, zipf: float, seed: int,
-                 port: int, results) -> None:  # a spawned EP rank
+def _rank_worker(
+    rank: int, world: int, redundant: int, tokens: int, zipf: float, seed: int, port: int, results
+) -> None:  # a spawned EP rank
     import datetime
 
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=120))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=120),
+    )
     try:
         from ascend_passes import models
         from ascend_passes.eplb.state import attach
@@ -246,8 +255,9 @@ def _rank_worker(rank: int, world: int, redundant: int, tokens: int, zipf: float
             ref = model(*inputs)
         eplb = {"num_redundant_experts": redundant, "ep_size": world}
         state = attach(model, eplb)
-        compiled = torch.compile(model, backend="ascend_passes",
-                                 options={"compiler": "eager", "eplb": {"enabled": True, **eplb}})
+        compiled = torch.compile(
+            model, backend="ascend_passes", options={"compiler": "eager", "eplb": {"enabled": True, **eplb}}
+        )
 
         def rank_load() -> torch.Tensor:  # [layers] tokens this rank's slots computed
             return state.physical_load().sum(-1)
@@ -277,8 +287,10 @@ def real_ranks(world: int, zipf: float, seed: int, redundant: int = 4, tokens: i
         port = sock.getsockname()[1]
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    procs = [ctx.Process(target=_rank_worker, args=(r, world, redundant, tokens, zipf, seed, port,
-                                                    results), daemon=True) for r in range(world)]
+    procs = [
+        ctx.Process(target=_rank_worker, args=(r, world, redundant, tokens, zipf, seed, port, results), daemon=True)
+        for r in range(world)
+    ]
     start = time.perf_counter()
     for p in procs:
         p.start()
@@ -297,12 +309,12 @@ def real_ranks(world: int, zipf: float, seed: int, redundant: int = 4, tokens: i
         f"top-4) over {world} gloo processes, {tokens} tokens, Zipf({zipf})-biased router, "
         f"{time.perf_counter() - start:.0f} s",
         ["placement", "max/mean rank load: mean", "worst", "tokens per rank (layer 1)"],
-        [["default", f"{rb.mean():.4f}", f"{rb.max():.4f}", str([int(x) for x in before[:, 0]])],
-         ["after rebalance()", f"{ra.mean():.4f}", f"{ra.max():.4f}",
-          str([int(x) for x in after[:, 0]])]],
+        [
+            ["default", f"{rb.mean():.4f}", f"{rb.max():.4f}", str([int(x) for x in before[:, 0]])],
+            ["after rebalance()", f"{ra.mean():.4f}", f"{ra.max():.4f}", str([int(x) for x in after[:, 0]])],
+        ],
     )
-    print(f"outputs vs the uncompiled single-process model after rebalance: max rel. diff "
-          f"{max(g[3] for g in got):.2e}")
+    print(f"outputs vs the uncompiled single-process model after rebalance: max rel. diff {max(g[3] for g in got):.2e}")
 
 
 def forward_cost(repeat: int, tokens: int = 16) -> None:
@@ -314,8 +326,11 @@ def forward_cost(repeat: int, tokens: int = 16) -> None:
     from ascend_passes.eplb.state import attach
 
     base, inputs = models.deepseek_v3("grouped_mm", tokens=tokens)
-    variants = {"no EPLB": (base, {}), "EPLB R=0, recording": (copy.deepcopy(base), {"eplb": True}),
-                "EPLB R=0, recording off": (copy.deepcopy(base), {"eplb": True})}
+    variants = {
+        "no EPLB": (base, {}),
+        "EPLB R=0, recording": (copy.deepcopy(base), {"eplb": True}),
+        "EPLB R=0, recording off": (copy.deepcopy(base), {"eplb": True}),
+    }
     rows = []
     for name, (model, extra) in variants.items():
         if extra:
@@ -325,8 +340,9 @@ def forward_cost(repeat: int, tokens: int = 16) -> None:
         with torch.no_grad():
             _, best, median = timed(lambda: compiled(*inputs), repeat)
         rows.append([name, f"{best * 1e3:.2f}", f"{median * 1e3:.2f}"])
-    print_table(f"Forward time, deepseek_v3 tiny, {tokens} tokens (eager downstream)",
-                ["variant", "min ms", "median ms"], rows)
+    print_table(
+        f"Forward time, deepseek_v3 tiny, {tokens} tokens (eager downstream)", ["variant", "min ms", "median ms"], rows
+    )
 
 
 if __name__ == "__main__":

@@ -25,9 +25,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import _allocator  # tools/_allocator.py: this script's folder is on sys.path
-from _machine import cpu_features_line
 import torch
 import torch.nn.functional as F
+from _machine import cpu_features_line
 
 import ascend_passes.ops as ops
 from ascend_passes.ops import reference
@@ -36,8 +36,9 @@ H, I, E, TOP_K = 1024, 256, 64, 6
 A = torch.ops.ascend
 
 
-def best_time(fn: Callable[[], object], budget_s: float = 0.6, max_reps: int = 20, min_reps: int = 2,
-              warmup: bool = True) -> float:
+def best_time(
+    fn: Callable[[], object], budget_s: float = 0.6, max_reps: int = 20, min_reps: int = 2, warmup: bool = True
+) -> float:
     if warmup:
         fn()
     times: list[float] = []
@@ -97,8 +98,7 @@ def moe_steps(impl) -> dict[str, Callable]:
     """The five steps of the fused MoE layer, for ``impl`` = torch.ops.ascend or the reference module."""
 
     def init(L: Layer):
-        return impl.moe_init_routing_v2(L.x, L.ids, expert_num=E, expert_tokens_num_type=1,
-                                        expert_tokens_num_flag=True)
+        return impl.moe_init_routing_v2(L.x, L.ids, expert_num=E, expert_tokens_num_type=1, expert_tokens_num_flag=True)
 
     def gmm(x, w, counts):
         return impl.grouped_matmul([x], [w], group_list=counts, group_type=0, group_list_type=1, split_item=2)[0]
@@ -207,9 +207,10 @@ def bench_case(tokens: int, dtype: torch.dtype, quick: bool) -> list[Row]:
             real = [layer.w13 if a is L.w13 else layer.w2 if a is L.w2 else layer if a is L else a for a in args]
             return impl[step](*real)
 
-        return (best_time(lambda: call(cpp), budget, min_reps=3),
-                best_time(lambda: call(ref), budget if not slow else 0.1, max_reps=5, min_reps=1,
-                          warmup=not slow))
+        return (
+            best_time(lambda: call(cpp), budget, min_reps=3),
+            best_time(lambda: call(ref), budget if not slow else 0.1, max_reps=5, min_reps=1, warmup=not slow),
+        )
 
     t_init = timed("init", L)
     t_up = timed("gmm", ex, L.w13, counts)
@@ -223,8 +224,9 @@ def bench_case(tokens: int, dtype: torch.dtype, quick: bool) -> list[Row]:
         t_naive = best_time(lambda: naive_loop(L, 8), 0.1, max_reps=1, min_reps=1, warmup=False) * E / 8
         naive_note = " (naive: 8/64 experts x8)"
     else:
-        t_naive = best_time(lambda: naive_loop(pick()), budget if not slow else 0.1, max_reps=5, min_reps=1,
-                            warmup=not slow)
+        t_naive = best_time(
+            lambda: naive_loop(pick()), budget if not slow else 0.1, max_reps=5, min_reps=1, warmup=not slow
+        )
         naive_note = ""
 
     def row(step: str, t: tuple[float, float], kind: str = "", work: float = 0.0, label: str = "") -> Row:
@@ -234,8 +236,7 @@ def bench_case(tokens: int, dtype: torch.dtype, quick: bool) -> list[Row]:
         if slow:  # compute-bound: against a dense mm of the same shape and dtype, timed alternately
             a, b = x, weight[0].contiguous()
             out = torch.empty(a.shape[0], b.shape[1], dtype=x.dtype)
-            t_kernel, t_mm = paired_best(lambda: cpp["gmm"](x, weight, counts), lambda: torch.mm(a, b, out=out),
-                                         budget)
+            t_kernel, t_mm = paired_best(lambda: cpp["gmm"](x, weight, counts), lambda: torch.mm(a, b, out=out), budget)
             r = row(step, (t_kernel, t[1]), "compute", flops)
             r.limit = flops / t_mm
             return r
@@ -260,19 +261,33 @@ def bench_case(tokens: int, dtype: torch.dtype, quick: bool) -> list[Row]:
         # weight; its reference is F.linear (BLAS, which packs the weight first for so few rows)
         weights = [(torch.randn(4 * H, H) / 32).to(dtype) for _ in range(4)]  # 4 x 16 MB: not cached
         x_lin = torch.randn(tokens, H).to(dtype)
-        t_lin = tuple(best_time(lambda impl=impl: impl.linear(x_lin, weights[next(turn) % 4]), budget, min_reps=3)
-                      for impl in (A, reference))
-        rows.append(row(f"linear [{tokens},{H}]x[{4 * H},{H}]^T", t_lin, "memory",
-                        weights[0].numel() * weights[0].element_size()))
+        t_lin = tuple(
+            best_time(lambda impl=impl: impl.linear(x_lin, weights[next(turn) % 4]), budget, min_reps=3)
+            for impl in (A, reference)
+        )
+        rows.append(
+            row(
+                f"linear [{tokens},{H}]x[{4 * H},{H}]^T",
+                t_lin,
+                "memory",
+                weights[0].numel() * weights[0].element_size(),
+            )
+        )
     if slow:
-        layer = row("MoE layer" + naive_note, t_layer, "routing", (t_init[0] + t_fin[0]) / t_layer[0],
-                    f"{(up_flops + down_flops) / t_layer[0] / 1e9:.1f} GFLOP/s")
+        layer = row(
+            "MoE layer" + naive_note,
+            t_layer,
+            "routing",
+            (t_init[0] + t_fin[0]) / t_layer[0],
+            f"{(up_flops + down_flops) / t_layer[0] / 1e9:.1f} GFLOP/s",
+        )
     else:  # memory-bound: against a 256 MiB copy, timed alternately with the layer
         src = torch.ones(64 * 1024 * 1024)
         dst = torch.empty_like(src)
         t_kernel, t_copy = paired_best(lambda: cpp["layer"](pick()), lambda: dst.copy_(src), 2 * budget)
-        layer = row("MoE layer", (t_kernel, t_layer[1]), "memory", experts_touched * per_expert,
-                    f" ({experts_touched} experts)")
+        layer = row(
+            "MoE layer", (t_kernel, t_layer[1]), "memory", experts_touched * per_expert, f" ({experts_touched} experts)"
+        )
         layer.limit = 2 * src.numel() * src.element_size() / t_copy
     layer.naive_ms = t_naive * 1e3
     rows.append(layer)
@@ -285,8 +300,9 @@ def render(rows: list[Row], header: list[str]) -> None:
     def fmt(v: float | None) -> str:
         return "" if v is None else f"{v:.3f}"
 
-    cells = [[r.shape, r.dtype, r.step, fmt(r.cpp_ms), fmt(r.ref_ms), fmt(r.naive_ms), r.metric, r.fraction]
-             for r in rows]
+    cells = [
+        [r.shape, r.dtype, r.step, fmt(r.cpp_ms), fmt(r.ref_ms), fmt(r.naive_ms), r.metric, r.fraction] for r in rows
+    ]
     try:
         from rich.console import Console
         from rich.table import Table
@@ -312,8 +328,12 @@ def render(rows: list[Row], header: list[str]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="shorter timing budgets")
-    parser.add_argument("--allocator", choices=_allocator.CHOICES, default="tcmalloc",
-                        help="memory allocator of the run (default: TCMalloc when installed; see tools/_allocator.py)")
+    parser.add_argument(
+        "--allocator",
+        choices=_allocator.CHOICES,
+        default="tcmalloc",
+        help="memory allocator of the run (default: TCMalloc when installed; see tools/_allocator.py)",
+    )
     args = parser.parse_args()
     allocator = _allocator.ensure(args.allocator)
     torch.manual_seed(0)
@@ -337,7 +357,8 @@ def main() -> None:
         f"kernels: {ops.kernel_backend()}, threads: {torch.get_num_threads()}, {allocator}",
         cpu_features_line(),
         "fractions of the MoE layer (decode) and grouped_matmul (prefill) use a limit timed alternately "
-        "with that kernel (the bracketed figure: against the best limit of the whole run); other rows use the best limit:",
+        "with that kernel (the bracketed figure: against the best limit of the whole run); "
+        "other rows use the best limit:",
         f"memory limit: copy {best_bw / 1e9:.1f} GB/s (read + write; best of "
         f"{', '.join(f'{b / 1e9:.1f}' for b in copy_bw)})",
         f"compute limit: dense torch.mm [{2048 * TOP_K}x{H}]@[{H}x{2 * I}] float32 {best_mm['float32'] / 1e9:.1f} "

@@ -33,37 +33,73 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import _allocator  # tools/_allocator.py: this script's folder is on sys.path
-from _machine import cpu_features_line
 import torch
+from _machine import cpu_features_line
 
 import ascend_passes as ap
 from ascend_passes import models
 
 CONFIG = dict(
-    hidden_size=1024, intermediate_size=2048, moe_intermediate_size=256, n_routed_experts=64,
-    num_experts_per_tok=6, n_group=8, topk_group=4, q_lora_rank=256, kv_lora_rank=128,
-    num_attention_heads=8, num_key_value_heads=8, qk_nope_head_dim=64, qk_rope_head_dim=32,
-    v_head_dim=64, vocab_size=4096, first_k_dense_replace=1, n_shared_experts=1,
+    hidden_size=1024,
+    intermediate_size=2048,
+    moe_intermediate_size=256,
+    n_routed_experts=64,
+    num_experts_per_tok=6,
+    n_group=8,
+    topk_group=4,
+    q_lora_rank=256,
+    kv_lora_rank=128,
+    num_attention_heads=8,
+    num_key_value_heads=8,
+    qk_nope_head_dim=64,
+    qk_rope_head_dim=32,
+    v_head_dim=64,
+    vocab_size=4096,
+    first_k_dense_replace=1,
+    n_shared_experts=1,
 )
 V4_CONFIG = dict(
-    hidden_size=1024, moe_intermediate_size=256, n_routed_experts=64, num_experts_per_tok=6, n_shared_experts=1,
-    q_lora_rank=256, num_attention_heads=8, num_key_value_heads=1, head_dim=128, partial_rotary_factor=0.5,
-    vocab_size=4096, hc_mult=4, hc_sinkhorn_iters=20, swiglu_limit=10.0, sliding_window=128, o_groups=2,
-    o_lora_rank=256, index_n_heads=8, index_head_dim=64, index_topk=64,
+    hidden_size=1024,
+    moe_intermediate_size=256,
+    n_routed_experts=64,
+    num_experts_per_tok=6,
+    n_shared_experts=1,
+    q_lora_rank=256,
+    num_attention_heads=8,
+    num_key_value_heads=1,
+    head_dim=128,
+    partial_rotary_factor=0.5,
+    vocab_size=4096,
+    hc_mult=4,
+    hc_sinkhorn_iters=20,
+    swiglu_limit=10.0,
+    sliding_window=128,
+    o_groups=2,
+    o_lora_rank=256,
+    index_n_heads=8,
+    index_head_dim=64,
+    index_topk=64,
     compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 128},
-    layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
-                 "sliding_attention"],
+    layer_types=[
+        "sliding_attention",
+        "compressed_sparse_attention",
+        "heavily_compressed_attention",
+        "sliding_attention",
+    ],
 )
 # --model -> (factory, its config, the table's title)
 MODELS = {
-    "deepseek_v3": (models.deepseek_v3, CONFIG,
-                    "DeepSeek-V3-style model (4 layers, H=1024, 64 experts top-6)"),
-    "deepseek_v4": (models.deepseek_v4, V4_CONFIG,
-                    "DeepSeek-V4-style model (4 layers: 1 hash + 3 sqrtsoftplus top-6 of 64, H=1024, mHC x4)"),
+    "deepseek_v3": (models.deepseek_v3, CONFIG, "DeepSeek-V3-style model (4 layers, H=1024, 64 experts top-6)"),
+    "deepseek_v4": (
+        models.deepseek_v4,
+        V4_CONFIG,
+        "DeepSeek-V4-style model (4 layers: 1 hash + 3 sqrtsoftplus top-6 of 64, H=1024, mHC x4)",
+    ),
 }
 SHAPES = {"prefill256": (1, 256), "prefill1024": (1, 1024), "decode": (8, 1)}
 VARIANTS = ("eager", "inductor", "inductor_freezing", "inductor_batched_mm", "ascend_eager", "ascend_inductor")
@@ -137,8 +173,10 @@ def model_facts(model: torch.nn.Module, batched: torch.nn.Module, ids: torch.Ten
     hooks = []
     for name, mod in model.named_modules():
         if type(mod).__name__.endswith("Experts"):
+
             def hook(mod, args, name=name):
                 touched[name] = int(torch.unique(args[1]).numel())
+
             hooks.append(mod.register_forward_pre_hook(hook))
     with torch.no_grad():
         model(ids)
@@ -165,8 +203,14 @@ class Facts:
     copy_gbs: float
 
 
-def bench(shapes: list[str], dtypes: list[str], variants: list[str], reps: int,
-          budget_s: float, model_name: str = "deepseek_v3") -> tuple[list[Row], dict[tuple[str, str], Facts]]:
+def bench(
+    shapes: list[str],
+    dtypes: list[str],
+    variants: list[str],
+    reps: int,
+    budget_s: float,
+    model_name: str = "deepseek_v3",
+) -> tuple[list[Row], dict[tuple[str, str], Facts]]:
     factory, config, _ = MODELS[model_name]
     rows: list[Row] = []
     facts: dict[tuple[str, str], Facts] = {}
@@ -194,10 +238,11 @@ def bench(shapes: list[str], dtypes: list[str], variants: list[str], reps: int,
                 if reports:
                     ops = reports[0].rewritten_ops()
                     rewrites = f"{sum(ops.values())} fused ops, rel err {err:.1e}"
-                rows.append(Row(shape, dtype_name, variant, ms, compile_s if variant != "eager" else 0.0,
-                                rewrites))
-                print(f"  {shape:12s} {dtype_name:9s} {variant:20s} {ms:9.2f} ms  compile {compile_s:6.1f} s  "
-                      f"{rewrites}", flush=True)
+                rows.append(Row(shape, dtype_name, variant, ms, compile_s if variant != "eager" else 0.0, rewrites))
+                print(
+                    f"  {shape:12s} {dtype_name:9s} {variant:20s} {ms:9.2f} ms  compile {compile_s:6.1f} s  {rewrites}",
+                    flush=True,
+                )
                 # the limits between the variants: their best is this cell's limit
                 mm_rates.append(dense_mm_flops(dtype, 0.2))
                 copy_rates.append(copy_bandwidth(0.2))
@@ -211,13 +256,17 @@ def print_table(rows: list[Row], facts: dict[tuple[str, str], Facts], model_name
 
     table = Table(title=f"{MODELS[model_name][2]}: median ms per forward")
     for col in ("shape", "dtype", "variant", "ms", "vs eager", "vs best peer", "of limit", "compile s", "notes"):
-        table.add_column(col, justify="right" if col in ("ms", "vs eager", "vs best peer", "of limit",
-                                                          "compile s") else "left")
+        table.add_column(
+            col, justify="right" if col in ("ms", "vs eager", "vs best peer", "of limit", "compile s") else "left"
+        )
     base = {(r.shape, r.dtype, r.variant): r.median_ms for r in rows}
 
     def best(shape: str, dtype: str, ascend: bool) -> float | None:
-        times = [r.median_ms for r in rows
-                 if (r.shape, r.dtype) == (shape, dtype) and r.variant.startswith("ascend") == ascend]
+        times = [
+            r.median_ms
+            for r in rows
+            if (r.shape, r.dtype) == (shape, dtype) and r.variant.startswith("ascend") == ascend
+        ]
         return min(times) if times else None
 
     def of_limit(r: Row) -> str:
@@ -229,19 +278,30 @@ def print_table(rows: list[Row], facts: dict[tuple[str, str], Facts], model_name
     for r in rows:
         eager = base.get((r.shape, r.dtype, "eager"))
         peer = best(r.shape, r.dtype, ascend=False)
-        table.add_row(r.shape, r.dtype, r.variant, f"{r.median_ms:.2f}",
-                      f"{eager / r.median_ms:.2f}x" if eager else "-",
-                      f"{peer / r.median_ms:.2f}x" if peer else "-", of_limit(r),
-                      f"{r.compile_s:.1f}", r.rewrites)
+        table.add_row(
+            r.shape,
+            r.dtype,
+            r.variant,
+            f"{r.median_ms:.2f}",
+            f"{eager / r.median_ms:.2f}x" if eager else "-",
+            f"{peer / r.median_ms:.2f}x" if peer else "-",
+            of_limit(r),
+            f"{r.compile_s:.1f}",
+            r.rewrites,
+        )
     console = Console(width=180)
     console.print(table)
-    console.print("'vs best peer': against the fastest of the non-ascend variants of that shape and dtype; "
-                  "'of limit': prefill = matmul FLOPs / time / dense mm rate (roofline), decode = bytes the "
-                  "forward must read / time / copy bandwidth")
+    console.print(
+        "'vs best peer': against the fastest of the non-ascend variants of that shape and dtype; "
+        "'of limit': prefill = matmul FLOPs / time / dense mm rate (roofline), decode = bytes the "
+        "forward must read / time / copy bandwidth"
+    )
     for (shape, dtype), f in facts.items():
-        console.print(f"  {shape} {dtype}: matmul {f.flops / 1e9:.2f} GFLOP, dense mm {f.mm_gflops:.0f} GFLOP/s "
-                      f"(roofline {1e3 * f.flops / (f.mm_gflops * 1e9):.1f} ms), must read {f.bytes_read / 1e6:.1f} MB, "
-                      f"copy {f.copy_gbs:.1f} GB/s ({1e3 * f.bytes_read / (f.copy_gbs * 1e9):.2f} ms)")
+        console.print(
+            f"  {shape} {dtype}: matmul {f.flops / 1e9:.2f} GFLOP, dense mm {f.mm_gflops:.0f} GFLOP/s "
+            f"(roofline {1e3 * f.flops / (f.mm_gflops * 1e9):.1f} ms), must read {f.bytes_read / 1e6:.1f} MB, "
+            f"copy {f.copy_gbs:.1f} GB/s ({1e3 * f.bytes_read / (f.copy_gbs * 1e9):.2f} ms)"
+        )
     for shape in {r.shape for r in rows}:
         ours_bf16, ours_fp32 = best(shape, "bfloat16", True), best(shape, "float32", True)
         peer_bf16 = best(shape, "bfloat16", False)
@@ -263,15 +323,21 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--budget", type=float, default=3.0, help="seconds of timing per cell")
     parser.add_argument("--quick", action="store_true", help="float32 only, 5 repetitions")
-    parser.add_argument("--allocator", choices=_allocator.CHOICES, default="tcmalloc",
-                        help="memory allocator of the run (default: TCMalloc when installed; see tools/_allocator.py)")
+    parser.add_argument(
+        "--allocator",
+        choices=_allocator.CHOICES,
+        default="tcmalloc",
+        help="memory allocator of the run (default: TCMalloc when installed; see tools/_allocator.py)",
+    )
     args = parser.parse_args()
     allocator = _allocator.ensure(args.allocator)
     dtypes = ["float32"] if args.quick else args.dtypes.split(",")
     reps = 5 if args.quick else args.reps
     torch.manual_seed(0)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, ascend kernels: "
-          f"{__import__('ascend_passes.kernels', fromlist=['available']).available()}; {allocator}")
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, ascend kernels: "
+        f"{__import__('ascend_passes.kernels', fromlist=['available']).available()}; {allocator}"
+    )
     print(cpu_features_line())
     rows, facts = bench(args.shapes.split(","), dtypes, args.variants.split(","), reps, args.budget, args.model)
     print_table(rows, facts, args.model)

@@ -66,10 +66,15 @@ def measure(num_layers: int, warm_runs: int, profile: bool = False) -> dict[str,
                 stats = pstats.Stats(profiler, stream=sys.stderr)
                 stats.sort_stats("cumulative").print_stats(40)
                 stats.sort_stats("tottime").print_stats(25)
-            runs.append((time.process_time() - t0, time.perf_counter() - w0,
-                         {name: r.seconds for name, r in result.passes.items()},
-                         {name: r.status for name, r in result.passes.items()},
-                         sum(r.num_matches for r in result.passes.values())))
+            runs.append(
+                (
+                    time.process_time() - t0,
+                    time.perf_counter() - w0,
+                    {name: r.seconds for name, r in result.passes.items()},
+                    {name: r.status for name, r in result.passes.items()},
+                    sum(r.num_matches for r in result.passes.values()),
+                )
+            )
         out["cold_s"], out["cold_wall_s"], out["cold_pass_s"], out["status"], out["matches"] = runs[0]
         best = min(runs[1:], key=lambda r: r[0]) if warm_runs else runs[0]
         out["warm_s"], out["warm_wall_s"], out["warm_pass_s"] = best[0], best[1], best[2]
@@ -84,8 +89,9 @@ def measure(num_layers: int, warm_runs: int, profile: bool = False) -> dict[str,
 
 
 def _child(num_layers: int, warm_runs: int) -> dict[str, Any]:
-    proc = subprocess.run([sys.executable, __file__, "--one", str(num_layers), "--warm", str(warm_runs)],
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, __file__, "--one", str(num_layers), "--warm", str(warm_runs)], capture_output=True, text=True
+    )
     if proc.returncode != 0:
         raise SystemExit(f"{num_layers} layers failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -95,27 +101,36 @@ TARGET = 0.10  # issue 18 goal 4: pipeline / (Dynamo + AOT tracing)
 
 
 def report(rows: list[dict[str, Any]]) -> list[str]:
-    lines = ["CPU seconds (time.process_time); ratios are pipeline / Dynamo+AOT tracing", "",
-             (f"{'layers':>6} {'nodes':>6} {'dynamo+aot s':>12} {'cold s':>8} {'warm s':>8} "
-             f"{'cold/trace':>10} {'warm/trace':>10} {'cold s/1k':>9} {'warm s/1k':>9} {'rewrites':>8}")]
+    lines = [
+        "CPU seconds (time.process_time); ratios are pipeline / Dynamo+AOT tracing",
+        "",
+        (
+            f"{'layers':>6} {'nodes':>6} {'dynamo+aot s':>12} {'cold s':>8} {'warm s':>8} "
+            f"{'cold/trace':>10} {'warm/trace':>10} {'cold s/1k':>9} {'warm s/1k':>9} {'rewrites':>8}"
+        ),
+    ]
     for r in rows:
         k = r["nodes"] / 1000
-        lines.append(f"{r['layers']:>6} {r['nodes']:>6} {r['trace_s']:>12.2f} {r['cold_s']:>8.2f} "
-                     f"{r['warm_s']:>8.2f} {r['cold_s'] / r['trace_s']:>10.3f} "
-                     f"{r['warm_s'] / r['trace_s']:>10.3f} {r['cold_s'] / k:>9.3f} "
-                     f"{r['warm_s'] / k:>9.3f} {r['matches']:>8}")
+        lines.append(
+            f"{r['layers']:>6} {r['nodes']:>6} {r['trace_s']:>12.2f} {r['cold_s']:>8.2f} "
+            f"{r['warm_s']:>8.2f} {r['cold_s'] / r['trace_s']:>10.3f} "
+            f"{r['warm_s'] / r['trace_s']:>10.3f} {r['cold_s'] / k:>9.3f} "
+            f"{r['warm_s'] / k:>9.3f} {r['matches']:>8}"
+        )
     passes = [p for p in rows[0]["passes"] if any(p in r["warm_pass_s"] for r in rows)]
     for kind in ("warm", "cold"):
         lines.append("")
         lines.append(f"{kind} milliseconds per pass (wall, the pass manager's timing) and per 1,000 nodes:")
         lines.append(f"{'layers':>6} " + " ".join(f"{p[:11]:>11}" for p in passes))
         for r in rows:
-            lines.append(f"{r['layers']:>6} " + " ".join(
-                f"{r[f'{kind}_pass_s'].get(p, 0.0) * 1e3:>11.1f}" for p in passes))
+            lines.append(
+                f"{r['layers']:>6} " + " ".join(f"{r[f'{kind}_pass_s'].get(p, 0.0) * 1e3:>11.1f}" for p in passes)
+            )
         for r in rows:
             k = r["nodes"] / 1000
-            lines.append(f"{'/1k':>6} " + " ".join(
-                f"{r[f'{kind}_pass_s'].get(p, 0.0) * 1e3 / k:>11.1f}" for p in passes))
+            lines.append(
+                f"{'/1k':>6} " + " ".join(f"{r[f'{kind}_pass_s'].get(p, 0.0) * 1e3 / k:>11.1f}" for p in passes)
+            )
     bad = {p for r in rows for p, s in r["status"].items() if s != "ok"}
     if bad:
         lines.append(f"passes rolled back: {', '.join(sorted(bad))}")
@@ -126,13 +141,17 @@ def report(rows: list[dict[str, Any]]) -> list[str]:
         for kind in ("warm", "cold"):
             limit = ratio * small[f"{kind}_s"] * 1.3
             ok = big[f"{kind}_s"] <= limit
-            lines.append(f"linear in nodes ({kind}): {big['nodes']} nodes {big[f'{kind}_s']:.2f} s <= "
-                         f"{ratio:.2f} x {small[f'{kind}_s']:.2f} s x 1.3 = {limit:.2f} s: "
-                         f"{'yes' if ok else 'NO'}")
+            lines.append(
+                f"linear in nodes ({kind}): {big['nodes']} nodes {big[f'{kind}_s']:.2f} s <= "
+                f"{ratio:.2f} x {small[f'{kind}_s']:.2f} s x 1.3 = {limit:.2f} s: "
+                f"{'yes' if ok else 'NO'}"
+            )
     for kind in ("warm", "cold"):
         worst = max(r[f"{kind}_s"] / r["trace_s"] for r in rows)
-        lines.append(f"pipeline <= {TARGET:.0%} of Dynamo+AOT tracing ({kind}): worst {worst:.1%}: "
-                     f"{'yes' if worst <= TARGET else 'NO'}")
+        lines.append(
+            f"pipeline <= {TARGET:.0%} of Dynamo+AOT tracing ({kind}): worst {worst:.1%}: "
+            f"{'yes' if worst <= TARGET else 'NO'}"
+        )
     return lines
 
 
@@ -141,8 +160,13 @@ def main() -> int:
     parser.add_argument("--layers", type=int, nargs="+", default=[4, 16, 61])
     parser.add_argument("--warm", type=int, default=2, help="warm runs per size (best is kept)")
     parser.add_argument("--json", default=None, help="also write the rows to this file")
-    parser.add_argument("--profile", type=int, default=None, metavar="LAYERS",
-                        help="cProfile one warm pipeline run at this many layers (to stderr)")
+    parser.add_argument(
+        "--profile",
+        type=int,
+        default=None,
+        metavar="LAYERS",
+        help="cProfile one warm pipeline run at this many layers (to stderr)",
+    )
     parser.add_argument("--one", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one is not None:

@@ -135,9 +135,14 @@ def _rank(rank: int, world_size: int, args: argparse.Namespace) -> list[dict[str
     tokens_list = [int(t) for t in args.tokens.split(",")]
     built: dict[str, tuple[torch.nn.Module, torch.Tensor]] = {}
     for shared in sorted({VARIANTS[v][0] for v in args.variants}):
-        model, (ids,) = models_tp.deepseek_v3_tp(rank, world_size, shared_expert=shared,
-                                                 num_layers=args.layers, tokens=max(tokens_list),
-                                                 hidden_size=args.hidden)
+        model, (ids,) = models_tp.deepseek_v3_tp(
+            rank,
+            world_size,
+            shared_expert=shared,
+            num_layers=args.layers,
+            tokens=max(tokens_list),
+            hidden_size=args.hidden,
+        )
         built[shared] = (model, ids)
     for tokens in tokens_list:
         # compile every variant first (Dynamo keeps one cache entry per backend), then time them
@@ -149,8 +154,13 @@ def _rank(rank: int, world_size: int, args: argparse.Namespace) -> list[dict[str
             shared, extra = VARIANTS[variant]
             model, ids = built[shared]
             ids = ids[:, :tokens].contiguous()
-            compiled = torch.compile(model, backend="ascend_passes", fullgraph=True, dynamic=False,
-                                     options={"compiler": args.compiler, **extra})
+            compiled = torch.compile(
+                model,
+                backend="ascend_passes",
+                fullgraph=True,
+                dynamic=False,
+                options={"compiler": args.compiler, **extra},
+            )
             with torch.no_grad(), ap.capture() as reports:
                 dist.barrier()
                 t0 = time.perf_counter()
@@ -162,8 +172,17 @@ def _rank(rank: int, world_size: int, args: argparse.Namespace) -> list[dict[str
             if reference is None:
                 reference = out
             err = ((out - reference).abs().max() / reference.abs().max()).item()
-            cells.append({"variant": variant, "fn": compiled, "ids": ids, "compile_s": compile_s, "err": err,
-                          "report": reports[0], "times": []})
+            cells.append(
+                {
+                    "variant": variant,
+                    "fn": compiled,
+                    "ids": ids,
+                    "compile_s": compile_s,
+                    "err": err,
+                    "report": reports[0],
+                    "times": [],
+                }
+            )
         with torch.no_grad(), ap.capture() as late:
             for _ in range(args.iters):
                 for c in cells:
@@ -178,11 +197,22 @@ def _rank(rank: int, world_size: int, args: argparse.Namespace) -> list[dict[str
             dist.all_reduce(t, op=dist.ReduceOp.MAX)  # an iteration lasts as long as its slowest rank
             ms = statistics.median(t.tolist()) * 1e3
             if rank == 0:
-                rows.append({"world": world_size, "tokens": tokens, "variant": c["variant"], "ms": ms,
-                             "compile_s": c["compile_s"], "err": c["err"],
-                             "layers": graph_stats(c["report"].graph, world_size)})
-                print(f"  W={world_size} T={tokens:4d} {c['variant']:15s} {ms:8.2f} ms  "
-                      f"compile {c['compile_s']:5.1f} s  rel err vs first variant {c['err']:.1e}", flush=True)
+                rows.append(
+                    {
+                        "world": world_size,
+                        "tokens": tokens,
+                        "variant": c["variant"],
+                        "ms": ms,
+                        "compile_s": c["compile_s"],
+                        "err": c["err"],
+                        "layers": graph_stats(c["report"].graph, world_size),
+                    }
+                )
+                print(
+                    f"  W={world_size} T={tokens:4d} {c['variant']:15s} {ms:8.2f} ms  "
+                    f"compile {c['compile_s']:5.1f} s  rel err vs first variant {c['err']:.1e}",
+                    flush=True,
+                )
     return rows
 
 
@@ -204,20 +234,24 @@ def _cell(value: float, base: float | None, scale: float, fmt: str = "{:.2f}") -
     return text
 
 
-_CAPTION = ("Per rank, read off rank 0's final graph. norm = 4·numel (+1·numel add) per ascend.\\[add_]rms_norm; "
-            "act = bytes of all norm outputs + collective outputs; coll = bytes sent, ring (AR 2(W-1)/W, RS/AG "
-            "(W-1)/W); shared = 2MNK of shared-expert mm; ms = median per forward, slowest rank, gloo. "
-            "(x) = this / " + BASELINE + ".")
+_CAPTION = (
+    "Per rank, read off rank 0's final graph. norm = 4·numel (+1·numel add) per ascend.\\[add_]rms_norm; "
+    "act = bytes of all norm outputs + collective outputs; coll = bytes sent, ring (AR 2(W-1)/W, RS/AG "
+    "(W-1)/W); shared = 2MNK of shared-expert mm; ms = median per forward, slowest rank, gloo. "
+    "(x) = this / " + BASELINE + "."
+)
 
 
 def print_totals(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"TP vs SP vs SP+shared-expert-DP: DeepSeek-V3 TP, {args.layers} layers, H={args.hidden}, "
-                        f"compiler={args.compiler}", caption=_CAPTION)
-    cols = ("W", "T", "variant", "AR/RS/AG", "norm MFLOP", "act KiB", "coll KiB", "shared MFLOP", "ms",
-            "compile s")
+    table = Table(
+        title=f"TP vs SP vs SP+shared-expert-DP: DeepSeek-V3 TP, {args.layers} layers, H={args.hidden}, "
+        f"compiler={args.compiler}",
+        caption=_CAPTION,
+    )
+    cols = ("W", "T", "variant", "AR/RS/AG", "norm MFLOP", "act KiB", "coll KiB", "shared MFLOP", "ms", "compile s")
     for col in cols:
         table.add_column(col, justify="left" if col in ("variant", "AR/RS/AG") else "right")
     by = {(r["world"], r["tokens"], r["variant"]): r for r in rows}
@@ -225,14 +259,18 @@ def print_totals(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
         base = by.get((r["world"], r["tokens"], BASELINE))
         tot = {k: _total(r, k) for k in (*METRICS, *COLLECTIVES)}
         btot = {k: _total(base, k) for k in METRICS} if base else {}
-        table.add_row(str(r["world"]), str(r["tokens"]), r["variant"],
-                      "/".join(str(int(tot[c])) for c in COLLECTIVES),
-                      _cell(tot["norm_flops"], btot.get("norm_flops"), 1e6, "{:.3f}"),
-                      _cell(tot["act_bytes"], btot.get("act_bytes"), 1024, "{:.0f}"),
-                      _cell(tot["coll_bytes"], btot.get("coll_bytes"), 1024, "{:.0f}"),
-                      _cell(tot["shared_flops"], btot.get("shared_flops"), 1e6, "{:.2f}"),
-                      _cell(r["ms"], base["ms"] if base else None, 1.0),
-                      f"{r['compile_s']:.1f}")
+        table.add_row(
+            str(r["world"]),
+            str(r["tokens"]),
+            r["variant"],
+            "/".join(str(int(tot[c])) for c in COLLECTIVES),
+            _cell(tot["norm_flops"], btot.get("norm_flops"), 1e6, "{:.3f}"),
+            _cell(tot["act_bytes"], btot.get("act_bytes"), 1024, "{:.0f}"),
+            _cell(tot["coll_bytes"], btot.get("coll_bytes"), 1024, "{:.0f}"),
+            _cell(tot["shared_flops"], btot.get("shared_flops"), 1e6, "{:.2f}"),
+            _cell(r["ms"], base["ms"] if base else None, 1.0),
+            f"{r['compile_s']:.1f}",
+        )
     Console(width=180).print(table)
 
 
@@ -243,8 +281,17 @@ def print_per_layer(rows: list[dict[str, Any]]) -> None:
     console = Console(width=180)
     for world, tokens in sorted({(r["world"], r["tokens"]) for r in rows}):
         table = Table(title=f"Per layer, W={world}, T={tokens} (per rank; (x) = this / {BASELINE}, same layer)")
-        for col in ("layer", "variant", "AR/RS/AG", "norms", "norm MFLOP", "norm out KiB", "coll out KiB",
-                    "coll KiB", "shared MFLOP"):
+        for col in (
+            "layer",
+            "variant",
+            "AR/RS/AG",
+            "norms",
+            "norm MFLOP",
+            "norm out KiB",
+            "coll out KiB",
+            "coll KiB",
+            "shared MFLOP",
+        ):
             table.add_column(col, justify="left" if col in ("layer", "variant", "AR/RS/AG") else "right")
         cell = [r for r in rows if (r["world"], r["tokens"]) == (world, tokens)]
         base = next((r for r in cell if r["variant"] == BASELINE), None)
@@ -253,15 +300,18 @@ def print_per_layer(rows: list[dict[str, Any]]) -> None:
             for i, r in enumerate(cell):
                 d = r["layers"].get(layer, {})
                 b = base["layers"].get(layer, {}) if base else {}
-                table.add_row(layer if i == 0 else "", r["variant"],
-                              "/".join(str(int(d.get(c, 0))) for c in COLLECTIVES),
-                              str(int(d.get("norms", 0))),
-                              _cell(d.get("norm_flops", 0.0), b.get("norm_flops"), 1e6, "{:.3f}"),
-                              _cell(d.get("norm_out_bytes", 0.0), b.get("norm_out_bytes"), 1024, "{:.0f}"),
-                              _cell(d.get("coll_out_bytes", 0.0), b.get("coll_out_bytes"), 1024, "{:.0f}"),
-                              _cell(d.get("coll_bytes", 0.0), b.get("coll_bytes"), 1024, "{:.0f}"),
-                              _cell(d.get("shared_flops", 0.0), b.get("shared_flops"), 1e6, "{:.2f}"),
-                              end_section=i == len(cell) - 1)
+                table.add_row(
+                    layer if i == 0 else "",
+                    r["variant"],
+                    "/".join(str(int(d.get(c, 0))) for c in COLLECTIVES),
+                    str(int(d.get("norms", 0))),
+                    _cell(d.get("norm_flops", 0.0), b.get("norm_flops"), 1e6, "{:.3f}"),
+                    _cell(d.get("norm_out_bytes", 0.0), b.get("norm_out_bytes"), 1024, "{:.0f}"),
+                    _cell(d.get("coll_out_bytes", 0.0), b.get("coll_out_bytes"), 1024, "{:.0f}"),
+                    _cell(d.get("coll_bytes", 0.0), b.get("coll_bytes"), 1024, "{:.0f}"),
+                    _cell(d.get("shared_flops", 0.0), b.get("shared_flops"), 1e6, "{:.2f}"),
+                    end_section=i == len(cell) - 1,
+                )
         console.print(table)
 
 

@@ -102,13 +102,24 @@ def main() -> None:
         rows = []
         for name in args.routes.split(","):
             llm, env = _route(name, args.passes)
-            spec = {"model": str(model), "llm": llm, "prompts": args.prompts,
-                    "max_tokens": args.max_tokens, "repeats": args.repeats}
-            child_env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
-                         "VLLM_CACHE_ROOT": f"{tmp}/{name}/vllm", "TORCHINDUCTOR_CACHE_DIR": f"{tmp}/{name}/ind",
-                         **env}
-            proc = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(spec)], env=child_env,
-                                  capture_output=True, text=True)
+            spec = {
+                "model": str(model),
+                "llm": llm,
+                "prompts": args.prompts,
+                "max_tokens": args.max_tokens,
+                "repeats": args.repeats,
+            }
+            child_env = {
+                **os.environ,
+                "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+                "VLLM_CPU_KVCACHE_SPACE": "1",
+                "VLLM_CACHE_ROOT": f"{tmp}/{name}/vllm",
+                "TORCHINDUCTOR_CACHE_DIR": f"{tmp}/{name}/ind",
+                **env,
+            }
+            proc = subprocess.run(
+                [sys.executable, "-c", _CHILD, json.dumps(spec)], env=child_env, capture_output=True, text=True
+            )
             lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
             if proc.returncode or not lines:
                 rows.append((name, None, proc.stderr.strip().splitlines()[-1:] or ["failed"]))
@@ -117,8 +128,10 @@ def main() -> None:
             rows.append((name, json.loads(lines[-1][7:]), None))
 
     print(cpu_features_line())
-    print(f"tiny DeepSeek-V3 (3 layers, bf16), {args.prompts} prompts x {args.max_tokens} tokens, "
-          f"best of {args.repeats}; passes {args.passes}")
+    print(
+        f"tiny DeepSeek-V3 (3 layers, bf16), {args.prompts} prompts x {args.max_tokens} tokens, "
+        f"best of {args.repeats}; passes {args.passes}"
+    )
     eager = next((r["tok_s"] for n, r, _ in rows if n == "eager" and r), None)
     print(f"{'route':<10} {'tokens/s':>9} {'vs eager':>9} {'startup s':>10} {'graphs':>7} {'rewrites':>9}")
     for name, r, err in rows:
@@ -126,8 +139,7 @@ def main() -> None:
             print(f"{name:<10} failed: {err[0][:100]}")
             continue
         ratio = f"{r['tok_s'] / eager:.2f}x" if eager else "-"
-        print(f"{name:<10} {r['tok_s']:>9.1f} {ratio:>9} {r['startup_s']:>10.1f} {r['graphs']:>7} "
-              f"{r['rewrites']:>9}")
+        print(f"{name:<10} {r['tok_s']:>9.1f} {ratio:>9} {r['startup_s']:>10.1f} {r['graphs']:>7} {r['rewrites']:>9}")
 
 
 if __name__ == "__main__":

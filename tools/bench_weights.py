@@ -24,10 +24,10 @@ import argparse
 import time
 from collections.abc import Callable
 
-import torch
-
 import ascend_passes.kernels as kernels
+import torch
 from bench_kernels import paired_best  # same folder: one paired timer for both benches
+
 import ascend_passes.ops  # noqa: F401  (registers torch.ops.ascend)
 
 H, I, E, TOP_K = 1024, 256, 64, 6
@@ -55,8 +55,9 @@ def bench_model(shapes: list[str], dtypes: list[str], budget: float) -> None:
     for dtype_name in dtypes:
         for shape in shapes:
             batch, tokens = SHAPES[shape]
-            model, (ids,) = models.deepseek_v3("grouped_mm", num_layers=4, tokens=tokens, batch=batch,
-                                               dtype=getattr(torch, dtype_name), **CONFIG)
+            model, (ids,) = models.deepseek_v3(
+                "grouped_mm", num_layers=4, tokens=tokens, batch=batch, dtype=getattr(torch, dtype_name), **CONFIG
+            )
             torch._dynamo.reset()
             fn = torch.compile(model, backend="ascend_passes", options={"compiler": "eager"})
             with torch.no_grad(), ap.capture() as reports:
@@ -86,8 +87,10 @@ def bench_model(shapes: list[str], dtypes: list[str], budget: float) -> None:
                     execution_s.append(timed())
             t_l, t_e = min(loadable_s), min(execution_s)
             diff = ((y_execution.float() - y_loadable.float()).abs().max() / y_loadable.float().abs().max()).item()
-            print(f"{shape:12s} {dtype_name:9s} {t_l * 1e3:12.2f} {t_e * 1e3:13.2f} {t_l / t_e:7.2f}x {diff:9.1e}",
-                  flush=True)
+            print(
+                f"{shape:12s} {dtype_name:9s} {t_l * 1e3:12.2f} {t_e * 1e3:13.2f} {t_l / t_e:7.2f}x {diff:9.1e}",
+                flush=True,
+            )
 
 
 def main() -> None:
@@ -104,7 +107,10 @@ def main() -> None:
         return
     g = torch.Generator().manual_seed(0)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, C++ kernels: {kernels.available()}")
-    print(f"{'shape':12s} {'dtype':9s} {'proj':5s} {'rows':>5s} {'loadable ms':>12s} {'execution ms':>13s} {'speedup':>8s}")
+    print(
+        f"{'shape':12s} {'dtype':9s} {'proj':5s} {'rows':>5s} {'loadable ms':>12s} "
+        f"{'execution ms':>13s} {'speedup':>8s}"
+    )
     for dtype in (torch.float32, torch.bfloat16):
         for shape, tokens in (("decode", 8), ("prefill256", 256), ("prefill1024", 1024)):
             counts = tokens_per_expert(tokens, g)
@@ -116,14 +122,18 @@ def main() -> None:
                 x = torch.randn(rows, k, generator=g).to(dtype)
 
                 def run(w: torch.Tensor) -> Callable[[], object]:
-                    return lambda: A.grouped_matmul([x], [w], group_list=counts, split_item=2, group_type=0,
-                                                    group_list_type=1)
+                    return lambda: A.grouped_matmul(
+                        [x], [w], group_list=counts, split_item=2, group_type=0, group_list_type=1
+                    )
 
                 y_l, y_e = run(as_loaded)()[0], run(execution)()[0]
                 torch.testing.assert_close(y_l, y_e, rtol=2e-2, atol=2e-2)
                 t_l, t_e = paired_best(run(as_loaded), run(execution), budget)
-                print(f"{shape:12s} {str(dtype)[6:]:9s} {proj:5s} {rows:5d} {t_l * 1e3:12.3f} {t_e * 1e3:13.3f} "
-                      f"{t_l / t_e:7.2f}x", flush=True)
+                print(
+                    f"{shape:12s} {str(dtype)[6:]:9s} {proj:5s} {rows:5d} {t_l * 1e3:12.3f} {t_e * 1e3:13.3f} "
+                    f"{t_l / t_e:7.2f}x",
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

@@ -64,17 +64,24 @@ def main() -> None:
         import ascend_passes.patterns.norm as norm_patterns
 
         norm_patterns.REWRITES[:] = [norm_patterns.REWRITES[int(i)] for i in keep.split(",")]
-    ap._repro_pass = DumpingPass(AscendPassConfig.from_options(
-        None, compiler="inductor", passes=os.environ.get("PASSES", "cleanup,norm")))
+    ap._repro_pass = DumpingPass(
+        AscendPassConfig.from_options(None, compiler="inductor", passes=os.environ.get("PASSES", "cleanup,norm"))
+    )
     from vllm import LLM, SamplingParams
 
-    kwargs = {"eager": {"enforce_eager": True}, "inductor": {"compilation_config": {"mode": 2}},
-              "postgrad": {"compilation_config": {"mode": 2, "inductor_passes": {
-                  "post_grad_custom_post_pass": "ascend_passes._repro_pass"}}}}[route]
+    kwargs = {
+        "eager": {"enforce_eager": True},
+        "inductor": {"compilation_config": {"mode": 2}},
+        "postgrad": {
+            "compilation_config": {
+                "mode": 2,
+                "inductor_passes": {"post_grad_custom_post_pass": "ascend_passes._repro_pass"},
+            }
+        },
+    }[route]
     t0 = time.time()
     with ap.capture() as reports:
-        llm = LLM(model=str(ckpt), skip_tokenizer_init=True, dtype="bfloat16", max_model_len=128,
-                  seed=0, **kwargs)
+        llm = LLM(model=str(ckpt), skip_tokenizer_init=True, dtype="bfloat16", max_model_len=128, seed=0, **kwargs)
         prompts = [{"prompt_token_ids": [3 + i, 17, 42 + i, 5, 99, 7 + 3 * i]} for i in range(4)]
         outs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0, logprobs=2))
     print(f"seconds {time.time() - t0:.1f}")

@@ -54,9 +54,7 @@ def _as_float64(weight: torch.Tensor) -> np.ndarray:
 # NumPy core: rows are independent problems (layers, or layer x node)
 
 
-def _replica_counts(
-    load: np.ndarray, num_phy: int, prefixes: tuple[int, ...] = ()
-) -> list[np.ndarray]:
+def _replica_counts(load: np.ndarray, num_phy: int, prefixes: tuple[int, ...] = ()) -> list[np.ndarray]:
     """Greedy replica counts ``[B, E]`` for ``num_phy`` slots, plus one count table per prefix.
 
     Each extra slot goes to the expert with the highest load per replica (ties: lowest id).  For a
@@ -106,9 +104,7 @@ def _greedy_members(weight: np.ndarray, num_packs: int, capacity: int) -> np.nda
     return members
 
 
-def _refine_members(
-    weight: np.ndarray, members: np.ndarray, max_rounds: int, rtol: float = 1e-9
-) -> None:
+def _refine_members(weight: np.ndarray, members: np.ndarray, max_rounds: int, rtol: float = 1e-9) -> None:
     """Lower the heaviest pack by swapping one of its items with one item of another pack, in place.
 
     Each round, in every row still improving, tries every swap between the heaviest pack and every
@@ -155,9 +151,7 @@ def _pack(weight: np.ndarray, num_packs: int, refine: bool = True) -> np.ndarray
     rows, num_items = weight.shape
     capacity = num_items // num_packs
     if capacity == 1 or num_packs == 1:
-        return np.broadcast_to(
-            np.arange(num_items).reshape(num_packs, capacity), (rows, num_packs, capacity)
-        ).copy()
+        return np.broadcast_to(np.arange(num_items).reshape(num_packs, capacity), (rows, num_packs, capacity)).copy()
     members = _greedy_members(weight, num_packs, capacity)
     if refine:
         _refine_members(weight, members, max_rounds=4 * num_items)
@@ -183,9 +177,7 @@ def _pack_replicas(
     return slot_expert, pack_load.sum(axis=2).max(axis=1)
 
 
-def _place_replicas(
-    load: np.ndarray, num_phy: int, num_packs: int, refine: bool = True
-) -> np.ndarray:
+def _place_replicas(load: np.ndarray, num_phy: int, num_packs: int, refine: bool = True) -> np.ndarray:
     """Replicate and pack: ``slot_expert[B, num_phy]``, ``num_phy // num_packs`` slots per pack.
 
     First the greedy replication (min-max load per replica) is packed.  A row that ends more than
@@ -249,9 +241,7 @@ def _hierarchical_phy2log(
 # building blocks (DeepSeek EPLB's API, on torch tensors)
 
 
-def replicate_experts(
-    weight: torch.Tensor, num_phy: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def replicate_experts(weight: torch.Tensor, num_phy: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Give ``num_phy`` slots to ``E`` experts so that the heaviest load per replica is smallest.
 
     Every expert gets one slot; each extra slot goes, one at a time, to the expert whose load per
@@ -279,9 +269,7 @@ def replicate_experts(
     return phy2log, replica_rank, logcnt
 
 
-def balanced_packing(
-    weight: torch.Tensor, num_packs: int, *, refine: bool = True
-) -> tuple[torch.Tensor, torch.Tensor]:
+def balanced_packing(weight: torch.Tensor, num_packs: int, *, refine: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Pack ``N`` weighted items into ``num_packs`` packs of exactly ``N / num_packs`` items each,
     keeping the heaviest pack as light as possible.
 
@@ -335,9 +323,7 @@ def log2phy_from_phy2log(phy2log: torch.Tensor, num_logical: int) -> torch.Tenso
     return log2phy.view(layers, num_logical, width)
 
 
-def expert_map_from_phy2log(
-    phy2log: torch.Tensor, num_logical: int, num_ranks: int
-) -> torch.Tensor:
+def expert_map_from_phy2log(phy2log: torch.Tensor, num_logical: int, num_ranks: int) -> torch.Tensor:
     """``expert_map[L, R, E]``: local slot of logical expert ``e`` on rank ``r``, or ``-1``.
 
     When a rank holds two replicas of one expert, the lower local slot is given.
@@ -353,9 +339,7 @@ def expert_map_from_phy2log(
     return expert_map.view(layers, num_ranks, num_logical)
 
 
-def rank_log2phy_from_phy2log(
-    phy2log: torch.Tensor, num_logical: int, num_ranks: int
-) -> torch.Tensor:
+def rank_log2phy_from_phy2log(phy2log: torch.Tensor, num_logical: int, num_ranks: int) -> torch.Tensor:
     """``[L, R, E]``: the physical slot rank ``r`` sends expert ``e``'s tokens to.
 
     A replica on rank ``r`` itself when there is one (no traffic); otherwise replica
@@ -394,9 +378,7 @@ def balance_ratio(loads: torch.Tensor) -> torch.Tensor:
 # placements
 
 
-def default_placement(
-    num_layers: int, num_logical: int, num_redundant: int, num_ranks: int
-) -> torch.Tensor:
+def default_placement(num_layers: int, num_logical: int, num_redundant: int, num_ranks: int) -> torch.Tensor:
     """The placement before any statistics: logical experts in order, then redundant copies of
     experts ``0, 1, ...`` appended (slot ``p`` holds expert ``p % E``).
 
@@ -449,9 +431,7 @@ def rebalance_experts(
     if layers == 0:
         phy2log = torch.empty(0, num_replicas, dtype=torch.int64)
     else:
-        phy2log = torch.from_numpy(
-            _hierarchical_phy2log(load, num_replicas, num_groups, num_nodes, num_ranks, refine)
-        )
+        phy2log = torch.from_numpy(_hierarchical_phy2log(load, num_replicas, num_groups, num_nodes, num_ranks, refine))
     logcnt = logcnt_from_phy2log(phy2log, num_logical)
     log2phy = log2phy_from_phy2log(phy2log, num_logical)
     if logger.isEnabledFor(logging.DEBUG):
@@ -459,8 +439,12 @@ def rebalance_experts(
         logger.debug(
             "eplb placement (%s) for %d layers: %d experts -> %d slots on %d ranks, "
             "max/mean rank load %.4f (mean over layers), %.4f (worst layer)",
-            "hierarchical" if hierarchical else "global", layers, num_logical, num_replicas,
-            num_ranks, float(ratio.mean()) if layers else 1.0,
+            "hierarchical" if hierarchical else "global",
+            layers,
+            num_logical,
+            num_replicas,
+            num_ranks,
+            float(ratio.mean()) if layers else 1.0,
             float(ratio.max()) if layers else 1.0,
         )
     return phy2log, log2phy, logcnt
@@ -485,7 +469,7 @@ class Placement:
     @classmethod
     def from_phy2log(
         cls, phy2log: torch.Tensor, num_logical: int, num_ranks: int, *, source: str = "placement"
-    ) -> "Placement":
+    ) -> Placement:
         """Validate ``phy2log[L, P]`` (``ConfigError`` if unusable) and derive the other tables."""
         validate_placement(phy2log, num_logical, num_ranks, source=source)
         phy2log = phy2log.to("cpu", torch.int64)

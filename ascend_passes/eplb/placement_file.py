@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
-from ascend_passes.errors import ConfigError
 from ascend_passes.eplb.validate import validate_placement
+from ascend_passes.errors import ConfigError
 
 __all__ = [
     "MAX_PLACEMENT_FILE_BYTES",
@@ -58,10 +58,7 @@ def placement_to_json(phy2log: torch.Tensor, num_ranks: int) -> dict[str, Any]:
             {
                 "layer_id": layer,
                 "device_count": num_ranks,
-                "device_list": [
-                    {"device_id": rank, "device_expert": experts}
-                    for rank, experts in enumerate(devices)
-                ],
+                "device_list": [{"device_id": rank, "device_expert": experts} for rank, experts in enumerate(devices)],
             }
             for layer, devices in enumerate(per_device.tolist())
         ],
@@ -74,8 +71,7 @@ def _dumps(record: dict[str, Any]) -> str:
     layer_list = record["layer_list"]
     for i, layer in enumerate(layer_list):
         lines.append(
-            f'    {{"layer_id": {layer["layer_id"]}, "device_count": {layer["device_count"]}, '
-            '"device_list": ['
+            f'    {{"layer_id": {layer["layer_id"]}, "device_count": {layer["device_count"]}, "device_list": ['
         )
         devices = layer["device_list"]
         for j, device in enumerate(devices):
@@ -93,30 +89,26 @@ def export_placement(phy2log: torch.Tensor, num_ranks: int, path: str | os.PathL
     file as it was.
     """
     if phy2log.dim() != 2:
-        raise ConfigError(
-            f"phy2log must have shape [layers, physical slots], got {tuple(phy2log.shape)}"
-        )
+        raise ConfigError(f"phy2log must have shape [layers, physical slots], got {tuple(phy2log.shape)}")
     text = _dumps(placement_to_json(phy2log, num_ranks))
     shown, path = path, Path(path)
     if path.is_dir():  # else os.replace fails naming the temporary file
-        raise ConfigError(f"export_placement: {shown} is a directory; pass a file path, "
-                          f"e.g. {path / 'placement.json'}")
+        raise ConfigError(f"export_placement: {shown} is a directory; pass a file path, e.g. {path / 'placement.json'}")
     if not path.parent.is_dir():
-        raise ConfigError(f"export_placement: cannot write {shown}: its directory "
-                          f"{path.parent} does not exist; create it first")
+        raise ConfigError(
+            f"export_placement: cannot write {shown}: its directory {path.parent} does not exist; create it first"
+        )
     try:
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     except OSError as exc:
-        raise ConfigError(f"export_placement: cannot write {shown} "
-                          f"({exc.strerror or type(exc).__name__})") from None
+        raise ConfigError(f"export_placement: cannot write {shown} ({exc.strerror or type(exc).__name__})") from None
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
         os.replace(tmp, path)
     except OSError as exc:  # the temporary file never stays behind, nor is it named
         Path(tmp).unlink(missing_ok=True)
-        raise ConfigError(f"export_placement: cannot write {shown} "
-                          f"({exc.strerror or type(exc).__name__})") from None
+        raise ConfigError(f"export_placement: cannot write {shown} ({exc.strerror or type(exc).__name__})") from None
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
@@ -161,8 +153,14 @@ def _check_header(record: Any, num_layers: int, fail: _Fail) -> list[Any]:
 
 
 def _parse_device(
-    device: Any, where: str, seen: dict[int, list[int]], slots: int | None, *, num_logical: int,
-    num_ranks: int, fail: _Fail
+    device: Any,
+    where: str,
+    seen: dict[int, list[int]],
+    slots: int | None,
+    *,
+    num_logical: int,
+    num_ranks: int,
+    fail: _Fail,
 ) -> tuple[int, list[int]]:
     """One ``device_list`` entry: ``(device_id, logical expert per local slot)``.
 
@@ -196,8 +194,15 @@ def _parse_device(
 
 
 def _parse_layer(
-    layer: Any, position: int, rows: dict[int, list[int]], slots: int | None, *, num_layers: int,
-    num_logical: int, num_ranks: int, fail: _Fail
+    layer: Any,
+    position: int,
+    rows: dict[int, list[int]],
+    slots: int | None,
+    *,
+    num_layers: int,
+    num_logical: int,
+    num_ranks: int,
+    fail: _Fail,
 ) -> tuple[int, list[int]]:
     """One ``layer_list`` entry: ``(layer_id, its phy2log row)`` with devices in rank order."""
     where = f"layer_list[{position}]: "
@@ -224,8 +229,9 @@ def _parse_layer(
         raise fail(where, f"device_list must list {num_ranks} devices, got {got}")
     by_device: dict[int, list[int]] = {}
     for device in devices:
-        device_id, experts = _parse_device(device, where, by_device, slots,
-                                           num_logical=num_logical, num_ranks=num_ranks, fail=fail)
+        device_id, experts = _parse_device(
+            device, where, by_device, slots, num_logical=num_logical, num_ranks=num_ranks, fail=fail
+        )
         slots = len(experts)
         by_device[device_id] = experts
     return layer_id, [e for rank in range(num_ranks) for e in by_device[rank]]
@@ -246,8 +252,9 @@ def placement_from_json(
     rows: dict[int, list[int]] = {}
     slots: int | None = None  # every device of every layer has the first device's slot count
     for position, layer in enumerate(layer_list):
-        layer_id, row = _parse_layer(layer, position, rows, slots, num_layers=num_layers,
-                                     num_logical=num_logical, num_ranks=num_ranks, fail=fail)
+        layer_id, row = _parse_layer(
+            layer, position, rows, slots, num_layers=num_layers, num_logical=num_logical, num_ranks=num_ranks, fail=fail
+        )
         rows[layer_id] = row
         slots = len(row) // num_ranks
 
@@ -261,9 +268,7 @@ def placement_from_json(
 def _read_json(path: str | os.PathLike[str]) -> Any:
     """The JSON value in ``path``, read up to ``MAX_PLACEMENT_FILE_BYTES``; ConfigError otherwise."""
     if not isinstance(path, (str, os.PathLike)):  # open(3) would read file descriptor 3
-        raise ConfigError(
-            f"placement file {path!r}: must be a path (str or os.PathLike), got {type(path).__name__}"
-        )
+        raise ConfigError(f"placement file {path!r}: must be a path (str or os.PathLike), got {type(path).__name__}")
     try:
         with open(path, "rb") as f:
             data = f.read(MAX_PLACEMENT_FILE_BYTES + 1)
@@ -291,8 +296,7 @@ def _read_json(path: str | os.PathLike[str]) -> Any:
         return json.loads(text)
     except json.JSONDecodeError as exc:
         raise ConfigError(
-            f"placement file {path}: not valid JSON ({exc.msg} at line {exc.lineno} "
-            f"column {exc.colno})"
+            f"placement file {path}: not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})"
         ) from exc
 
 
@@ -310,9 +314,7 @@ def _max_depth(text: str) -> int:
     return deepest
 
 
-def load_placement(
-    path: str | os.PathLike[str], *, num_layers: int, num_logical: int, num_ranks: int
-) -> torch.Tensor:
+def load_placement(path: str | os.PathLike[str], *, num_layers: int, num_logical: int, num_ranks: int) -> torch.Tensor:
     """Read a placement file and return its validated ``phy2log[L, P]``.
 
     ``num_layers`` counts main MoE layers and MTP layers together (see the module docstring).

@@ -53,15 +53,14 @@ from __future__ import annotations
 import functools
 import logging
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from torch import nn
 
-from ascend_passes.errors import ConfigError
-from ascend_passes.process_group import resolve_group
 from ascend_passes.eplb.placement import (
     Placement,
     balance_ratio,
@@ -72,6 +71,8 @@ from ascend_passes.eplb.placement import (
 from ascend_passes.eplb.placement_file import export_placement, load_placement
 from ascend_passes.eplb.sync import FORWARD_LOCK
 from ascend_passes.eplb.validate import check_expert_load, check_redundancy, validate_placement
+from ascend_passes.errors import ConfigError
+from ascend_passes.process_group import resolve_group
 
 log = logging.getLogger("ascend_passes.eplb")
 
@@ -86,8 +87,7 @@ _WEIGHTS = (("gate_up_proj", "eplb_gate_up_proj"), ("down_proj", "eplb_down_proj
 # --------------------------------------------------------------------------------- discovery
 def _is_experts(module: nn.Module) -> bool:
     params = module._parameters
-    return all(isinstance(params.get(name), torch.Tensor) and params[name].dim() == 3
-               for name, _ in _WEIGHTS)
+    return all(isinstance(params.get(name), torch.Tensor) and params[name].dim() == 3 for name, _ in _WEIGHTS)
 
 
 def find_moe_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -97,8 +97,11 @@ def find_moe_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     found = []
     for path, module in model.named_modules():
         experts = getattr(module, "experts", None)
-        if isinstance(experts, nn.Module) and hasattr(module, "gate") and (
-                _is_experts(experts) or isinstance(getattr(experts, _STATE_ATTR, None), EplbLayer)):
+        if (
+            isinstance(experts, nn.Module)
+            and hasattr(module, "gate")
+            and (_is_experts(experts) or isinstance(getattr(experts, _STATE_ATTR, None), EplbLayer))
+        ):
             found.append((f"{path}.experts" if path else "experts", experts))
     return found
 
@@ -143,16 +146,18 @@ def _eplb_logical(self: nn.Module, phy_name: str) -> torch.Tensor:
     import ascend_passes.ops  # noqa: F401  (registers torch.ops.ascend.eplb_*)
 
     return torch.ops.ascend.eplb_logical_weight(
-        getattr(self, phy_name), self.eplb_log2phy, self.eplb_replica_count, self.eplb_load,
-        self.eplb_record)
+        getattr(self, phy_name), self.eplb_log2phy, self.eplb_replica_count, self.eplb_load, self.eplb_record
+    )
 
 
 @functools.cache
 def _attached_class(cls: type) -> type:
     """``cls`` with ``gate_up_proj`` / ``down_proj`` read through the physical layout."""
     namespace = {
-        logical: property(functools.partial(lambda self, phy: _eplb_logical(self, phy), phy=phy),
-                          doc=f"[E, ...] logical view of ``{phy}`` (first replica of each expert)")
+        logical: property(
+            functools.partial(lambda self, phy: _eplb_logical(self, phy), phy=phy),
+            doc=f"[E, ...] logical view of ``{phy}`` (first replica of each expert)",
+        )
         for logical, phy in _WEIGHTS
     }
     namespace["__module__"] = cls.__module__
@@ -179,9 +184,19 @@ class EplbState:
     the target's MoE layer count for a drafter attached with ``main=``, else 0).
     """
 
-    def __init__(self, layers: list[EplbLayer], num_logical: int, num_redundant: int, ep_size: int,
-                 *, first_layer: int = 0, total_layers: int | None = None, rank: int = 0,
-                 group: Any = None, config: Any = None) -> None:
+    def __init__(
+        self,
+        layers: list[EplbLayer],
+        num_logical: int,
+        num_redundant: int,
+        ep_size: int,
+        *,
+        first_layer: int = 0,
+        total_layers: int | None = None,
+        rank: int = 0,
+        group: Any = None,
+        config: Any = None,
+    ) -> None:
         self.layers = layers
         self.num_logical = num_logical
         self.num_redundant = num_redundant
@@ -240,14 +255,14 @@ class EplbState:
         change, then update the maps in place (no recompilation).  Validates first: an unusable
         placement raises ``ConfigError`` and leaves everything as it was.  Resets the load
         counters (their slots now mean other experts).  Returns the number of slots moved."""
-        validate_placement(phy2log, self.num_logical, self.ep_size, num_layers=self.num_layers,
-                           source=source)
+        validate_placement(phy2log, self.num_logical, self.ep_size, num_layers=self.num_layers, source=source)
         if phy2log.shape[1] != self.num_physical:
             raise ConfigError(
                 f"{source}: {phy2log.shape[1]} physical slots per layer, but the model was "
                 f"attached with {self.num_logical} experts + {self.num_redundant} redundant = "
                 f"{self.num_physical}; use num_redundant_experts={phy2log.shape[1] - self.num_logical}"
-                " when attaching, or a placement for this redundancy")
+                " when attaching, or a placement for this redundancy"
+            )
         phy2log = phy2log.to("cpu", torch.int64)
         if self.expert_parallel:
             return self._apply_placement_ep(phy2log)
@@ -264,16 +279,18 @@ class EplbState:
                 if changed.numel():
                     # the source of each changed slot: the old first replica of its new expert
                     source_slot = layer.log2phy[:, 0].cpu()[new[changed]]
-                    staged = [(weight, changed.to(weight.device),
-                               weight.index_select(0, source_slot.to(weight.device)))
-                              for weight in layer.weights()]
+                    staged = [
+                        (weight, changed.to(weight.device), weight.index_select(0, source_slot.to(weight.device)))
+                        for weight in layer.weights()
+                    ]
                     moved += changed.numel()
                 self._publish(layer, new, staged)
         log.info("eplb: new placement for %d layers, %d expert slots moved", self.num_layers, moved)
         return moved
 
-    def _publish(self, layer: EplbLayer, new: torch.Tensor,
-                 staged: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
+    def _publish(
+        self, layer: EplbLayer, new: torch.Tensor, staged: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    ) -> None:
         """Write one layer's new weights (``staged``: weight, slots, their new rows) and tables
         ``new`` (its phy2log row) in place, with no forward running."""
         log2phy, count = _tables(new, self.num_logical, layer.log2phy.shape[1])
@@ -303,7 +320,8 @@ class EplbState:
             raise ConfigError(
                 "under expert parallelism rebalance() / apply_placement() are collective: call "
                 "them on every rank between forwards, from the thread that runs the forwards "
-                "(this process's forwards run in another thread)")
+                "(this process's forwards run in another thread)"
+            )
         per_rank, me = self.slots_per_rank, self.rank
         moved = 0
         # the write side for the whole switch, taken before any communication (a forward in flight
@@ -321,16 +339,18 @@ class EplbState:
                     src = int(first[new[slot]])
                     dst_rank, src_rank = slot // per_rank, src // per_rank
                     if dst_rank == me and src_rank == me:
-                        incoming.append((slot - me * per_rank,
-                                         [w[src - me * per_rank].clone() for w in weights]))
+                        incoming.append((slot - me * per_rank, [w[src - me * per_rank].clone() for w in weights]))
                     elif dst_rank == me:
                         bufs = [torch.empty_like(w[0]) for w in weights]
-                        ops += [dist.P2POp(dist.irecv, b, group=self.group,
-                                           group_peer=src_rank) for b in bufs]
+                        ops += [dist.P2POp(dist.irecv, b, group=self.group, group_peer=src_rank) for b in bufs]
                         incoming.append((slot - me * per_rank, bufs))
                     elif src_rank == me:
-                        ops += [dist.P2POp(dist.isend, w[src - me * per_rank].contiguous(),
-                                           group=self.group, group_peer=dst_rank) for w in weights]
+                        ops += [
+                            dist.P2POp(
+                                dist.isend, w[src - me * per_rank].contiguous(), group=self.group, group_peer=dst_rank
+                            )
+                            for w in weights
+                        ]
                 if ops:
                     for work in dist.batch_isend_irecv(ops):
                         work.wait()
@@ -338,21 +358,23 @@ class EplbState:
                 staged = []
                 if incoming:
                     slots = torch.tensor([local for local, _ in incoming], dtype=torch.int64)
-                    staged = [(w, slots.to(w.device), torch.stack([bufs[i] for _, bufs in incoming]))
-                              for i, w in enumerate(weights)]
+                    staged = [
+                        (w, slots.to(w.device), torch.stack([bufs[i] for _, bufs in incoming]))
+                        for i, w in enumerate(weights)
+                    ]
                 self._publish(layer, new, staged)
-        log.info("eplb: rank %d: new placement for %d layers, %d expert slots moved", me,
-                 self.num_layers, moved)
+        log.info("eplb: rank %d: new placement for %d layers, %d expert slots moved", me, self.num_layers, moved)
         return moved
 
     def load_placement_file(self, path: str | Path) -> int:
         """Read a placement file (rows ``first_layer ..`` of ``total_layers``) and apply it."""
-        phy2log = load_placement(path, num_layers=self.total_layers, num_logical=self.num_logical,
-                                 num_ranks=self.ep_size)
-        rows = phy2log[self.first_layer:self.first_layer + self.num_layers]
+        phy2log = load_placement(
+            path, num_layers=self.total_layers, num_logical=self.num_logical, num_ranks=self.ep_size
+        )
+        rows = phy2log[self.first_layer : self.first_layer + self.num_layers]
         return self.apply_placement(rows, source=f"placement file {path}")
 
-    def export_placement(self, path: str | Path, *, after: "EplbState | None" = None) -> None:
+    def export_placement(self, path: str | Path, *, after: EplbState | None = None) -> None:
         """Write the placement (this model's layers, then ``after``'s — e.g. a drafter's)."""
         rows = [self.phy2log] + ([after.phy2log] if after is not None else [])
         export_placement(torch.cat(rows), self.ep_size, path)  # a bad path: ConfigError naming it
@@ -407,17 +429,19 @@ class EplbState:
         """A user's load ``[L, E]``: one row per MoE layer of this model, one column per logical
         expert (``ConfigError`` naming the expected and the given shape)."""
         if not isinstance(weight, torch.Tensor):
-            raise ConfigError(f"expert load must be a tensor of shape [{self.num_layers}, "
-                              f"{self.num_logical}], got {type(weight).__name__}")
+            raise ConfigError(
+                f"expert load must be a tensor of shape [{self.num_layers}, "
+                f"{self.num_logical}], got {type(weight).__name__}"
+            )
         if tuple(weight.shape) != (self.num_layers, self.num_logical):
             raise ConfigError(
                 f"expert load must have shape [{self.num_layers}, {self.num_logical}] (one row "
                 f"per MoE layer of this model, one column per logical expert), got shape "
-                f"{list(weight.shape)}")
+                f"{list(weight.shape)}"
+            )
         check_expert_load(weight, self.num_logical)
 
-    def rebalance(self, weight: torch.Tensor | None = None, *, num_groups: int = 1,
-                  num_nodes: int = 1) -> Placement:
+    def rebalance(self, weight: torch.Tensor | None = None, *, num_groups: int = 1, num_nodes: int = 1) -> Placement:
         """Compute a placement from the recorded load (or ``weight[L, E]``), move the expert
         weights that change and update the maps in place; returns the new placement.  Under
         expert parallelism it is collective: the load is summed over the EP ranks first (every
@@ -427,8 +451,7 @@ class EplbState:
             weight = self.global_expert_load()
         else:
             self._check_load(weight)
-        phy2log, _, _ = rebalance_experts(weight, self.num_physical, num_groups, num_nodes,
-                                          self.ep_size)
+        phy2log, _, _ = rebalance_experts(weight, self.num_physical, num_groups, num_nodes, self.ep_size)
         self.apply_placement(phy2log, source="rebalance")
         return self.placement()
 
@@ -450,8 +473,7 @@ def _eplb_config(config: Any) -> Any:
         return config
     if isinstance(config, dict):
         return AscendPassConfig.from_options({"eplb": {"enabled": True, **config}}).eplb
-    raise ConfigError(f"attach() takes an EplbConfig, an AscendPassConfig or a dict, got "
-                      f"{type(config).__name__}")
+    raise ConfigError(f"attach() takes an EplbConfig, an AscendPassConfig or a dict, got {type(config).__name__}")
 
 
 def _ep_group(cfg: Any, ep_size: int) -> tuple[Any, int]:
@@ -464,14 +486,17 @@ def _ep_group(cfg: Any, ep_size: int) -> tuple[Any, int]:
     group = resolve_group(cfg.ep_group)
     size = dist.get_world_size(group)
     if size != ep_size:
-        raise ConfigError(f"eplb.ep_size={ep_size} but the EP process group has {size} ranks; set "
-                          f"eplb.ep_size to the group's size (or eplb.ep_group to a group of "
-                          f"{ep_size} ranks)")
+        raise ConfigError(
+            f"eplb.ep_size={ep_size} but the EP process group has {size} ranks; set "
+            f"eplb.ep_size to the group's size (or eplb.ep_group to a group of "
+            f"{ep_size} ranks)"
+        )
     return group, dist.get_rank(group)
 
 
-def attach(model: nn.Module, config: Any = None, *, main: EplbState | None = None,
-           num_mtp_layers: int = 0) -> EplbState:
+def attach(
+    model: nn.Module, config: Any = None, *, main: EplbState | None = None, num_mtp_layers: int = 0
+) -> EplbState:
     """Put every MoE block of ``model`` into physical layout with runtime EPLB tables (see the
     module docstring); call before ``torch.compile``.  Returns the model's ``EplbState``.
 
@@ -485,21 +510,25 @@ def attach(model: nn.Module, config: Any = None, *, main: EplbState | None = Non
     """
     cfg = _eplb_config(config)
     if state_of(model) is not None:
-        raise ConfigError("this model is already attached to EPLB; use its state "
-                          "(ascend_passes.eplb.state_of(model)) instead of attaching again")
+        raise ConfigError(
+            "this model is already attached to EPLB; use its state "
+            "(ascend_passes.eplb.state_of(model)) instead of attaching again"
+        )
     blocks = find_moe_blocks(model)
     if not blocks:
-        raise ConfigError(f"{type(model).__name__} has no MoE block with fused expert weights "
-                          "(a module with `gate` and `experts.gate_up_proj/down_proj`); nothing to attach")
+        raise ConfigError(
+            f"{type(model).__name__} has no MoE block with fused expert weights "
+            "(a module with `gate` and `experts.gate_up_proj/down_proj`); nothing to attach"
+        )
     num_redundant, ep_size = cfg.num_redundant_experts, cfg.ep_size
     first_layer = 0
     if main is not None:
-        if (num_redundant, ep_size) != (main.num_redundant, main.ep_size) and (
-                num_redundant, ep_size) != (0, 1):
+        if (num_redundant, ep_size) != (main.num_redundant, main.ep_size) and (num_redundant, ep_size) != (0, 1):
             raise ConfigError(
                 f"the drafter's EPLB settings (num_redundant_experts={num_redundant}, ep_size="
                 f"{ep_size}) differ from the target's ({main.num_redundant}, {main.ep_size}); "
-                "MTP layers get the target's redundancy, so leave them unset or equal")
+                "MTP layers get the target's redundancy, so leave them unset or equal"
+            )
         num_redundant, ep_size = main.num_redundant, main.ep_size
         first_layer = main.first_layer + main.num_layers
     if main is not None and main.expert_parallel:
@@ -511,8 +540,9 @@ def attach(model: nn.Module, config: Any = None, *, main: EplbState | None = Non
         raise ConfigError(f"MoE blocks with different expert counts {sorted(shapes)}; EPLB needs one")
     num_logical = blocks[0][1].gate_up_proj.shape[0]
     if main is not None and num_logical != main.num_logical:
-        raise ConfigError(f"the drafter has {num_logical} experts per layer, the target "
-                          f"{main.num_logical}; they must match")
+        raise ConfigError(
+            f"the drafter has {num_logical} experts per layer, the target {main.num_logical}; they must match"
+        )
     check_redundancy(num_logical, num_redundant, ep_size)
     for path, experts in blocks:
         if getattr(experts, "has_bias", False):
@@ -522,8 +552,9 @@ def attach(model: nn.Module, config: Any = None, *, main: EplbState | None = Non
         total = max(total, main.total_layers)
     phy2log = default_placement(len(blocks), num_logical, num_redundant, ep_size)
     if cfg.placement_file is not None:  # validated before anything changes
-        phy2log = load_placement(cfg.placement_file, num_layers=total, num_logical=num_logical,
-                                 num_ranks=ep_size)[first_layer:first_layer + len(blocks)]
+        phy2log = load_placement(cfg.placement_file, num_layers=total, num_logical=num_logical, num_ranks=ep_size)[
+            first_layer : first_layer + len(blocks)
+        ]
     per_rank = (num_logical + num_redundant) // ep_size
     local = slice(rank * per_rank, (rank + 1) * per_rank) if group is not None else slice(None)
     layers = []
@@ -531,19 +562,39 @@ def attach(model: nn.Module, config: Any = None, *, main: EplbState | None = Non
         _convert(experts, row, num_logical, num_redundant, cfg.record_load, local)
         layers.append(EplbLayer(path, experts))
         experts.__dict__[_STATE_ATTR] = layers[-1]
-    state = EplbState(layers, num_logical, num_redundant, ep_size, first_layer=first_layer,
-                      total_layers=total, rank=rank, group=group, config=cfg)
+    state = EplbState(
+        layers,
+        num_logical,
+        num_redundant,
+        ep_size,
+        first_layer=first_layer,
+        total_layers=total,
+        rank=rank,
+        group=group,
+        config=cfg,
+    )
     model.__dict__[_STATE_ATTR] = state
     for layer in layers:  # lets the eplb pass check compile options against this state
         setattr(layer.expert_load, _STATE_REF, weakref.ref(state))
-    log.info("eplb: attached %d MoE layers (%d experts + %d redundant, ep_size %d%s)", len(layers),
-             num_logical, num_redundant, ep_size,
-             f", rank {rank} holds slots [{local.start}, {local.stop})" if group is not None else "")
+    log.info(
+        "eplb: attached %d MoE layers (%d experts + %d redundant, ep_size %d%s)",
+        len(layers),
+        num_logical,
+        num_redundant,
+        ep_size,
+        f", rank {rank} holds slots [{local.start}, {local.stop})" if group is not None else "",
+    )
     return state
 
 
-def _convert(experts: nn.Module, phy2log: torch.Tensor, num_logical: int, num_redundant: int,
-             record: bool, local: slice = slice(None)) -> None:
+def _convert(
+    experts: nn.Module,
+    phy2log: torch.Tensor,
+    num_logical: int,
+    num_redundant: int,
+    record: bool,
+    local: slice = slice(None),
+) -> None:
     """Replace the logical expert weights by physical ones (only the ``local`` slots) and add the
     tables (in place)."""
     device = experts.gate_up_proj.device
@@ -557,8 +608,9 @@ def _convert(experts: nn.Module, phy2log: torch.Tensor, num_logical: int, num_re
     experts.register_buffer("eplb_log2phy", log2phy.to(device), persistent=False)
     experts.register_buffer("eplb_replica_count", count.to(device), persistent=False)
     experts.register_buffer("eplb_phy2log", phy2log.clone().to(device), persistent=False)
-    experts.register_buffer("eplb_load", torch.zeros(phy2log.numel(), dtype=torch.int64, device=device),
-                            persistent=False)
+    experts.register_buffer(
+        "eplb_load", torch.zeros(phy2log.numel(), dtype=torch.int64, device=device), persistent=False
+    )
     experts.register_buffer("eplb_record", torch.tensor(bool(record), device=device), persistent=False)
     for name in ("eplb_log2phy", "eplb_replica_count", "eplb_phy2log", "eplb_load", "eplb_record"):
         setattr(getattr(experts, name), _TABLE_MARK, True)  # lets the eplb pass see it is attached

@@ -28,8 +28,9 @@ or re-balance only between forwards.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from ascend_passes.errors import ConfigError
 
@@ -107,8 +108,9 @@ class ForwardLock:
             yield
 
     @contextmanager
-    def writing(self, *, what: str = "update the EPLB placement or expert weights",
-                wait: bool = True) -> Iterator[None]:
+    def writing(
+        self, *, what: str = "update the EPLB placement or expert weights", wait: bool = True
+    ) -> Iterator[None]:
         """Exclusive: waits for the forwards in flight, holds back new ones.  ``wait=False``
         raises ``ConfigError`` instead of waiting when forwards are in flight."""
         self._check_not_reading(what)
@@ -126,7 +128,8 @@ class ForwardLock:
                     raise ConfigError(
                         f"cannot {what} while {self._readers} forward(s) of an EPLB-attached "
                         "model run in other threads; under expert parallelism call it between "
-                        "forwards, from the thread that runs them, on every rank")
+                        "forwards, from the thread that runs them, on every rank"
+                    )
                 self._waiting_writers += 1
                 try:
                     while self._readers or self._writer is not None:
@@ -146,7 +149,8 @@ class ForwardLock:
             raise ConfigError(
                 f"cannot {what} from inside a forward of an EPLB-attached model (this thread "
                 "holds the forward lock, so waiting for the forwards to finish would wait for "
-                "itself); call it between forwards or from another thread")
+                "itself); call it between forwards or from another thread"
+            )
 
 
 FORWARD_LOCK = ForwardLock()

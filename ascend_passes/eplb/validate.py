@@ -37,9 +37,7 @@ def check_redundancy(num_logical: int, num_redundant: int, ep_size: int) -> None
     if num_logical < 1:
         raise ConfigError(f"num_experts={num_logical} must be 1 or more")
     if num_redundant < 0:
-        raise ConfigError(
-            f"eplb.num_redundant_experts={num_redundant} is negative; use 0 or more"
-        )
+        raise ConfigError(f"eplb.num_redundant_experts={num_redundant} is negative; use 0 or more")
     total = num_logical + num_redundant
     if total % ep_size != 0:
         first = (-num_logical) % ep_size
@@ -51,9 +49,7 @@ def check_redundancy(num_logical: int, num_redundant: int, ep_size: int) -> None
         )
 
 
-def check_topology(
-    num_logical: int, num_physical: int, num_groups: int, num_nodes: int, num_ranks: int
-) -> bool:
+def check_topology(num_logical: int, num_physical: int, num_groups: int, num_nodes: int, num_ranks: int) -> bool:
     """Check the shape arguments of the placement algorithm; return True when it is hierarchical.
 
     The placement is hierarchical (expert groups packed onto nodes first) when ``num_groups`` is a
@@ -89,9 +85,7 @@ def check_topology(
 def check_expert_load(weight: torch.Tensor, num_logical: int | None = None) -> None:
     """Check an expert load table ``weight[L, E]``: two dimensions, finite, non-negative."""
     if weight.dim() != 2:
-        raise ConfigError(
-            f"expert load must have shape [layers, experts], got shape {tuple(weight.shape)}"
-        )
+        raise ConfigError(f"expert load must have shape [layers, experts], got shape {tuple(weight.shape)}")
     if num_logical is not None and weight.shape[1] != num_logical:
         raise ConfigError(
             f"expert load has {weight.shape[1]} experts per layer but the model has "
@@ -121,8 +115,7 @@ def validate_placement(
     """
     if phy2log.dim() != 2:
         raise ConfigError(
-            f"{source}: phy2log must have shape [layers, physical slots], "
-            f"got shape {tuple(phy2log.shape)}"
+            f"{source}: phy2log must have shape [layers, physical slots], got shape {tuple(phy2log.shape)}"
         )
     if phy2log.dtype.is_floating_point or phy2log.dtype.is_complex or phy2log.dtype == torch.bool:
         raise ConfigError(f"{source}: phy2log must hold integer expert ids, got {phy2log.dtype}")

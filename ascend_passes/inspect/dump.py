@@ -24,7 +24,7 @@ def _short_path(path: str) -> str:
     best = path
     for root in sys.path:
         if root and path.startswith(root.rstrip("/") + "/"):
-            rel = path[len(root.rstrip("/")) + 1:]
+            rel = path[len(root.rstrip("/")) + 1 :]
             if len(rel) < len(best):
                 best = rel
     return best
@@ -33,8 +33,7 @@ def _short_path(path: str) -> str:
 def graph_code(gm: fx.GraphModule) -> str:
     """The graph as Python, with the model source line of each node (from its ``stack_trace``)
     as a ``# File: path:line in fn, code: …`` comment; paths relative to ``sys.path``."""
-    code = gm.print_readable(print_output=False, include_stride=False, include_device=False,
-                             colored=False)
+    code = gm.print_readable(print_output=False, include_stride=False, include_device=False, colored=False)
     return _FILE_COMMENT.sub(lambda m: m.group(1) + _short_path(m.group(2)) + m.group(3), code)
 
 
@@ -53,8 +52,7 @@ class GraphDumper:
         self._before = ""
         self.summary: list[str] = []
 
-    def __call__(self, pass_name: str, stage: str, gm: fx.GraphModule,
-                 result: PassResult | None) -> None:
+    def __call__(self, pass_name: str, stage: str, gm: fx.GraphModule, result: PassResult | None) -> None:
         stem = f"{self.index:02d}_{pass_name}"
         code = graph_code(gm)
         if stage == "before":
@@ -62,9 +60,14 @@ class GraphDumper:
             (self.dir / f"{stem}.before.py").write_text(code)
             return
         (self.dir / f"{stem}.after.py").write_text(code)
-        diff = "".join(difflib.unified_diff(
-            self._before.splitlines(keepends=True), code.splitlines(keepends=True),
-            fromfile=f"{pass_name}/before", tofile=f"{pass_name}/after"))
+        diff = "".join(
+            difflib.unified_diff(
+                self._before.splitlines(keepends=True),
+                code.splitlines(keepends=True),
+                fromfile=f"{pass_name}/before",
+                tofile=f"{pass_name}/after",
+            )
+        )
         (self.dir / f"{stem}.diff").write_text(diff)
         assert result is not None
         counts = ", ".join(f"{k} x{v}" for k, v in sorted(result.counts().items())) or "-"

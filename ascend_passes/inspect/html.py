@@ -7,8 +7,8 @@ from __future__ import annotations
 import datetime
 import html
 import logging
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import torch
 
@@ -44,14 +44,17 @@ def _e(text: object) -> str:
     return html.escape(str(text), quote=True)
 
 
-def _table(headers: Sequence[str], rows: Sequence[Sequence[str]], num: Sequence[int] = (),
-           row_classes: Sequence[str] | None = None) -> str:
+def _table(
+    headers: Sequence[str],
+    rows: Sequence[Sequence[str]],
+    num: Sequence[int] = (),
+    row_classes: Sequence[str] | None = None,
+) -> str:
     head = "".join(f"<th>{_e(h)}</th>" for h in headers)
     body = []
     for i, row in enumerate(rows):
         cls = f' class="{row_classes[i]}"' if row_classes and row_classes[i] else ""
-        cells = "".join(f'<td class="num">{c}</td>' if j in num else f"<td>{c}</td>"
-                        for j, c in enumerate(row))
+        cells = "".join(f'<td class="num">{c}</td>' if j in num else f"<td>{c}</td>" for j, c in enumerate(row))
         body.append(f"<tr{cls}>{cells}</tr>")
     return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
 
@@ -68,19 +71,36 @@ def _passes_section(report: CompileReport, anchor: str, drawn: set[str]) -> str:
         name = f"<code>{_e(r.name)}</code>"
         if r.name in drawn:
             name = f'<a href="#{anchor}-{_e(r.name)}">{name}</a>'
-        rows.append([str(i), name, status, str(r.num_matches),
-                     str(len(r.near_misses)), f"{r.nodes_before} → {r.nodes_after}",
-                     f"{r.seconds * 1e3:.1f}", _counts(dict(sorted(r.counts().items())))])
+        rows.append(
+            [
+                str(i),
+                name,
+                status,
+                str(r.num_matches),
+                str(len(r.near_misses)),
+                f"{r.nodes_before} → {r.nodes_after}",
+                f"{r.seconds * 1e3:.1f}",
+                _counts(dict(sorted(r.counts().items()))),
+            ]
+        )
         classes.append("" if r.status == "ok" else r.status)
-    out = ["<h3>Passes</h3>",
-           _table(["#", "pass", "status", "matches", "near-misses", "nodes", "ms", "rewrites"],
-                  rows, num=(0, 3, 4, 5, 6), row_classes=classes)]
+    out = [
+        "<h3>Passes</h3>",
+        _table(
+            ["#", "pass", "status", "matches", "near-misses", "nodes", "ms", "rewrites"],
+            rows,
+            num=(0, 3, 4, 5, 6),
+            row_classes=classes,
+        ),
+    ]
     failed = [r for r in report.passes.values() if r.error]
     if failed:
         out.append("<h3>Rolled-back passes</h3><ul>")
         for r in failed:
-            out.append(f'<li><code>{_e(r.name)}</code>: <span class="bad">{_e(r.error)}</span> — the '
-                       "graph was restored to its state before this pass and compiling went on.</li>")
+            out.append(
+                f'<li><code>{_e(r.name)}</code>: <span class="bad">{_e(r.error)}</span> — the '
+                "graph was restored to its state before this pass and compiling went on.</li>"
+            )
         out.append("</ul>")
     return "\n".join(out)
 
@@ -90,17 +110,18 @@ def _layers_section(report: CompileReport) -> str:
     ops = ops_by_layer(report)
     mtp = set(mtp_layers(report)) | {k for k in (*summary, *ops) if k.startswith("mtp.")}
     layers = list(dict.fromkeys([*summary, *ops]))
-    groups = (("Main model", [x for x in layers if x not in mtp and x != OUTSIDE]),
-              ("MTP layers", [x for x in layers if x in mtp]),
-              ("Outside any layer", [x for x in layers if x == OUTSIDE]))
+    groups = (
+        ("Main model", [x for x in layers if x not in mtp and x != OUTSIDE]),
+        ("MTP layers", [x for x in layers if x in mtp]),
+        ("Outside any layer", [x for x in layers if x == OUTSIDE]),
+    )
     out = ["<h3>Rewrites per layer</h3>"]
     if not layers:
         out.append("<p>Nothing was rewritten.</p>")
     for title, names in groups:
         if not names:
             continue
-        rows = [[f"<code>{_e(x)}</code>", _counts(summary.get(x, {})), _counts(ops.get(x, {}))]
-                for x in names]
+        rows = [[f"<code>{_e(x)}</code>", _counts(summary.get(x, {})), _counts(ops.get(x, {}))] for x in names]
         out.append(f"<p><b>{_e(title)}</b></p>")
         out.append(_table(["layer", "matches (pattern × count)", "ascend ops in the final graph"], rows))
     return "\n".join(out)
@@ -113,15 +134,24 @@ def _near_miss_section(report: CompileReport, record: GraphRecord | None) -> str
             info = record.near_miss_nodes.get((r.name, nm.node)) if record and nm.node else None
             node = f"<code>{_e(nm.node)}</code>" if nm.node else "-"
             if info is not None:
-                node += f"<br><span class=\"mono\">{_e(info.label)} {_e(info.shape)}</span>"
-            rows.append([f"<code>{_e(r.name)}</code>", _e(nm.pattern), _e(nm.layer or "-"), node,
-                         f'<span class="mono">{_e(info.source)}</span>' if info and info.source else "-",
-                         _e(nm.reason)])
+                node += f'<br><span class="mono">{_e(info.label)} {_e(info.shape)}</span>'
+            rows.append(
+                [
+                    f"<code>{_e(r.name)}</code>",
+                    _e(nm.pattern),
+                    _e(nm.layer or "-"),
+                    node,
+                    f'<span class="mono">{_e(info.source)}</span>' if info and info.source else "-",
+                    _e(nm.reason),
+                ]
+            )
     if not rows:
         return "<h3>Near-misses</h3><p>None: every candidate subgraph either matched or was not one.</p>"
-    return ("<h3>Near-misses</h3><p>Subgraphs that looked like a pattern but were not rewritten: "
-            "the node where matching stopped and why.</p>"
-            + _table(["pass", "pattern", "layer", "node", "source", "why not"], rows))
+    return (
+        "<h3>Near-misses</h3><p>Subgraphs that looked like a pattern but were not rewritten: "
+        "the node where matching stopped and why.</p>"
+        + _table(["pass", "pattern", "layer", "node", "source", "why not"], rows)
+    )
 
 
 def _nodes_text(sub: Subgraph) -> str:
@@ -147,11 +177,13 @@ def _rewrites_section(record: GraphRecord | None, draw: bool, budget: list[int],
     if record is None or not record.rewrites:
         out.append("<p>No rewrite replaced graph nodes (or none was recorded).</p>")
         return "\n".join(out)
-    out.append('<p class="legend"><span style="background:#fde2e1">replaced nodes</span>'
-               '<span style="background:#dff3e4">new nodes</span>'
-               '<span style="background:#ddeeff">matched, kept (annotated)</span>'
-               '<span style="border:1px dashed #7f8c8d">direct inputs</span>'
-               '<span style="border:1px dotted #7f8c8d">users of the result</span></p>')
+    out.append(
+        '<p class="legend"><span style="background:#fde2e1">replaced nodes</span>'
+        '<span style="background:#dff3e4">new nodes</span>'
+        '<span style="background:#ddeeff">matched, kept (annotated)</span>'
+        '<span style="border:1px dashed #7f8c8d">direct inputs</span>'
+        '<span style="border:1px dotted #7f8c8d">users of the result</span></p>'
+    )
     by_pass: dict[str, list[Rewrite]] = {}
     for rw in record.rewrites:
         by_pass.setdefault(rw.pass_name, []).append(rw)
@@ -159,31 +191,41 @@ def _rewrites_section(record: GraphRecord | None, draw: bool, budget: list[int],
         out.append(f'<p id="{anchor}-{_e(pass_name)}"><b>{_e(pass_name)}</b>: {len(rewrites)} rewrite(s)</p>')
         for i, rw in enumerate(rewrites):
             where = f"at <code>{_e(rw.layer)}</code>" if rw.layer else "outside any layer"
-            title = (f"{_e(rw.pattern)} {where} — "
-                     f"{len(rw.before.core)} node(s) → {len(rw.after.core)} node(s)")
+            title = f"{_e(rw.pattern)} {where} — {len(rw.before.core)} node(s) → {len(rw.after.core)} node(s)"
             if budget[0] <= 0:
-                out.append(f"<details><summary>{title}</summary><p>Not drawn: this page draws at most "
-                           f"{MAX_PICTURES} rewrites.</p><pre class=\"nodes\">"
-                           f"{_e(_nodes_text(rw.before))}</pre></details>")
+                out.append(
+                    f"<details><summary>{title}</summary><p>Not drawn: this page draws at most "
+                    f'{MAX_PICTURES} rewrites.</p><pre class="nodes">'
+                    f"{_e(_nodes_text(rw.before))}</pre></details>"
+                )
                 continue
             budget[0] -= 1
             opened = " open" if i == 0 else ""
             if rw.kept:
-                out.append(f"<details{opened}><summary>{title.split(' — ')[0]} — {len(rw.before.core)} "
-                           "node(s) matched and annotated, none replaced</summary><div class=\"pair\">"
-                           f"<figure><figcaption>matched</figcaption>{_picture(rw.before, 'kept', draw)}"
-                           "</figure></div></details>")
+                out.append(
+                    f"<details{opened}><summary>{title.split(' — ')[0]} — {len(rw.before.core)} "
+                    'node(s) matched and annotated, none replaced</summary><div class="pair">'
+                    f"<figure><figcaption>matched</figcaption>{_picture(rw.before, 'kept', draw)}"
+                    "</figure></div></details>"
+                )
                 continue
-            out.append(f"<details{opened}><summary>{title}</summary><div class=\"pair\">"
-                       f"<figure><figcaption>before</figcaption>{_picture(rw.before, 'replaced', draw)}</figure>"
-                       f"<figure><figcaption>after</figcaption>{_picture(rw.after, 'new', draw)}</figure>"
-                       "</div></details>")
+            out.append(
+                f'<details{opened}><summary>{title}</summary><div class="pair">'
+                f"<figure><figcaption>before</figcaption>{_picture(rw.before, 'replaced', draw)}</figure>"
+                f"<figure><figcaption>after</figcaption>{_picture(rw.after, 'new', draw)}</figure>"
+                "</div></details>"
+            )
     return "\n".join(out)
 
 
 # --------------------------------------------------------------------------- the page
-def render_html(runs: Sequence[tuple[str, CompileReport]], recorder: SubgraphRecorder | None = None,
-                *, title: str = "ascend_passes compile report", draw: bool | None = None) -> str:
+def render_html(
+    runs: Sequence[tuple[str, CompileReport]],
+    recorder: SubgraphRecorder | None = None,
+    *,
+    title: str = "ascend_passes compile report",
+    draw: bool | None = None,
+) -> str:
     """The page for ``runs`` (``(model name, report)`` pairs, one per compiled graph).
 
     ``draw``: draw subgraphs with ``dot`` (default: when ``dot`` is installed); without it the
@@ -191,44 +233,58 @@ def render_html(runs: Sequence[tuple[str, CompileReport]], recorder: SubgraphRec
     """
     draw = dot_available() if draw is None else draw
     now = datetime.datetime.now().strftime("%Y-%m-%d %H:%M:%S")
-    parts = [f"<h1>{_e(title)}</h1>",
-             f'<div class="meta">generated {now} · torch {_e(torch.__version__)} · '
-             f"{len(runs)} compiled graph(s)</div>"]
+    parts = [
+        f"<h1>{_e(title)}</h1>",
+        f'<div class="meta">generated {now} · torch {_e(torch.__version__)} · {len(runs)} compiled graph(s)</div>',
+    ]
     if not draw:
-        parts.append('<div class="note">Graphviz <code>dot</code> was not found, so the rewritten '
-                     "subgraphs are listed as text instead of drawn. Install it "
-                     "(<code>apt-get install -y graphviz</code>) to get pictures.</div>")
+        parts.append(
+            '<div class="note">Graphviz <code>dot</code> was not found, so the rewritten '
+            "subgraphs are listed as text instead of drawn. Install it "
+            "(<code>apt-get install -y graphviz</code>) to get pictures.</div>"
+        )
     toc = []
     for i, (name, report) in enumerate(runs):
-        toc.append(f'<li><a href="#g{i}">{_e(name)}: graph {_e(report.graph_id)}</a> — '
-                   f"{report.num_matches} rewrites</li>")
+        toc.append(
+            f'<li><a href="#g{i}">{_e(name)}: graph {_e(report.graph_id)}</a> — {report.num_matches} rewrites</li>'
+        )
     if len(runs) > 1:
         parts.append(f"<ul>{''.join(toc)}</ul>")
     budget = [MAX_PICTURES]
     for i, (name, report) in enumerate(runs):
         record = recorder.graphs.get(str(report.graph_id)) if recorder else None
-        verified = {None: "not checked", True: '<span class="ok">yes</span>',
-                    False: '<span class="bad">no</span>'}[report.verified]
+        verified = {None: "not checked", True: '<span class="ok">yes</span>', False: '<span class="bad">no</span>'}[
+            report.verified
+        ]
         nodes = [r for r in report.passes.values()]
         span = f"{nodes[0].nodes_before} → {nodes[-1].nodes_after} nodes" if nodes else ""
-        parts.append(f'<h2 id="g{i}">{_e(name)}: graph {_e(report.graph_id)} → {_e(report.compiler)} '
-                     f"({_e(report.target)})</h2>")
-        parts.append(f'<div class="meta">{span} · pipeline {report.seconds * 1e3:.1f} ms · '
-                     f"{report.num_matches} rewrites · numerics verified: {verified} · config "
-                     f"<code>{_e(report.config_hash[:12])}</code></div>")
+        parts.append(
+            f'<h2 id="g{i}">{_e(name)}: graph {_e(report.graph_id)} → {_e(report.compiler)} ({_e(report.target)})</h2>'
+        )
+        parts.append(
+            f'<div class="meta">{span} · pipeline {report.seconds * 1e3:.1f} ms · '
+            f"{report.num_matches} rewrites · numerics verified: {verified} · config "
+            f"<code>{_e(report.config_hash[:12])}</code></div>"
+        )
         drawn = {rw.pass_name for rw in record.rewrites} if record else set()
         parts.append(_passes_section(report, f"g{i}", drawn))
         parts.append(_layers_section(report))
         parts.append(_near_miss_section(report, record))
         parts.append(_rewrites_section(record, draw, budget, f"g{i}"))
     body = "\n".join(parts)
-    return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
-            f'<meta name="viewport" content="width=device-width, initial-scale=1">'
-            f"<title>{_e(title)}</title><style>{_CSS}</style></head>\n<body>\n{body}\n</body></html>\n")
+    return (
+        f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
+        f'<meta name="viewport" content="width=device-width, initial-scale=1">'
+        f"<title>{_e(title)}</title><style>{_CSS}</style></head>\n<body>\n{body}\n</body></html>\n"
+    )
 
 
-def write_html(path: str | Path, runs: Sequence[tuple[str, CompileReport]],
-               recorder: SubgraphRecorder | None = None, **kwargs: object) -> Path:
+def write_html(
+    path: str | Path,
+    runs: Sequence[tuple[str, CompileReport]],
+    recorder: SubgraphRecorder | None = None,
+    **kwargs: object,
+) -> Path:
     """Write ``render_html(runs, recorder, **kwargs)`` to ``path``; returns the path."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch.fx as fx
 
@@ -21,14 +22,19 @@ class PassProgress:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
         self.passes = list(passes)
-        self.progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                 TimeElapsedColumn(), console=console or Console(stderr=True),
-                                 transient=False)
+        self.progress = Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            console=console or Console(stderr=True),
+            transient=False,
+        )
         self._task: Any = None
         self._done: set[str] = set()
         self._graphs = 0
 
-    def __enter__(self) -> "PassProgress":
+    def __enter__(self) -> PassProgress:
         self.progress.start()
         return self
 
@@ -38,11 +44,9 @@ class PassProgress:
 
     def _finish(self) -> None:
         if self._task is not None:
-            self.progress.update(self._task, completed=len(self.passes),
-                                 description=f"graph {self._graphs}: done")
+            self.progress.update(self._task, completed=len(self.passes), description=f"graph {self._graphs}: done")
 
-    def __call__(self, pass_name: str, stage: str, gm: fx.GraphModule,
-                 result: PassResult | None) -> None:
+    def __call__(self, pass_name: str, stage: str, gm: fx.GraphModule, result: PassResult | None) -> None:
         total = len(self.passes) or 1
         if stage == "before":
             if self._task is None or pass_name in self._done:
@@ -51,8 +55,11 @@ class PassProgress:
                 self._done = set()
                 self._task = self.progress.add_task(f"graph {self._graphs}", total=total)
             index = self.passes.index(pass_name) if pass_name in self.passes else len(self._done)
-            self.progress.update(self._task, completed=min(index, total),
-                                 description=f"graph {self._graphs}: {pass_name} ({len(gm.graph.nodes)} nodes)")
+            self.progress.update(
+                self._task,
+                completed=min(index, total),
+                description=f"graph {self._graphs}: {pass_name} ({len(gm.graph.nodes)} nodes)",
+            )
             return
         self._done.add(pass_name)
         index = self.passes.index(pass_name) + 1 if pass_name in self.passes else len(self._done)

@@ -86,8 +86,16 @@ def _shape(node: fx.Node) -> str:
     val = node.meta.get("val")
     if isinstance(val, torch.Tensor):
         dtype = str(val.dtype).removeprefix("torch.")
-        short = {"float32": "f32", "float16": "f16", "bfloat16": "bf16", "int64": "i64",
-                 "int32": "i32", "bool": "b8", "float64": "f64", "int8": "i8"}.get(dtype, dtype)
+        short = {
+            "float32": "f32",
+            "float16": "f16",
+            "bfloat16": "bf16",
+            "int64": "i64",
+            "int32": "i32",
+            "bool": "b8",
+            "float64": "f64",
+            "int8": "i8",
+        }.get(dtype, dtype)
         return f"{short}[{', '.join(str(s) for s in val.shape)}]"
     if isinstance(val, (list, tuple)):
         return f"({len(val)} values)"
@@ -146,8 +154,7 @@ class SubgraphRecorder:
         self.graphs: dict[str, GraphRecord] = {}
         self._before: _Snapshot | None = None
 
-    def __call__(self, pass_name: str, stage: str, gm: fx.GraphModule,
-                 result: PassResult | None) -> None:
+    def __call__(self, pass_name: str, stage: str, gm: fx.GraphModule, result: PassResult | None) -> None:
         if stage == "before":
             self._before = _snapshot(gm)
             return
@@ -166,8 +173,7 @@ class SubgraphRecorder:
             log.warning("could not record the subgraphs of pass %s", pass_name, exc_info=True)
 
 
-def _rewrites(pass_name: str, result: PassResult, before: _Snapshot,
-              gm: fx.GraphModule) -> list[Rewrite]:
+def _rewrites(pass_name: str, result: PassResult, before: _Snapshot, gm: fx.GraphModule) -> list[Rewrite]:
     after_nodes = {n.name: n for n in gm.graph.nodes}
     new = [n for n in gm.graph.nodes if n.name not in before.info]
     new_names = {n.name for n in new}
@@ -179,14 +185,13 @@ def _rewrites(pass_name: str, result: PassResult, before: _Snapshot,
         for x in m.nodes:
             if x in before.info:
                 claim.setdefault(x, set()).add(i)
-    _spread(claim, lambda x: (*before.args[x], *before.users[x]),
-            lambda x: x in before.info and x not in after_nodes)
+    _spread(claim, lambda x: (*before.args[x], *before.users[x]), lambda x: x in before.info and x not in after_nodes)
     ordered: list[list[str]] = [[] for _ in matches]
     for x in before.info:
         for i in claim.get(x, ()):
             ordered[i].append(x)
     sides: list[tuple[set[str], set[str], set[str]]] = []  # (replaced, inputs, users) per match
-    for i, m in enumerate(matches):
+    for i in range(len(matches)):
         replaced = set(ordered[i])
         inputs = {a for x in replaced for a in before.args[x] if a not in replaced}
         users = {u for x in replaced for u in before.users[x] if u not in replaced}
@@ -202,8 +207,11 @@ def _rewrites(pass_name: str, result: PassResult, before: _Snapshot,
         best = max(score.values(), default=0)
         if best:
             owner[n.name] = {i for i, v in score.items() if v == best}
-    _spread(owner, lambda x: [nb.name for nb in (*after_nodes[x].all_input_nodes, *after_nodes[x].users)],
-            lambda x: x in new_names)
+    _spread(
+        owner,
+        lambda x: [nb.name for nb in (*after_nodes[x].all_input_nodes, *after_nodes[x].users)],
+        lambda x: x in new_names,
+    )
 
     live_info = _LiveInfo(after_nodes)
     live_args: dict[str, list[str]] = {}
@@ -213,24 +221,22 @@ def _rewrites(pass_name: str, result: PassResult, before: _Snapshot,
         live_users[k] = [u.name for u in v.users]
     out = []
     for i, (m, (replaced, inputs, users)) in enumerate(zip(matches, sides)):
-        before_sub = _side(replaced, [before.info[x] for x in ordered[i]],
-                           before.info, before.args, before.users)
+        before_sub = _side(replaced, [before.info[x] for x in ordered[i]], before.info, before.args, before.users)
         mine = [n for n in new if i in owner.get(n.name, ())]
         if not mine and replaced and all(x in after_nodes for x in replaced):
-            out.append(Rewrite(pass_name, m.pattern, m.layer, before_sub, Subgraph(),
-                               dict(m.details), kept=True))
+            out.append(Rewrite(pass_name, m.pattern, m.layer, before_sub, Subgraph(), dict(m.details), kept=True))
             continue
         if mine:
             core_names = {n.name for n in mine}
-            after_sub = _side(core_names, [live_info[n.name] for n in mine], live_info,
-                              live_args, live_users)
+            after_sub = _side(core_names, [live_info[n.name] for n in mine], live_info, live_args, live_users)
         else:  # nothing new (a no-op removed): the inputs now feed the users directly
             live = [x for x in sorted(inputs | users) if x in after_nodes]
-            after_sub = Subgraph(inputs=[node_info(after_nodes[x]) for x in live if x in inputs],
-                                 users=[node_info(after_nodes[x]) for x in live if x in users][:MAX_USERS])
+            after_sub = Subgraph(
+                inputs=[node_info(after_nodes[x]) for x in live if x in inputs],
+                users=[node_info(after_nodes[x]) for x in live if x in users][:MAX_USERS],
+            )
             drawn = {x.name for x in after_sub.inputs + after_sub.users}
-            after_sub.edges = [(a.name, x) for x in drawn for a in after_nodes[x].all_input_nodes
-                               if a.name in drawn]
+            after_sub.edges = [(a.name, x) for x in drawn for a in after_nodes[x].all_input_nodes if a.name in drawn]
         out.append(Rewrite(pass_name, m.pattern, m.layer, before_sub, after_sub, dict(m.details)))
     return out
 
@@ -262,8 +268,9 @@ class _LiveInfo(dict):
         return value
 
 
-def _side(core: set[str], core_info: list[NodeInfo], info: Any, args: dict[str, list[str]],
-          users: dict[str, list[str]]) -> Subgraph:
+def _side(
+    core: set[str], core_info: list[NodeInfo], info: Any, args: dict[str, list[str]], users: dict[str, list[str]]
+) -> Subgraph:
     ins: list[str] = []
     outs: list[str] = []
     for x in core_info:
@@ -275,8 +282,7 @@ def _side(core: set[str], core_info: list[NodeInfo], info: Any, args: dict[str, 
                 outs.append(u)
     outs = [u for u in outs if u not in ins][:MAX_USERS]
     drawn = core | set(ins) | set(outs)
-    edges = [(a, x) for x in drawn for a in args.get(x, ()) if a in drawn
-             and (a in core or x in core)]
+    edges = [(a, x) for x in drawn for a in args.get(x, ()) if a in drawn and (a in core or x in core)]
     return Subgraph(core_info, [info[a] for a in ins], [info[u] for u in outs], edges)
 
 
@@ -302,9 +308,12 @@ _STYLE = {
 def to_dot(sub: Subgraph, core_kind: str) -> str:
     """The subgraph in DOT; ``core_kind`` is "replaced" (before), "new" (after) or "kept"
     (matched and annotated, not replaced)."""
-    lines = ["digraph G {", "  rankdir=TB; bgcolor=transparent; nodesep=0.25; ranksep=0.3;",
-             '  node [shape=box fontname="Helvetica" fontsize=10 margin="0.08,0.04"];',
-             '  edge [color="#555555" arrowsize=0.6];']
+    lines = [
+        "digraph G {",
+        "  rankdir=TB; bgcolor=transparent; nodesep=0.25; ranksep=0.3;",
+        '  node [shape=box fontname="Helvetica" fontsize=10 margin="0.08,0.04"];',
+        '  edge [color="#555555" arrowsize=0.6];',
+    ]
     for kind, nodes in (("input", sub.inputs), (core_kind, sub.core), ("user", sub.users)):
         for n in nodes:
             label = f"{n.name}\n{n.label}" + (f"\n{n.shape}" if n.shape else "")
@@ -322,8 +331,7 @@ def to_svg(sub: Subgraph, core_kind: str, timeout: float = 30.0) -> str:
     exe = shutil.which("dot")
     if exe is None:
         raise FileNotFoundError("Graphviz 'dot' is not installed")
-    proc = subprocess.run([exe, "-Tsvg"], input=to_dot(sub, core_kind), capture_output=True,
-                          text=True, timeout=timeout)
+    proc = subprocess.run([exe, "-Tsvg"], input=to_dot(sub, core_kind), capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         raise OSError(f"dot failed: {proc.stderr.strip()[:300]}")
     svg = proc.stdout
@@ -331,5 +339,15 @@ def to_svg(sub: Subgraph, core_kind: str, timeout: float = 30.0) -> str:
     return svg[start:] if start >= 0 else svg
 
 
-__all__ = ["GraphRecord", "NodeInfo", "Rewrite", "Subgraph", "SubgraphRecorder", "dot_available",
-           "node_info", "source_line", "to_dot", "to_svg"]
+__all__ = [
+    "GraphRecord",
+    "NodeInfo",
+    "Rewrite",
+    "Subgraph",
+    "SubgraphRecorder",
+    "dot_available",
+    "node_info",
+    "source_line",
+    "to_dot",
+    "to_svg",
+]

@@ -28,8 +28,7 @@ def artifact_name(pass_name: str, stage: str) -> str:
     return f"ascend_passes_{pass_name}_{stage}"
 
 
-def trace_pass_graphs(pass_name: str, stage: str, gm: fx.GraphModule,
-                      result: PassResult | None) -> None:
+def trace_pass_graphs(pass_name: str, stage: str, gm: fx.GraphModule, result: PassResult | None) -> None:
     """PassManager hook: emits the graph as a ``TORCH_TRACE`` artifact before and after each
     pass. Without ``TORCH_TRACE`` this costs a function call (the payload is never built)."""
     name = artifact_name(pass_name, stage)

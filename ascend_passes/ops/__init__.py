@@ -60,5 +60,15 @@ def decompositions(names) -> dict:
     return {getattr(torch.ops.ascend, n).default: reference_impl(n) for n in names}
 
 
-__all__ = ["DECOMPOSABLE_OPS", "KERNEL_OPS", "NAMESPACE", "OPS", "Op", "SCHEMAS", "decompositions",
-           "kernel_backend", "reference", "reference_impl"]
+__all__ = [
+    "DECOMPOSABLE_OPS",
+    "KERNEL_OPS",
+    "NAMESPACE",
+    "OPS",
+    "Op",
+    "SCHEMAS",
+    "decompositions",
+    "kernel_backend",
+    "reference",
+    "reference_impl",
+]

@@ -42,7 +42,12 @@ def swiglu_fake(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------- records
 OPS = (
-    Op(schema="swiglu(Tensor self, int dim=-1) -> Tensor",
-       reference=swiglu, fake=swiglu_fake, decomposable=True, cpp_kernel=True,
-       npu=NpuOp("npu_swiglu", "torch_npu.npu_swiglu(Tensor self, int dim=-1) -> Tensor")),
+    Op(
+        schema="swiglu(Tensor self, int dim=-1) -> Tensor",
+        reference=swiglu,
+        fake=swiglu_fake,
+        decomposable=True,
+        cpp_kernel=True,
+        npu=NpuOp("npu_swiglu", "torch_npu.npu_swiglu(Tensor self, int dim=-1) -> Tensor"),
+    ),
 )

@@ -60,11 +60,9 @@ def _check_tables(op: str, log2phy: torch.Tensor, replica_count: torch.Tensor) -
     check_dim(op, "log2phy", log2phy, (2,))
     check_dim(op, "replica_count", replica_count, (1,))
     if log2phy.dtype != torch.int64 or replica_count.dtype != torch.int64:
-        fail(op, f"log2phy and replica_count must be int64, got {log2phy.dtype} and "
-                 f"{replica_count.dtype}")
+        fail(op, f"log2phy and replica_count must be int64, got {log2phy.dtype} and {replica_count.dtype}")
     if log2phy.shape[0] != replica_count.shape[0]:
-        fail(op, f"log2phy has {log2phy.shape[0]} experts but replica_count "
-                 f"{replica_count.shape[0]}")
+        fail(op, f"log2phy has {log2phy.shape[0]} experts but replica_count {replica_count.shape[0]}")
 
 
 def _check_ids(op: str, expert_idx: torch.Tensor) -> None:
@@ -83,8 +81,9 @@ def _check_id_values(op: str, name: str, ids: torch.Tensor, bound: int, what: st
 
 
 # ------------------------------------------------------------------------------------ reference
-def eplb_map(expert_idx: torch.Tensor, log2phy: torch.Tensor, replica_count: torch.Tensor, *,
-             rank: int = 0) -> torch.Tensor:
+def eplb_map(
+    expert_idx: torch.Tensor, log2phy: torch.Tensor, replica_count: torch.Tensor, *, rank: int = 0
+) -> torch.Tensor:
     """Reference implementation (the CPU path): logical → physical expert ids."""
     _check_tables("eplb_map", log2phy, replica_count)
     _check_ids("eplb_map", expert_idx)
@@ -100,13 +99,17 @@ def _check_range(op: str, active_expert_range, num_slots: int) -> tuple[int, int
     if len(active_expert_range) == 0:
         return 0, num_slots
     if len(active_expert_range) != 2 or not 0 <= active_expert_range[0] < active_expert_range[1] <= num_slots:
-        fail(op, f"active_expert_range={list(active_expert_range)} must be [start, end] with "
-                 f"0 <= start < end <= {num_slots}")
+        fail(
+            op,
+            f"active_expert_range={list(active_expert_range)} must be [start, end] with "
+            f"0 <= start < end <= {num_slots}",
+        )
     return int(active_expert_range[0]), int(active_expert_range[1])
 
 
-def eplb_record_load(expert_load: torch.Tensor, expert_idx: torch.Tensor, record: torch.Tensor, *,
-                     active_expert_range=()) -> None:
+def eplb_record_load(
+    expert_load: torch.Tensor, expert_idx: torch.Tensor, record: torch.Tensor, *, active_expert_range=()
+) -> None:
     """Reference implementation: ``expert_load += bincount(expert_idx) * record`` in place
     (ids outside ``active_expert_range``, when given, are not counted)."""
     _check_ids("eplb_record_load", expert_idx)
@@ -124,16 +127,23 @@ def eplb_record_load(expert_load: torch.Tensor, expert_idx: torch.Tensor, record
     expert_load.scatter_add_(0, ids, on)
 
 
-def eplb_logical_weight(phy_weight: torch.Tensor, log2phy: torch.Tensor, replica_count: torch.Tensor,
-                        expert_load: torch.Tensor, record: torch.Tensor) -> torch.Tensor:
+def eplb_logical_weight(
+    phy_weight: torch.Tensor,
+    log2phy: torch.Tensor,
+    replica_count: torch.Tensor,
+    expert_load: torch.Tensor,
+    record: torch.Tensor,
+) -> torch.Tensor:
     """Reference implementation: the first replica of every logical expert, ``[E, ...]``."""
     _check_tables("eplb_logical_weight", log2phy, replica_count)
     if phy_weight.shape[0] != expert_load.shape[0]:
-        fail("eplb_logical_weight",
-             f"this rank holds {phy_weight.shape[0]} of {expert_load.shape[0]} physical expert slots "
-             "(expert parallelism across processes): the logical expert weights are not all here, so "
-             "the attached model runs only compiled, with eplb enabled (torch.compile(model, "
-             "backend='ascend_passes', options={'eplb': {...}}))")
+        fail(
+            "eplb_logical_weight",
+            f"this rank holds {phy_weight.shape[0]} of {expert_load.shape[0]} physical expert slots "
+            "(expert parallelism across processes): the logical expert weights are not all here, so "
+            "the attached model runs only compiled, with eplb enabled (torch.compile(model, "
+            "backend='ascend_passes', options={'eplb': {...}}))",
+        )
     _check_id_values("eplb_logical_weight", "log2phy[:, 0]", log2phy[:, 0], phy_weight.shape[0], "physical slot")
     # the eager attached model's read of tables + weights: one consistent gather even while
     # rebalance() runs in another thread (re-entrant inside a compiled forward, which holds it)
@@ -162,14 +172,23 @@ def eplb_logical_weight_fake(phy_weight, log2phy, replica_count, expert_load, re
 
 # ------------------------------------------------------------------------------------ records
 OPS = (
-    Op(schema="eplb_map(Tensor expert_idx, Tensor log2phy, Tensor replica_count, *, int rank=0) -> Tensor",
-       reference=eplb_map, fake=eplb_map_fake),
-    Op(schema="eplb_record_load(Tensor(a!) expert_load, Tensor expert_idx, Tensor record, *, "
-              "int[] active_expert_range=[]) -> ()",
-       reference=eplb_record_load, fake=eplb_record_load_fake),
-    Op(schema="eplb_logical_weight(Tensor phy_weight, Tensor log2phy, Tensor replica_count, "
-              "Tensor expert_load, Tensor record) -> Tensor",
-       reference=eplb_logical_weight, fake=eplb_logical_weight_fake),
+    Op(
+        schema="eplb_map(Tensor expert_idx, Tensor log2phy, Tensor replica_count, *, int rank=0) -> Tensor",
+        reference=eplb_map,
+        fake=eplb_map_fake,
+    ),
+    Op(
+        schema="eplb_record_load(Tensor(a!) expert_load, Tensor expert_idx, Tensor record, *, "
+        "int[] active_expert_range=[]) -> ()",
+        reference=eplb_record_load,
+        fake=eplb_record_load_fake,
+    ),
+    Op(
+        schema="eplb_logical_weight(Tensor phy_weight, Tensor log2phy, Tensor replica_count, "
+        "Tensor expert_load, Tensor record) -> Tensor",
+        reference=eplb_logical_weight,
+        fake=eplb_logical_weight_fake,
+    ),
 )
 SCHEMAS: dict[str, str] = {op.name: op.schema for op in OPS}
 

@@ -55,15 +55,19 @@ def _linear_2d(a: dict[str, Any]) -> str | None:
 
 # ----------------------------------------------------------------------------- records
 OPS = (
-    Op(schema="linear(Tensor input, Tensor weight, Tensor? bias=None) -> Tensor",
-       reference=linear, fake=linear_fake, cpp_kernel=True,
-       npu=NpuOp(
-           "npu_linear",
-           "torch_npu.npu_linear(input, weight, bias=None) -> Tensor",
-           note="the linear pass runs for target cpu only, so NPU graphs rarely hold ascend.linear.",
-           limits=(
-               Limit(f"{DOCS} npu_linear: 数据类型：float32、float16、int32、int8 (no bfloat16)", _linear_dtype),
-               Limit(f"{DOCS} npu_linear: input (Tensor) - 2D矩阵张量 (a 2-D matrix)", _linear_2d),
-           ),
-       )),
+    Op(
+        schema="linear(Tensor input, Tensor weight, Tensor? bias=None) -> Tensor",
+        reference=linear,
+        fake=linear_fake,
+        cpp_kernel=True,
+        npu=NpuOp(
+            "npu_linear",
+            "torch_npu.npu_linear(input, weight, bias=None) -> Tensor",
+            note="the linear pass runs for target cpu only, so NPU graphs rarely hold ascend.linear.",
+            limits=(
+                Limit(f"{DOCS} npu_linear: 数据类型：float32、float16、int32、int8 (no bfloat16)", _linear_dtype),
+                Limit(f"{DOCS} npu_linear: input (Tensor) - 2D矩阵张量 (a 2-D matrix)", _linear_2d),
+            ),
+        ),
+    ),
 )

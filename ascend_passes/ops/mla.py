@@ -18,7 +18,7 @@ dim, Dr rope dim, Hcq q latent, Hckv kv latent; weights are ``in × out``, i.e. 
 
     cQ         = rms_norm(x @ weight_dq, rmsnorm_gamma_cq, eps_cq)       (Hcq)    [x when weight_dq is None]
     q          = (cQ @ weight_uq_qr).view(*, N, D + Dr)                   head-major, [nope | rope] per head
-    query      = q[..., :D] @ weight_uk  -> (*, N, Hckv)                  [q[..., :D] -> (*, N, D) when weight_uk is None]
+    query      = q[..., :D] @ weight_uk  -> (*, N, Hckv)                  [(*, N, D) without weight_uk]
     query_rope = rope(q[..., D:])        -> (*, N, Dr)
     ckv        = x @ weight_dkv_kr                                        (Hckv + Dr)
     kv         = rms_norm(ckv[..., :Hckv], rmsnorm_gamma_ckv, eps_ckv) -> (*, Hckv)
@@ -101,17 +101,35 @@ TORCH_NPU_NAME = "npu_mla_prolog_v3"
 
 
 # ------------------------------------------------------------------------------------ checks
-def _sizes(token_x, weight_dq, weight_uq_qr, weight_uk, weight_dkv_kr, rmsnorm_gamma_cq,
-           rmsnorm_gamma_ckv, rope_sin, rope_cos, head_num) -> tuple[int, int, int, int]:
+def _sizes(
+    token_x,
+    weight_dq,
+    weight_uq_qr,
+    weight_uk,
+    weight_dkv_kr,
+    rmsnorm_gamma_cq,
+    rmsnorm_gamma_ckv,
+    rope_sin,
+    rope_cos,
+    head_num,
+) -> tuple[int, int, int, int]:
     """Check the arguments (ranks, dtypes, static widths) and return ``(N, D, Dr, Hckv)``."""
     op = NAME
     check_dim(op, "token_x", token_x, (2, 3))
     check_float(op, "token_x", token_x)
     he = token_x.shape[-1]
-    named = [("weight_uq_qr", weight_uq_qr), ("weight_dkv_kr", weight_dkv_kr),
-             ("rmsnorm_gamma_ckv", rmsnorm_gamma_ckv), ("rope_sin", rope_sin), ("rope_cos", rope_cos)]
-    named += [(n, t) for n, t in (("weight_dq", weight_dq), ("weight_uk", weight_uk),
-                                  ("rmsnorm_gamma_cq", rmsnorm_gamma_cq)) if t is not None]
+    named = [
+        ("weight_uq_qr", weight_uq_qr),
+        ("weight_dkv_kr", weight_dkv_kr),
+        ("rmsnorm_gamma_ckv", rmsnorm_gamma_ckv),
+        ("rope_sin", rope_sin),
+        ("rope_cos", rope_cos),
+    ]
+    named += [
+        (n, t)
+        for n, t in (("weight_dq", weight_dq), ("weight_uk", weight_uk), ("rmsnorm_gamma_cq", rmsnorm_gamma_cq))
+        if t is not None
+    ]
     for name, t in named:
         check_same_dtype(op, name, t, "token_x", token_x)
     if (weight_dq is None) != (rmsnorm_gamma_cq is None):
@@ -121,8 +139,11 @@ def _sizes(token_x, weight_dq, weight_uq_qr, weight_uk, weight_dkv_kr, rmsnorm_g
         check_dim(op, "weight_dq", weight_dq, (2,))
         check_dim(op, "rmsnorm_gamma_cq", rmsnorm_gamma_cq, (1,))
         if weight_dq.shape[0] != he or rmsnorm_gamma_cq.shape[0] != weight_dq.shape[1]:
-            fail(op, f"weight_dq {tuple(weight_dq.shape)} and rmsnorm_gamma_cq "
-                     f"{tuple(rmsnorm_gamma_cq.shape)} do not fit token_x's width {he}")
+            fail(
+                op,
+                f"weight_dq {tuple(weight_dq.shape)} and rmsnorm_gamma_cq "
+                f"{tuple(rmsnorm_gamma_cq.shape)} do not fit token_x's width {he}",
+            )
         q_in = weight_dq.shape[1]
     check_dim(op, "weight_uq_qr", weight_uq_qr, (2,))
     check_dim(op, "weight_dkv_kr", weight_dkv_kr, (2,))
@@ -132,16 +153,18 @@ def _sizes(token_x, weight_dq, weight_uq_qr, weight_uk, weight_dkv_kr, rmsnorm_g
             fail(op, f"{name} must have token_x's rank {token_x.dim()} ((*, Dr)), got {t.dim()}-D")
         static = [(a, b) for a, b in zip(t.shape[:-1], token_x.shape[:-1]) if isinstance(a, int) and isinstance(b, int)]
         if any(a != b for a, b in static):
-            fail(op, f"{name} {tuple(t.shape)} must have one row per token of token_x {tuple(token_x.shape)} "
-                     "(broadcast the tables over the batch first)")
+            fail(
+                op,
+                f"{name} {tuple(t.shape)} must have one row per token of token_x {tuple(token_x.shape)} "
+                "(broadcast the tables over the batch first)",
+            )
     dr = rope_sin.shape[-1]
     if rope_cos.shape[-1] != dr or dr % 2:
         fail(op, f"rope_sin/rope_cos widths {rope_sin.shape[-1]}/{rope_cos.shape[-1]} must be one even Dr")
     if head_num < 1:
         fail(op, f"head_num must be >= 1, got {head_num}")
     if weight_uq_qr.shape[0] != q_in or weight_uq_qr.shape[1] % head_num:
-        fail(op, f"weight_uq_qr {tuple(weight_uq_qr.shape)} must be ({q_in}, head_num*(D+Dr)) "
-                 f"with head_num={head_num}")
+        fail(op, f"weight_uq_qr {tuple(weight_uq_qr.shape)} must be ({q_in}, head_num*(D+Dr)) with head_num={head_num}")
     d = weight_uq_qr.shape[1] // head_num - dr
     if d < 0:
         fail(op, f"weight_uq_qr gives {weight_uq_qr.shape[1] // head_num} per head, less than Dr={dr}")
@@ -176,12 +199,35 @@ def _mm(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.ops.ascend.linear(a, w.t())
 
 
-def mla_prolog(token_x, weight_dq, weight_uq_qr, weight_uk, weight_dkv_kr, rmsnorm_gamma_cq,
-               rmsnorm_gamma_ckv, rope_sin, rope_cos, *, head_num, rmsnorm_epsilon_cq=1e-05,
-               rmsnorm_epsilon_ckv=1e-05, rope_interleave=False):
+def mla_prolog(
+    token_x,
+    weight_dq,
+    weight_uq_qr,
+    weight_uk,
+    weight_dkv_kr,
+    rmsnorm_gamma_cq,
+    rmsnorm_gamma_ckv,
+    rope_sin,
+    rope_cos,
+    *,
+    head_num,
+    rmsnorm_epsilon_cq=1e-05,
+    rmsnorm_epsilon_ckv=1e-05,
+    rope_interleave=False,
+):
     """Reference implementation (plain PyTorch; the CPU path)."""
-    n, d, dr, hckv = _sizes(token_x, weight_dq, weight_uq_qr, weight_uk, weight_dkv_kr,
-                            rmsnorm_gamma_cq, rmsnorm_gamma_ckv, rope_sin, rope_cos, head_num)
+    n, d, dr, hckv = _sizes(
+        token_x,
+        weight_dq,
+        weight_uq_qr,
+        weight_uk,
+        weight_dkv_kr,
+        rmsnorm_gamma_cq,
+        rmsnorm_gamma_ckv,
+        rope_sin,
+        rope_cos,
+        head_num,
+    )
     lead = token_x.shape[:-1]
     x = token_x.reshape(-1, token_x.shape[-1])
     cos = rope_cos.reshape(-1, 1, dr)
@@ -197,21 +243,52 @@ def mla_prolog(token_x, weight_dq, weight_uq_qr, weight_uk, weight_dkv_kr, rmsno
     ckv = _mm(x, weight_dkv_kr)
     kv = _rms_norm(ckv[:, :hckv], rmsnorm_gamma_ckv, rmsnorm_epsilon_ckv)
     k_rope = _rope(ckv[:, hckv:].unsqueeze(1), cos, sin, rope_interleave).squeeze(1)
-    return (query.reshape(*lead, n, query.shape[-1]), query_rope.reshape(*lead, n, dr),
-            kv.reshape(*lead, hckv), k_rope.reshape(*lead, dr))
+    return (
+        query.reshape(*lead, n, query.shape[-1]),
+        query_rope.reshape(*lead, n, dr),
+        kv.reshape(*lead, hckv),
+        k_rope.reshape(*lead, dr),
+    )
 
 
 # ------------------------------------------------------------------------------------ fake
-def mla_prolog_fake(token_x, weight_dq, weight_uq_qr, weight_uk, weight_dkv_kr, rmsnorm_gamma_cq,
-                    rmsnorm_gamma_ckv, rope_sin, rope_cos, *, head_num, rmsnorm_epsilon_cq=1e-05,
-                    rmsnorm_epsilon_ckv=1e-05, rope_interleave=False):
+def mla_prolog_fake(
+    token_x,
+    weight_dq,
+    weight_uq_qr,
+    weight_uk,
+    weight_dkv_kr,
+    rmsnorm_gamma_cq,
+    rmsnorm_gamma_ckv,
+    rope_sin,
+    rope_cos,
+    *,
+    head_num,
+    rmsnorm_epsilon_cq=1e-05,
+    rmsnorm_epsilon_ckv=1e-05,
+    rope_interleave=False,
+):
     """Shapes only; the token dims may be symbolic (weights give every other size)."""
-    n, d, dr, hckv = _sizes(token_x, weight_dq, weight_uq_qr, weight_uk, weight_dkv_kr,
-                            rmsnorm_gamma_cq, rmsnorm_gamma_ckv, rope_sin, rope_cos, head_num)
+    n, d, dr, hckv = _sizes(
+        token_x,
+        weight_dq,
+        weight_uq_qr,
+        weight_uk,
+        weight_dkv_kr,
+        rmsnorm_gamma_cq,
+        rmsnorm_gamma_ckv,
+        rope_sin,
+        rope_cos,
+        head_num,
+    )
     lead = list(token_x.shape[:-1])
     q_width = hckv if weight_uk is not None else d
-    return (token_x.new_empty([*lead, n, q_width]), token_x.new_empty([*lead, n, dr]),
-            token_x.new_empty([*lead, hckv]), token_x.new_empty([*lead, dr]))
+    return (
+        token_x.new_empty([*lead, n, q_width]),
+        token_x.new_empty([*lead, n, dr]),
+        token_x.new_empty([*lead, hckv]),
+        token_x.new_empty([*lead, dr]),
+    )
 
 
 # ------------------------------------------------------------------------------------ NPU limits
@@ -219,8 +296,11 @@ def _mla_required(a: dict[str, Any]) -> str | None:
     missing = [n for n in ("weight_dq", "rmsnorm_gamma_cq", "weight_uk") if a[n] is None]
     if not missing:
         return None
-    why = " (the graph's attention takes the per-head query: npu_mla_prolog_v3 always absorbs W_UK)" \
-        if "weight_uk" in missing else " (q_lora_rank=None)"
+    why = (
+        " (the graph's attention takes the per-head query: npu_mla_prolog_v3 always absorbs W_UK)"
+        if "weight_uk" in missing
+        else " (q_lora_rank=None)"
+    )
     return f"{', '.join(missing)} None{why}"
 
 
@@ -242,32 +322,40 @@ def _mla_sizes(a: dict[str, Any]) -> str | None:
 
 
 def _mla_rope(a: dict[str, Any]) -> str | None:
-    return "rope_interleave=True (the rope rows of weight_uq_qr / weight_dkv_kr must be de-interleaved at " \
-        "weight load, which lower does not do)" if a["rope_interleave"] else None
-
+    return (
+        "rope_interleave=True (the rope rows of weight_uq_qr / weight_dkv_kr must be de-interleaved at "
+        "weight load, which lower does not do)"
+        if a["rope_interleave"]
+        else None
+    )
 
 
 # ------------------------------------------------------------------------------------ record
 OPS = (
-    Op(schema=SCHEMA, reference=mla_prolog, fake=mla_prolog_fake, decomposable=True,
-       npu=NpuOp(
-           "npu_mla_prolog_v3_functional",
-           "torch_npu.npu_mla_prolog_v3_functional(token_x, weight_dq, weight_uq_qr, weight_uk, weight_dkv_kr, "
-           "rmsnorm_gamma_cq, rmsnorm_gamma_ckv, rope_sin, rope_cos, kv_cache, kr_cache, *, cache_index=None, "
-           "..., rmsnorm_epsilon_cq=1e-05, rmsnorm_epsilon_ckv=1e-05, cache_mode='PA_BSND', ...) "
-           "-> (query, query_rope, dequant_scale_q_nope, query_norm, dequant_scale_q_norm, kv_cache, kr_cache)",
-           note="the graph has no kv cache: lower allocates one cache row per token (BlockNum=T, BlockSize=1, "
-           "Nkv=1) with cache_index=arange(T), so the returned caches are exactly our kv / k_rope.",
-           limits=(
-               Limit(f"{DOCS} npu_mla_prolog_v3: weight_dq, rmsnorm_gamma_cq, weight_uk 必选参数 (required)",
-                     _mla_required),
-               Limit(f"{DOCS} npu_mla_prolog_v3: token_x dtype支持bfloat16和int8", _mla_dtype),
-               Limit(f"{DOCS} npu_mla_prolog_v3: He 7168/7680/6144, Hckv 512, N 1..128 (powers of two)",
-                     _mla_sizes),
-               Limit("torch_npu rotates the halves of the rope dims (rope_interleave is not an argument)",
-                     _mla_rope),
-           ),
-       )),
+    Op(
+        schema=SCHEMA,
+        reference=mla_prolog,
+        fake=mla_prolog_fake,
+        decomposable=True,
+        npu=NpuOp(
+            "npu_mla_prolog_v3_functional",
+            "torch_npu.npu_mla_prolog_v3_functional(token_x, weight_dq, weight_uq_qr, weight_uk, weight_dkv_kr, "
+            "rmsnorm_gamma_cq, rmsnorm_gamma_ckv, rope_sin, rope_cos, kv_cache, kr_cache, *, cache_index=None, "
+            "..., rmsnorm_epsilon_cq=1e-05, rmsnorm_epsilon_ckv=1e-05, cache_mode='PA_BSND', ...) "
+            "-> (query, query_rope, dequant_scale_q_nope, query_norm, dequant_scale_q_norm, kv_cache, kr_cache)",
+            note="the graph has no kv cache: lower allocates one cache row per token (BlockNum=T, BlockSize=1, "
+            "Nkv=1) with cache_index=arange(T), so the returned caches are exactly our kv / k_rope.",
+            limits=(
+                Limit(
+                    f"{DOCS} npu_mla_prolog_v3: weight_dq, rmsnorm_gamma_cq, weight_uk 必选参数 (required)",
+                    _mla_required,
+                ),
+                Limit(f"{DOCS} npu_mla_prolog_v3: token_x dtype支持bfloat16和int8", _mla_dtype),
+                Limit(f"{DOCS} npu_mla_prolog_v3: He 7168/7680/6144, Hckv 512, N 1..128 (powers of two)", _mla_sizes),
+                Limit("torch_npu rotates the halves of the rope dims (rope_interleave is not an argument)", _mla_rope),
+            ),
+        ),
+    ),
 )
 
 __all__ = ["NAME", "OPS", "SCHEMA", "TORCH_NPU_NAME", "mla_prolog", "mla_prolog_fake"]

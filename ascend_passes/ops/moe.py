@@ -96,8 +96,11 @@ def hash_expert_ids(input_ids: torch.Tensor, tid2eid: torch.Tensor, num_experts:
     bad = (experts < 0) | (experts >= num_experts)
     if bad.any():
         token = int(ids[bad.any(dim=1)][0])
-        fail(op, f"tid2eid[{token}] holds expert id {int(experts[bad][0])} out of range "
-                 f"[0, number of experts={num_experts})")
+        fail(
+            op,
+            f"tid2eid[{token}] holds expert id {int(experts[bad][0])} out of range "
+            f"[0, number of experts={num_experts})",
+        )
     return experts
 
 
@@ -277,8 +280,11 @@ def check_finalize_routing(
         if expert_for_row.dtype != torch.int32:
             fail(op, f"export_for_source_row must be int32, got {expert_for_row.dtype}")
         if expert_for_row.dim() != 2 or expert_for_row.shape[1] != top_k or expert_for_row.shape[0] != num_rows:
-            fail(op, f"export_for_source_row shape {tuple(expert_for_row.shape)} must be [num_rows, k] = "
-                     f"[{num_rows}, {top_k}]")
+            fail(
+                op,
+                f"export_for_source_row shape {tuple(expert_for_row.shape)} must be [num_rows, k] = "
+                f"[{num_rows}, {top_k}]",
+            )
     return num_rows, top_k
 
 
@@ -323,8 +329,7 @@ def moe_gating_top_k(
     routed_scaling_factor: float = 1.0,
     eps: float = 1e-20,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    check_gating_top_k(x, k, bias, input_ids, tid2eid, k_group, group_count, group_select_mode, renorm,
-                              norm_type)
+    check_gating_top_k(x, k, bias, input_ids, tid2eid, k_group, group_count, group_select_mode, renorm, norm_type)
     num_rows, num_experts = x.shape
     scores = torch.sigmoid(x.float()) if norm_type == 1 else torch.softmax(x.float(), dim=-1)
     if tid2eid is not None:
@@ -373,8 +378,18 @@ def moe_init_routing_v2(
     row_idx_type: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     start, end = check_init_routing(
-        x, expert_idx, scale, offset, active_num, expert_num, drop_pad_mode,
-        expert_tokens_num_type, expert_tokens_num_flag, quant_mode, active_expert_range, row_idx_type,
+        x,
+        expert_idx,
+        scale,
+        offset,
+        active_num,
+        expert_num,
+        drop_pad_mode,
+        expert_tokens_num_type,
+        expert_tokens_num_flag,
+        quant_mode,
+        active_expert_range,
+        row_idx_type,
     )
     num_rows, k = expert_idx.shape
     total = num_rows * k
@@ -387,8 +402,7 @@ def moe_init_routing_v2(
         bad = flat[bad_ids][0].item()
         if expert_num > 0:
             fail("moe_init_routing_v2", f"expert id {bad} out of range [0, expert_num={expert_num})")
-        fail("moe_init_routing_v2",
-                    f"expert id {bad} must be >= 0 (expert_num={expert_num} sets no upper bound)")
+        fail("moe_init_routing_v2", f"expert id {bad} must be >= 0 (expert_num={expert_num} sets no upper bound)")
     end_key = end if end > 0 else (int(flat.max().item()) + 1 if total else 1)
     valid = (flat >= start) & (flat < end_key)
     # Stable sort by expert; ids outside the active range sort last and are dropped.
@@ -478,10 +492,10 @@ def grouped_matmul(
     begin = 0
     for g, n in enumerate(counts):
         if n:
-            yg = x0[begin:begin + n].float() @ w[g].float()
+            yg = x0[begin : begin + n].float() @ w[g].float()
             if bias is not None:
                 yg = yg + bias[0][g].float()
-            y[begin:begin + n] = yg
+            y[begin : begin + n] = yg
         begin += n
     y[:total] = _activate(y[:total], act_type)
     return [y.to(x0.dtype)]
@@ -507,16 +521,16 @@ def moe_finalize_routing(
     else:  # index j * num_rows + r (moe_init_routing / gating_top_k_softmax row_idx layout)
         dst = expanded_src_to_dst_row.long().view(top_k, num_rows).t()
     if dst.numel() and dst.max() >= rows.shape[0]:
-        fail("moe_finalize_routing",
-                    f"expanded_src_to_dst_row value {int(dst.max())} out of range [-1, {rows.shape[0]})")
+        fail(
+            "moe_finalize_routing", f"expanded_src_to_dst_row value {int(dst.max())} out of range [-1, {rows.shape[0]})"
+        )
     kept = dst >= 0  # -1 marks a pair dropped by init_routing (expert outside active_expert_range)
     hidden = rows.shape[1]
     picked = rows.float().index_select(0, dst.clamp(min=0).reshape(-1)).view(num_rows, top_k, hidden)
     if bias is not None:
         experts = export_for_source_row.long()
         if experts.numel() and (experts.min() < 0 or experts.max() >= bias.shape[0]):
-            fail("moe_finalize_routing",
-                        f"export_for_source_row has an expert id out of range [0, {bias.shape[0]})")
+            fail("moe_finalize_routing", f"export_for_source_row has an expert id out of range [0, {bias.shape[0]})")
         picked = picked + bias.float().index_select(0, experts.reshape(-1)).view(num_rows, top_k, hidden)
     weights = scales.float() if scales is not None else torch.ones(num_rows, top_k, device=rows.device)
     # a dropped pair adds nothing (a masked select, not a zero weight: 0 * Inf in the row it reads is NaN)
@@ -553,8 +567,7 @@ def moe_gating_top_k_fake(
     routed_scaling_factor: float = 1.0,
     eps: float = 1e-20,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    check_gating_top_k(x, k, bias, input_ids, tid2eid, k_group, group_count, group_select_mode, renorm,
-                              norm_type)
+    check_gating_top_k(x, k, bias, input_ids, tid2eid, k_group, group_count, group_select_mode, renorm, norm_type)
     rows = x.shape[0]
     return (
         x.new_empty((rows, k)),
@@ -580,8 +593,18 @@ def moe_init_routing_v2_fake(
     row_idx_type: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     start, end = check_init_routing(
-        x, expert_idx, scale, offset, active_num, expert_num, drop_pad_mode,
-        expert_tokens_num_type, expert_tokens_num_flag, quant_mode, active_expert_range, row_idx_type,
+        x,
+        expert_idx,
+        scale,
+        offset,
+        active_num,
+        expert_num,
+        drop_pad_mode,
+        expert_tokens_num_type,
+        expert_tokens_num_flag,
+        quant_mode,
+        active_expert_range,
+        row_idx_type,
     )
     total = expert_idx.shape[0] * expert_idx.shape[1]
     out_rows = total if active_num <= 0 else torch.sym_min(active_num, total)
@@ -635,8 +658,15 @@ def moe_finalize_routing_fake(
     k: int | None = 1,
 ) -> torch.Tensor:
     num_rows, _ = check_finalize_routing(
-        expanded_permuted_rows, skip1, skip2, bias, scales, expanded_src_to_dst_row,
-        export_for_source_row, drop_pad_mode, k,
+        expanded_permuted_rows,
+        skip1,
+        skip2,
+        bias,
+        scales,
+        expanded_src_to_dst_row,
+        export_for_source_row,
+        drop_pad_mode,
+        k,
     )
     return expanded_permuted_rows.new_empty((num_rows, expanded_permuted_rows.shape[1]))
 
@@ -711,84 +741,113 @@ def _finalize_dropped(a: dict[str, Any]) -> str | None:
     # a pair dropped by init_routing (expert outside active_expert_range) has index -1, which the
     # NPU's drop_pad_mode 0 does not take ("values in [0, NUM_ROWS*K-1]"); the lower pass records
     # that fact as "__dropped_pairs__" from the producing init_routing node
-    return "expanded_src_to_dst_row may hold -1 (init_routing_v2 with a partial active_expert_range)" \
-        if a.get("__dropped_pairs__") else None
+    return (
+        "expanded_src_to_dst_row may hold -1 (init_routing_v2 with a partial active_expert_range)"
+        if a.get("__dropped_pairs__")
+        else None
+    )
 
 
 # ----------------------------------------------------------------------------- records
 OPS = (
-    Op(schema="moe_gating_top_k_softmax(Tensor x, Tensor? finished=None, int k=1) -> (Tensor, Tensor, Tensor)",
-       reference=moe_gating_top_k_softmax, fake=moe_gating_top_k_softmax_fake, cpp_kernel=True,
-       npu=NpuOp(
-           "npu_moe_gating_top_k_softmax",
-           "torch_npu.npu_moe_gating_top_k_softmax(Tensor x, Tensor? finished=None, int k=1)",
-           limits=(Limit(f"{DOCS} npu_moe_gating_top_k_softmax: k <= 1024", _softmax_k),),
-       )),
+    Op(
+        schema="moe_gating_top_k_softmax(Tensor x, Tensor? finished=None, int k=1) -> (Tensor, Tensor, Tensor)",
+        reference=moe_gating_top_k_softmax,
+        fake=moe_gating_top_k_softmax_fake,
+        cpp_kernel=True,
+        npu=NpuOp(
+            "npu_moe_gating_top_k_softmax",
+            "torch_npu.npu_moe_gating_top_k_softmax(Tensor x, Tensor? finished=None, int k=1)",
+            limits=(Limit(f"{DOCS} npu_moe_gating_top_k_softmax: k <= 1024", _softmax_k),),
+        ),
+    ),
     # hash mode (input_ids / tid2eid given): experts = tid2eid[input_ids]
-    Op(schema="moe_gating_top_k(Tensor x, int k, *, Tensor? bias=None, Tensor? input_ids=None, "
-              "Tensor? tid2eid=None, int k_group=1, int group_count=1, int group_select_mode=0, int renorm=0, "
-              "int norm_type=0, bool out_flag=False, float routed_scaling_factor=1.0, float eps=1e-20) "
-              "-> (Tensor, Tensor, Tensor)",
-       reference=moe_gating_top_k, fake=moe_gating_top_k_fake, cpp_kernel=True,
-       npu=NpuOp(
-           "npu_moe_gating_top_k",
-           "torch_npu.npu_moe_gating_top_k(x, k, *, bias=None, input_ids=None, tid2eid=None, k_group=1, "
-           "group_count=1, group_select_mode=0, renorm=0, norm_type=0, out_flag=False, "
-           "routed_scaling_factor=1.0, eps=1e-20)",
-           adapt=_gating_top_k_kwargs,
-           note="norm_out is only written when out_flag=True.",
-           limits=(
-               Limit(f"{DOCS} npu_moe_gating_top_k: renorm ... 当前仅支持0 (only 0)", _gating_renorm),
-               Limit(f"{DOCS} npu_moe_gating_top_k: E <= 2048, E % group_count == 0, E / group_count > 2",
-                     _gating_groups),
-           ),
-       )),
-    Op(schema="moe_init_routing_v2(Tensor x, Tensor expert_idx, *, Tensor? scale=None, Tensor? offset=None, "
-              "int active_num=-1, int expert_capacity=-1, int expert_num=-1, int drop_pad_mode=0, "
-              "int expert_tokens_num_type=0, bool expert_tokens_num_flag=False, int quant_mode=-1, "
-              "int[2] active_expert_range=[], int row_idx_type=0) -> (Tensor, Tensor, Tensor, Tensor)",
-       reference=moe_init_routing_v2, fake=moe_init_routing_v2_fake, cpp_kernel=True,
-       npu=NpuOp(
-           "npu_moe_init_routing_v2",
-           "torch_npu.npu_moe_init_routing_v2(x, expert_idx, *, scale=None, offset=None, active_num=-1, "
-           "expert_capacity=-1, expert_num=-1, drop_pad_mode=0, expert_tokens_num_type=0, "
-           "expert_tokens_num_flag=False, quant_mode=-1, active_expert_range=[], row_idx_type=0)",
-           adapt=_init_routing_kwargs,
-           note="NPU leaves rows past the routed ones undefined (ours: zero); expert_tokens_num_type 0 "
-           "(cumsum) is lowered as type 1 (counts) followed by a cumsum.",
-           limits=(Limit(f"{DOCS} npu_moe_init_routing_v2: drop_pad_mode ... 当前仅支持0 (only 0)", _routing_mode),),
-       )),
+    Op(
+        schema="moe_gating_top_k(Tensor x, int k, *, Tensor? bias=None, Tensor? input_ids=None, "
+        "Tensor? tid2eid=None, int k_group=1, int group_count=1, int group_select_mode=0, int renorm=0, "
+        "int norm_type=0, bool out_flag=False, float routed_scaling_factor=1.0, float eps=1e-20) "
+        "-> (Tensor, Tensor, Tensor)",
+        reference=moe_gating_top_k,
+        fake=moe_gating_top_k_fake,
+        cpp_kernel=True,
+        npu=NpuOp(
+            "npu_moe_gating_top_k",
+            "torch_npu.npu_moe_gating_top_k(x, k, *, bias=None, input_ids=None, tid2eid=None, k_group=1, "
+            "group_count=1, group_select_mode=0, renorm=0, norm_type=0, out_flag=False, "
+            "routed_scaling_factor=1.0, eps=1e-20)",
+            adapt=_gating_top_k_kwargs,
+            note="norm_out is only written when out_flag=True.",
+            limits=(
+                Limit(f"{DOCS} npu_moe_gating_top_k: renorm ... 当前仅支持0 (only 0)", _gating_renorm),
+                Limit(
+                    f"{DOCS} npu_moe_gating_top_k: E <= 2048, E % group_count == 0, E / group_count > 2", _gating_groups
+                ),
+            ),
+        ),
+    ),
+    Op(
+        schema="moe_init_routing_v2(Tensor x, Tensor expert_idx, *, Tensor? scale=None, Tensor? offset=None, "
+        "int active_num=-1, int expert_capacity=-1, int expert_num=-1, int drop_pad_mode=0, "
+        "int expert_tokens_num_type=0, bool expert_tokens_num_flag=False, int quant_mode=-1, "
+        "int[2] active_expert_range=[], int row_idx_type=0) -> (Tensor, Tensor, Tensor, Tensor)",
+        reference=moe_init_routing_v2,
+        fake=moe_init_routing_v2_fake,
+        cpp_kernel=True,
+        npu=NpuOp(
+            "npu_moe_init_routing_v2",
+            "torch_npu.npu_moe_init_routing_v2(x, expert_idx, *, scale=None, offset=None, active_num=-1, "
+            "expert_capacity=-1, expert_num=-1, drop_pad_mode=0, expert_tokens_num_type=0, "
+            "expert_tokens_num_flag=False, quant_mode=-1, active_expert_range=[], row_idx_type=0)",
+            adapt=_init_routing_kwargs,
+            note="NPU leaves rows past the routed ones undefined (ours: zero); expert_tokens_num_type 0 "
+            "(cumsum) is lowered as type 1 (counts) followed by a cumsum.",
+            limits=(Limit(f"{DOCS} npu_moe_init_routing_v2: drop_pad_mode ... 当前仅支持0 (only 0)", _routing_mode),),
+        ),
+    ),
     # torch_npu.npu_grouped_matmul, non-quantised arguments only
-    Op(schema="grouped_matmul(Tensor[] x, Tensor[] weight, *, Tensor[]? bias=None, Tensor? group_list=None, "
-              "int split_item=0, int? group_type=None, int group_list_type=0, int act_type=0, "
-              "ScalarType? output_dtype=None) -> Tensor[]",
-       reference=grouped_matmul, fake=grouped_matmul_fake, cpp_kernel=True,
-       npu=NpuOp(
-           "npu_grouped_matmul",
-           "torch_npu.npu_grouped_matmul(x, weight, *, bias=None, scale=None, offset=None, antiquant_scale=None, "
-           "antiquant_offset=None, per_token_scale=None, group_list=None, activation_input=None, "
-           "activation_quant_scale=None, activation_quant_offset=None, split_item=0, group_type=None, "
-           "group_list_type=0, act_type=0, output_dtype=None, tuning_config=None) -> List[Tensor]",
-           adapt=_grouped_matmul_kwargs,
-           note="the quantisation arguments are not mirrored (they keep their defaults on NPU); torchair's "
-           "converter passes transpose_weight=False, so a transposed weight view becomes a GE Transpose.",
-       )),
-    Op(schema="moe_finalize_routing(Tensor expanded_permuted_rows, Tensor? skip1, Tensor? skip2, Tensor? bias, "
-              "Tensor? scales, Tensor expanded_src_to_dst_row, Tensor? export_for_source_row, "
-              "int? drop_pad_mode=0, int? k=1) -> Tensor",
-       reference=moe_finalize_routing, fake=moe_finalize_routing_fake, cpp_kernel=True,
-       npu=NpuOp(
-           "npu_moe_finalize_routing",
-           "torch_npu.npu_moe_finalize_routing(expanded_permuted_rows, skip1, skip2, bias, scales, "
-           "expanded_src_to_dst_row, export_for_source_row, drop_pad_mode=0, k=1) -> Tensor",
-           note="drop_pad_mode=2 (the token-major index of init_routing_v2) is lowered as the documented "
-           "drop_pad_mode=0 with the index transposed to expert-slot-major (index.view(N, K).t()).",
-           limits=(
-               Limit(f"{DOCS} npu_moe_finalize_routing: scales ... 数据类型要求与expanded_permuted_rows一致 "
-                     "(scales in the rows' dtype)", _finalize_scales),
-               Limit(f"{DOCS} npu_moe_finalize_routing: drop_pad_mode 取值范围为0 (only 0)", _finalize_mode),
-               Limit(f"{DOCS} npu_moe_finalize_routing: drop_pad_mode 0: values in [0, NUM_ROWS * K-1]",
-                     _finalize_dropped),
-           ),
-       )),
+    Op(
+        schema="grouped_matmul(Tensor[] x, Tensor[] weight, *, Tensor[]? bias=None, Tensor? group_list=None, "
+        "int split_item=0, int? group_type=None, int group_list_type=0, int act_type=0, "
+        "ScalarType? output_dtype=None) -> Tensor[]",
+        reference=grouped_matmul,
+        fake=grouped_matmul_fake,
+        cpp_kernel=True,
+        npu=NpuOp(
+            "npu_grouped_matmul",
+            "torch_npu.npu_grouped_matmul(x, weight, *, bias=None, scale=None, offset=None, antiquant_scale=None, "
+            "antiquant_offset=None, per_token_scale=None, group_list=None, activation_input=None, "
+            "activation_quant_scale=None, activation_quant_offset=None, split_item=0, group_type=None, "
+            "group_list_type=0, act_type=0, output_dtype=None, tuning_config=None) -> List[Tensor]",
+            adapt=_grouped_matmul_kwargs,
+            note="the quantisation arguments are not mirrored (they keep their defaults on NPU); torchair's "
+            "converter passes transpose_weight=False, so a transposed weight view becomes a GE Transpose.",
+        ),
+    ),
+    Op(
+        schema="moe_finalize_routing(Tensor expanded_permuted_rows, Tensor? skip1, Tensor? skip2, Tensor? bias, "
+        "Tensor? scales, Tensor expanded_src_to_dst_row, Tensor? export_for_source_row, "
+        "int? drop_pad_mode=0, int? k=1) -> Tensor",
+        reference=moe_finalize_routing,
+        fake=moe_finalize_routing_fake,
+        cpp_kernel=True,
+        npu=NpuOp(
+            "npu_moe_finalize_routing",
+            "torch_npu.npu_moe_finalize_routing(expanded_permuted_rows, skip1, skip2, bias, scales, "
+            "expanded_src_to_dst_row, export_for_source_row, drop_pad_mode=0, k=1) -> Tensor",
+            note="drop_pad_mode=2 (the token-major index of init_routing_v2) is lowered as the documented "
+            "drop_pad_mode=0 with the index transposed to expert-slot-major (index.view(N, K).t()).",
+            limits=(
+                Limit(
+                    f"{DOCS} npu_moe_finalize_routing: scales ... 数据类型要求与expanded_permuted_rows一致 "
+                    "(scales in the rows' dtype)",
+                    _finalize_scales,
+                ),
+                Limit(f"{DOCS} npu_moe_finalize_routing: drop_pad_mode 取值范围为0 (only 0)", _finalize_mode),
+                Limit(
+                    f"{DOCS} npu_moe_finalize_routing: drop_pad_mode 0: values in [0, NUM_ROWS * K-1]",
+                    _finalize_dropped,
+                ),
+            ),
+        ),
+    ),
 )

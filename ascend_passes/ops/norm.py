@@ -20,7 +20,7 @@ def check_norm(op: str, x: torch.Tensor, gamma: torch.Tensor) -> None:
     check_same_dtype(op, "gamma", gamma, "x", x)
     if gamma.dim() < 1 or gamma.dim() > x.dim():
         fail(op, f"gamma must have 1..x.dim()={x.dim()} dims, got {gamma.dim()}")
-    if tuple(x.shape[x.dim() - gamma.dim():]) != tuple(gamma.shape):
+    if tuple(x.shape[x.dim() - gamma.dim() :]) != tuple(gamma.shape):
         fail(op, f"gamma shape {tuple(gamma.shape)} must equal the trailing dims of x {tuple(x.shape)}")
 
 
@@ -72,14 +72,26 @@ def add_rms_norm_fake(
 
 # ----------------------------------------------------------------------------- records
 OPS = (
-    Op(schema="rms_norm(Tensor self, Tensor gamma, float epsilon=1e-06) -> (Tensor, Tensor)",
-       reference=rms_norm, fake=rms_norm_fake, decomposable=True, cpp_kernel=True,
-       npu=NpuOp("npu_rms_norm",
-                 "torch_npu.npu_rms_norm(Tensor self, Tensor gamma, float epsilon=1e-06) -> (Tensor, Tensor)")),
-    Op(schema="add_rms_norm(Tensor x1, Tensor x2, Tensor gamma, float epsilon=1e-06) -> (Tensor, Tensor, Tensor)",
-       reference=add_rms_norm, fake=add_rms_norm_fake, decomposable=True, cpp_kernel=True,
-       npu=NpuOp("npu_add_rms_norm",
-                 "torch_npu.npu_add_rms_norm(Tensor x1, Tensor x2, Tensor gamma, float epsilon=1e-06) "
-                 "-> (y, rstd, x)",
-                 note="NPU normalises the float32 sum; ours normalises the sum rounded to the input dtype.")),
+    Op(
+        schema="rms_norm(Tensor self, Tensor gamma, float epsilon=1e-06) -> (Tensor, Tensor)",
+        reference=rms_norm,
+        fake=rms_norm_fake,
+        decomposable=True,
+        cpp_kernel=True,
+        npu=NpuOp(
+            "npu_rms_norm", "torch_npu.npu_rms_norm(Tensor self, Tensor gamma, float epsilon=1e-06) -> (Tensor, Tensor)"
+        ),
+    ),
+    Op(
+        schema="add_rms_norm(Tensor x1, Tensor x2, Tensor gamma, float epsilon=1e-06) -> (Tensor, Tensor, Tensor)",
+        reference=add_rms_norm,
+        fake=add_rms_norm_fake,
+        decomposable=True,
+        cpp_kernel=True,
+        npu=NpuOp(
+            "npu_add_rms_norm",
+            "torch_npu.npu_add_rms_norm(Tensor x1, Tensor x2, Tensor gamma, float epsilon=1e-06) -> (y, rstd, x)",
+            note="NPU normalises the float32 sum; ours normalises the sum rounded to the input dtype.",
+        ),
+    ),
 )

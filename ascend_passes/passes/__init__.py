@@ -37,11 +37,11 @@ PASS_TABLE: dict[str, str] = {
 }
 
 
-def pass_class(name: str) -> "type[Pass]":
+def pass_class(name: str) -> type[Pass]:
     module, _, cls = PASS_TABLE[name].partition(":")
     return getattr(importlib.import_module(module), cls)
 
 
-def build_passes(config: "AscendPassConfig") -> "list[Pass]":
+def build_passes(config: AscendPassConfig) -> list[Pass]:
     """Fresh pass objects for one compile, in pipeline order."""
     return [pass_class(name)(config) for name in config.pipeline()]

@@ -60,9 +60,11 @@ def copy_location(src: fx.Node, dst: fx.Node | Iterable[fx.Node]) -> None:
 
 # ----------------------------------------------------------------------------- constants
 # What a user can do when a constant a rewrite needs arrived as a graph input.
-DYNAMIC_HINT = ("under torch.compile(dynamic=True) Dynamo turns float attributes into graph inputs: "
-                "mark only the token dimension dynamic (torch._dynamo.mark_dynamic(input_ids, 1) "
-                "instead of dynamic=True) or set torch._dynamo.config.specialize_float = True")
+DYNAMIC_HINT = (
+    "under torch.compile(dynamic=True) Dynamo turns float attributes into graph inputs: "
+    "mark only the token dimension dynamic (torch._dynamo.mark_dynamic(input_ids, 1) "
+    "instead of dynamic=True) or set torch._dynamo.config.specialize_float = True"
+)
 
 _CASTS = frozenset({aten._to_copy.default, torch.ops.prims.convert_element_type.default})
 

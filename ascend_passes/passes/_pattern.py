@@ -36,9 +36,10 @@ import dataclasses
 import importlib
 import inspect
 import logging
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Any, Callable, ClassVar, Iterable, Mapping, Sequence
+from typing import Any, ClassVar
 
 import torch
 import torch.fx as fx
@@ -62,8 +63,7 @@ class Bindings(dict):
     FakeTensor), Python scalars as they are.  ``nodes`` holds the graph nodes behind them and
     ``match`` the pattern matcher's match, for checks that need the graph."""
 
-    def __init__(self, values: Mapping[str, Any], nodes: Mapping[str, fx.Node],
-                 match: pm.Match) -> None:
+    def __init__(self, values: Mapping[str, Any], nodes: Mapping[str, fx.Node], match: pm.Match) -> None:
         super().__init__(values)
         self.nodes = dict(nodes)
         self.match = match
@@ -154,10 +154,16 @@ _SPECIFIC = _Lru(4096)  # search functions re-traced on a match's shapes (static
 _REPLACEMENTS = _Lru(1024)  # replacement graphs per shapes, fake values stripped
 
 
-def _trace_initial(fn: Callable[..., Any], example_inputs: Callable[[], Sequence[Any]],
-                   argnames: Sequence[str], decompositions: str, scalars: Mapping[str, Any],
-                   ignore_types: tuple[type, ...], fake_inputs: bool,
-                   transform: Callable[[fx.GraphModule], None] | None) -> TracedPattern:
+def _trace_initial(
+    fn: Callable[..., Any],
+    example_inputs: Callable[[], Sequence[Any]],
+    argnames: Sequence[str],
+    decompositions: str,
+    scalars: Mapping[str, Any],
+    ignore_types: tuple[type, ...],
+    fake_inputs: bool,
+    transform: Callable[[fx.GraphModule], None] | None,
+) -> TracedPattern:
     get_decomp_fn = _decomp_fn(decompositions)
     mode = FakeTensorMode() if fake_inputs else contextlib.nullcontext()
     with torch._guards.tracing(None), unset_fake_temporarily(), mode:
@@ -166,16 +172,22 @@ def _trace_initial(fn: Callable[..., Any], example_inputs: Callable[[], Sequence
         gm = pm.fwd_only(fn, flat, get_decomp_fn=get_decomp_fn)
     if transform is not None:
         transform(gm)
-    pattern = pm.fx_to_pattern(gm, ignore_types=ignore_types, argnames=list(argnames),
-                               scalar_workaround=dict(scalars))
+    pattern = pm.fx_to_pattern(gm, ignore_types=ignore_types, argnames=list(argnames), scalar_workaround=dict(scalars))
     return TracedPattern(pattern, pm.PatternPrettyPrinter.run(pattern), str(gm.graph))
 
 
-def traced_pattern(key: Any, fn: Callable[..., Any], example_inputs: Callable[[], Sequence[Any]], *,
-                   decompositions: str = "none", argnames: Sequence[str] | None = None,
-                   scalars: Mapping[str, float | int] | None = None,
-                   ignore_types: tuple[type, ...] = IGNORED_TYPES, fake_inputs: bool = True,
-                   transform: Callable[[fx.GraphModule], None] | None = None) -> TracedPattern:
+def traced_pattern(
+    key: Any,
+    fn: Callable[..., Any],
+    example_inputs: Callable[[], Sequence[Any]],
+    *,
+    decompositions: str = "none",
+    argnames: Sequence[str] | None = None,
+    scalars: Mapping[str, float | int] | None = None,
+    ignore_types: tuple[type, ...] = IGNORED_TYPES,
+    fake_inputs: bool = True,
+    transform: Callable[[fx.GraphModule], None] | None = None,
+) -> TracedPattern:
     """``fn`` traced on ``example_inputs()`` the way the searched graph was made, once per
     process per ``(key, fn, decompositions, ...)``: ``key`` must name whatever else changes the
     trace (the example inputs' dtypes, a form, ...).  The inputs are made under a fresh fake mode
@@ -187,8 +199,10 @@ def traced_pattern(key: Any, fn: Callable[..., Any], example_inputs: Callable[[]
     stand_ins = dict(scalars or {})
     return _TRACED.get(
         (key, fn, decompositions, tuple(sorted(stand_ins.items())), ignore_types, fake_inputs, transform),
-        lambda: _trace_initial(fn, example_inputs, names, decompositions, stand_ins, ignore_types,
-                               fake_inputs, transform))
+        lambda: _trace_initial(
+            fn, example_inputs, names, decompositions, stand_ins, ignore_types, fake_inputs, transform
+        ),
+    )
 
 
 def _signature(fn: Any, values: Sequence[Any], decompositions: str) -> Any:
@@ -210,8 +224,10 @@ def _signature(fn: Any, values: Sequence[Any], decompositions: str) -> Any:
 
 def _fresh(values: Sequence[Any]) -> list[Any]:
     """Tensors of the values' sizes, strides and dtypes under the current (fake) mode."""
-    return [torch.empty_strided(v.size(), v.stride(), dtype=v.dtype, device=v.device)
-            if isinstance(v, torch.Tensor) else v for v in values]
+    return [
+        torch.empty_strided(v.size(), v.stride(), dtype=v.dtype, device=v.device) if isinstance(v, torch.Tensor) else v
+        for v in values
+    ]
 
 
 def _strip_values(gm: fx.GraphModule) -> fx.GraphModule:
@@ -223,8 +239,9 @@ def _strip_values(gm: fx.GraphModule) -> fx.GraphModule:
     return gm
 
 
-def replacement_graph(fn: Callable[..., Any], values: Sequence[Any], *, decompositions: str = "none",
-                      key: Any = None) -> fx.GraphModule:
+def replacement_graph(
+    fn: Callable[..., Any], values: Sequence[Any], *, decompositions: str = "none", key: Any = None
+) -> fx.GraphModule:
     """``fn`` traced on tensors like ``values`` (fake values of the match's inputs, or Python
     numbers), without fake values; shared by every compile of the process for static shapes.
     ``key`` identifies ``fn`` when it is a new closure on every call (e.g. one that captures a
@@ -239,8 +256,13 @@ def replacement_graph(fn: Callable[..., Any], values: Sequence[Any], *, decompos
     return _REPLACEMENTS.get(_signature(fn if key is None else key, values, decompositions), trace)
 
 
-def _specific_pattern(fn: Callable[..., Any], values: Sequence[Any], argnames: Sequence[str],
-                      scalars: Mapping[str, Any], decompositions: str) -> pm.PatternExpr | None:
+def _specific_pattern(
+    fn: Callable[..., Any],
+    values: Sequence[Any],
+    argnames: Sequence[str],
+    scalars: Mapping[str, Any],
+    decompositions: str,
+) -> pm.PatternExpr | None:
     """``fn`` re-traced on the match's shapes (numbers exact, not ignored), as torch's
     ``register_replacement`` re-checks a match: shapes baked into a pattern must fit the graph.
     None when ``fn`` cannot be traced on them."""
@@ -254,8 +276,7 @@ def _specific_pattern(fn: Callable[..., Any], values: Sequence[Any], argnames: S
             for v in args:
                 if isinstance(v, torch.Tensor):
                     for d in (*v.shape, *v.stride()):
-                        if isinstance(d, torch.SymInt) and all(statically_known_true(d != s)
-                                                                for s in sym_args):
+                        if isinstance(d, torch.SymInt) and all(statically_known_true(d != s) for s in sym_args):
                             sym_args.append(d)
             try:
                 if not sym_args:
@@ -265,7 +286,7 @@ def _specific_pattern(fn: Callable[..., Any], values: Sequence[Any], argnames: S
                     # make_fx dedupes size accesses of symbols that are inputs: pass them as inputs
                     # so that sym_size nodes do not enter the pattern (torch does the same)
                     def with_symbols(*all_args: Any) -> Any:
-                        return fn(*all_args[len(sym_args):])
+                        return fn(*all_args[len(sym_args) :])
 
                     gm = pm.fwd_only(with_symbols, [*sym_args, *args], get_decomp_fn=get_decomp_fn)
                     names = []
@@ -306,9 +327,15 @@ def _set_values(nodes: Sequence[fx.Node], inputs: Sequence[Any]) -> None:
             node.meta["val"] = node.target(*args, **kwargs)
 
 
-def replace(match: pm.Match, fn: Callable[..., Any], args: Sequence[Any], *,
-            decompositions: str = "none", key: Any = None,
-            location: fx.Node | None = None) -> list[fx.Node]:
+def replace(
+    match: pm.Match,
+    fn: Callable[..., Any],
+    args: Sequence[Any],
+    *,
+    decompositions: str = "none",
+    key: Any = None,
+    location: fx.Node | None = None,
+) -> list[fx.Node]:
     """Splice ``fn(*args)`` (traced once per process for these shapes: ``replacement_graph``) in
     place of ``match``; returns the new nodes, with fake values and ``location``'s source info
     (``copy_location``).  Raises before changing the graph when ``fn`` cannot be traced."""
@@ -353,8 +380,7 @@ class _ReportingEntry(pm.ReplacementPatternEntry):
         anchor = match.output_nodes()[0]
         replaced = list(match.nodes)
         args = self.normalize_args(*match.args, **match.kwargs)
-        added = self.replace_with_graph(match, graph, match.replacement_graph, args,
-                                        pass_name=self.pattern_name or "")
+        added = self.replace_with_graph(match, graph, match.replacement_graph, args, pass_name=self.pattern_name or "")
         _set_values(added, [_value(a) for a in args])
         copy_location(anchor, added)
         if self.on_replace is not None:
@@ -384,8 +410,9 @@ class PatternPass(Pass):
 
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         result = PassResult(self.name)
-        apply_rewrites(gm, self.rewrites(ctx), result, decompositions=ctx.decompositions,
-                       pass_name=f"ascend_{self.name}")
+        apply_rewrites(
+            gm, self.rewrites(ctx), result, decompositions=ctx.decompositions, pass_name=f"ascend_{self.name}"
+        )
         self.diagnose(gm, ctx, result)
         return result
 
@@ -393,8 +420,14 @@ class PatternPass(Pass):
         """Add near-misses for what the family's patterns should have matched but did not."""
 
 
-def apply_rewrites(gm: fx.GraphModule, rewrites: Sequence[Rewrite], result: PassResult, *,
-                   decompositions: str = "none", pass_name: str = "ascend_patterns") -> int:
+def apply_rewrites(
+    gm: fx.GraphModule,
+    rewrites: Sequence[Rewrite],
+    result: PassResult,
+    *,
+    decompositions: str = "none",
+    pass_name: str = "ascend_patterns",
+) -> int:
     """Apply ``rewrites`` to ``gm`` in place, stage by stage; returns the number of rewrites.
 
     Patterns come from the process-wide cache (``traced_pattern``): only the matcher objects
@@ -443,16 +476,24 @@ def _input_from_match(match: pm.Match, inputs: Iterable[fx.Node]) -> str | None:
         seen.add(node)
         for inp in node.all_input_nodes:
             if inp in matched:
-                return (f"input {node.name} is computed from the matched subgraph ({inp.name}); "
-                        "replacing it would make a cycle")
+                return (
+                    f"input {node.name} is computed from the matched subgraph ({inp.name}); "
+                    "replacing it would make a cycle"
+                )
             if inp > first:
                 todo.append(inp)
     return None
 
 
-def _register(matcher: pm.PatternMatcherPass, seen: set[tuple[str, str]], rw: Rewrite,
-              dtype: torch.dtype, decompositions: str, result: PassResult,
-              rejected: dict[tuple[str, fx.Node], str]) -> None:
+def _register(
+    matcher: pm.PatternMatcherPass,
+    seen: set[tuple[str, str]],
+    rw: Rewrite,
+    dtype: torch.dtype,
+    decompositions: str,
+    result: PassResult,
+    rejected: dict[tuple[str, fx.Node], str],
+) -> None:
     """Put ``rw``'s pattern for ``dtype`` into ``matcher`` (skipped when an identical trace is
     already there).  A candidate is accepted as torch's ``register_replacement`` would accept
     it — the search function re-traced on the match's shapes must match too — then by the
@@ -464,12 +505,20 @@ def _register(matcher: pm.PatternMatcherPass, seen: set[tuple[str, str]], rw: Re
     def example() -> Sequence[Any]:
         example = list(rw.example_inputs(dtype))
         if len(example) + len(scalars) != len(argnames):
-            raise TypeError(f"rewrite {rw.name!r}: example_inputs give {len(example)} tensors, "
-                            f"the search function takes {list(argnames)} ({list(scalars)} are scalars)")
+            raise TypeError(
+                f"rewrite {rw.name!r}: example_inputs give {len(example)} tensors, "
+                f"the search function takes {list(argnames)} ({list(scalars)} are scalars)"
+            )
         return example
 
-    traced = traced_pattern((rw.example_inputs, dtype), rw.search, example,
-                            decompositions=decompositions, argnames=argnames, scalars=scalars)
+    traced = traced_pattern(
+        (rw.example_inputs, dtype),
+        rw.search,
+        example,
+        decompositions=decompositions,
+        argnames=argnames,
+        scalars=scalars,
+    )
     if traced.identity in seen:
         return
     seen.add(traced.identity)
@@ -498,16 +547,39 @@ def _register(matcher: pm.PatternMatcherPass, seen: set[tuple[str, str]], rw: Re
     def normalize_args(**kwargs: Any) -> list[Any]:
         return [kwargs[name] for name in argnames]
 
-    def on_replace(match: pm.Match, replaced: list[fx.Node], added: list[fx.Node],
-                   anchor: fx.Node) -> None:
+    def on_replace(match: pm.Match, replaced: list[fx.Node], added: list[fx.Node], anchor: fx.Node) -> None:
         details = {k: match.kwargs[k] for k in rw.scalars if k in match.kwargs}
-        result.match(rw.name, layer=layer_of(anchor), nodes=replaced, module=module_path(anchor),
-                     dtype=str(dtype).removeprefix("torch."), **details)
+        result.match(
+            rw.name,
+            layer=layer_of(anchor),
+            nodes=replaced,
+            module=module_path(anchor),
+            dtype=str(dtype).removeprefix("torch."),
+            **details,
+        )
 
-    _ReportingEntry(pattern=traced.pattern, extra_check=check, normalize_args=normalize_args,
-                    pattern_name=f"{rw.name}[{dtype}]", on_replace=on_replace).register(matcher)
+    _ReportingEntry(
+        pattern=traced.pattern,
+        extra_check=check,
+        normalize_args=normalize_args,
+        pattern_name=f"{rw.name}[{dtype}]",
+        on_replace=on_replace,
+    ).register(matcher)
 
 
-__all__ = ["Bindings", "Check", "IGNORED_TYPES", "PatternPass", "Rewrite", "TracedPattern",
-           "apply_rewrites", "copy_location", "graph_dtypes", "layer_of", "module_path", "replace",
-           "replacement_graph", "traced_pattern"]
+__all__ = [
+    "Bindings",
+    "Check",
+    "IGNORED_TYPES",
+    "PatternPass",
+    "Rewrite",
+    "TracedPattern",
+    "apply_rewrites",
+    "copy_location",
+    "graph_dtypes",
+    "layer_of",
+    "module_path",
+    "replace",
+    "replacement_graph",
+    "traced_pattern",
+]

@@ -32,8 +32,10 @@ _MAX_CONSTANT_NODES = 256
 class AttentionPass(PatternPass):
     name = "attention"
     must_run_after = ("cleanup", "mtp")
-    summary = ("softmax(q·kᵀ·s + mask)·v on SDPA's math path  becomes  "
-               "flash_attention_for_cpu(q, k, pad(v)) (is_causal when the mask is provably causal)")
+    summary = (
+        "softmax(q·kᵀ·s + mask)·v on SDPA's math path  becomes  "
+        "flash_attention_for_cpu(q, k, pad(v)) (is_causal when the mask is provably causal)"
+    )
     patterns = "ascend_passes.patterns.attention"
 
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
@@ -49,8 +51,7 @@ class AttentionPass(PatternPass):
             if mask not in masks:
                 masks[mask] = is_causal_mask(mask, node)
             if masks[mask]:
-                kwargs = {k: v for k, v in node.kwargs.items()
-                          if k not in ("attn_mask", "dropout_p", "is_causal")}
+                kwargs = {k: v for k, v in node.kwargs.items() if k not in ("attn_mask", "dropout_p", "is_causal")}
                 node.args = (*node.args[:3], dropout_p, True)
                 node.kwargs = kwargs
                 causal += 1
@@ -58,8 +59,11 @@ class AttentionPass(PatternPass):
         if causal:
             gm.graph.eliminate_dead_code()
             gm.recompile()
-        log.info("attention: %d math-path attentions → flash (%d with is_causal)",
-                 len(gm.graph.find_nodes(op="call_function", target=FLASH)), causal)
+        log.info(
+            "attention: %d math-path attentions → flash (%d with is_causal)",
+            len(gm.graph.find_nodes(op="call_function", target=FLASH)),
+            causal,
+        )
         return result
 
 

@@ -46,13 +46,22 @@ from ._nodes import copy_location, set_val
 log = logging.getLogger("ascend_passes.passes.eplb")
 aten = torch.ops.aten
 
-_WALK = {aten.transpose.int, aten.permute.default, aten.view.default, aten.reshape.default,
-         aten._unsafe_view.default, aten.clone.default, aten.alias.default}
+_WALK = {
+    aten.transpose.int,
+    aten.permute.default,
+    aten.view.default,
+    aten.reshape.default,
+    aten._unsafe_view.default,
+    aten.clone.default,
+    aten.alias.default,
+}
 _TABLE_MARK = "_ascend_eplb_table"
 _STATE_REF = "_ascend_eplb_state_ref"  # eplb/state.py: a weakref to the layer's EplbState
 
-ATTACH_HINT = ("call ascend_passes.eplb.attach(model, config.eplb) on the model (and, separately, "
-               "on its MTP drafter) before torch.compile")
+ATTACH_HINT = (
+    "call ascend_passes.eplb.attach(model, config.eplb) on the model (and, separately, "
+    "on its MTP drafter) before torch.compile"
+)
 
 
 def _anchor(node: Any) -> fx.Node | None:
@@ -93,15 +102,20 @@ class EplbPass(Pass):
     reasons = {"moe": "eplb indirects the experts of the MoE layers moe fused"}
     enabled_by = "eplb.enabled"
     provides = ("eplb_layers",)
-    summary = ("ids → init_routing(E) → grouped_matmul(W[E])  becomes  ids → eplb_map → "
-               "eplb_record_load → init_routing(P, this rank's slots) → grouped_matmul(W[P])")
+    summary = (
+        "ids → init_routing(E) → grouped_matmul(W[E])  becomes  ids → eplb_map → "
+        "eplb_record_load → init_routing(P, this rank's slots) → grouped_matmul(W[P])"
+    )
 
     def enabled(self, ctx: PassContext) -> bool:
         if not self.config.eplb.enabled:
             return False
         fused = [e for e in ctx.facts.get("moe_layers", []) if e.init_routing is not None]
-        if fused and ctx.real_inputs is not None and not any(
-                isinstance(x, torch.Tensor) and getattr(x, _TABLE_MARK, False) for x in ctx.real_inputs):
+        if (
+            fused
+            and ctx.real_inputs is not None
+            and not any(isinstance(x, torch.Tensor) and getattr(x, _TABLE_MARK, False) for x in ctx.real_inputs)
+        ):
             # checked here, where the manager lets it through: a user error, not a failed rewrite
             raise ConfigError(f"eplb is enabled but this model has no EPLB state; {ATTACH_HINT}")
         for x in ctx.real_inputs or ():
@@ -120,15 +134,18 @@ class EplbPass(Pass):
         if ep_size is not None:
             pairs.append(("ep_size", e.ep_size, ep_size))
         if attached is not None:
-            pairs += [("placement_file", e.placement_file, attached.placement_file),
-                      ("record_load", e.record_load, attached.record_load)]
+            pairs += [
+                ("placement_file", e.placement_file, attached.placement_file),
+                ("record_load", e.record_load, attached.record_load),
+            ]
         for field, compiled, was in pairs:
             if compiled != getattr(default, field) and compiled != was:
                 raise ConfigError(
                     f"eplb.{field}={compiled!r} in the compile options, but attach() set this "
                     f"model up with {field}={was!r}; the compiled graph follows the attached "
                     f"state, so leave eplb.{field} unset or set it to {was!r} (attach again to "
-                    "change it)")
+                    "change it)"
+                )
 
     def config_key(self) -> Any:
         e = self.config.eplb
@@ -153,8 +170,7 @@ class EplbPass(Pass):
             phys, recorded = self._indirect(graph, layer, map_ids)
             reduced: tuple[fx.Node, ...] = ()
             if layer.group_name is not None:
-                reduced = self._all_reduce(graph, layer.fin, layer.group_name,
-                                           layer.ep_size if layer.sharded else None)
+                reduced = self._all_reduce(graph, layer.fin, layer.group_name, layer.ep_size if layer.sharded else None)
                 collectives += 1 + len(gathered) // 2
             self._physical_weights(graph, layer)
             facts.append(self._report(result, layer, gathered, phys, recorded, reduced))
@@ -170,14 +186,13 @@ class EplbPass(Pass):
         ``eplb_logical_weight`` nodes that hold its tables, its slots and this rank's share."""
         ops = torch.ops.ascend
         tokens = next((u for u in init.users if u.target is operator.getitem and u.args[1] == 2), None)
-        gmms = [u for u in (tokens.users if tokens is not None else ())
-                if u.target is ops.grouped_matmul.default]
-        anchors = [_anchor(g.args[1][0]) if len(g.args) > 1 and len(g.args[1]) == 1 else None
-                   for g in gmms]
+        gmms = [u for u in (tokens.users if tokens is not None else ()) if u.target is ops.grouped_matmul.default]
+        anchors = [_anchor(g.args[1][0]) if len(g.args) > 1 and len(g.args[1]) == 1 else None for g in gmms]
         if not gmms or any(a is None for a in anchors):
             raise ConfigError(
                 f"MoE layer {entry.layer}: its expert weights are not in EPLB physical layout "
-                f"(no ascend.eplb_logical_weight feeds its grouped matmuls); {ATTACH_HINT}")
+                f"(no ascend.eplb_logical_weight feeds its grouped matmuls); {ATTACH_HINT}"
+            )
         phy_weight, log2phy, _, expert_load, _ = anchors[0].args
         num_physical = int(expert_load.meta["val"].shape[0])
         # the shapes tell the redundancy even without real inputs (inductor_pass)
@@ -188,11 +203,24 @@ class EplbPass(Pass):
             group_name, rank = self._ep_for(entry.layer, num_physical, per_rank)
         fin = by_name.get(entry.finalize) if entry.finalize else None
         if group_name is not None and fin is None:
-            raise ConfigError(f"MoE layer {entry.layer}: no moe_finalize_routing to sum the "
-                              "ranks' partial outputs after; expert parallelism needs one")
-        return _Layer(entry.layer, entry.num_experts, init, fin, gmms, anchors, num_physical,
-                      [rank * per_rank, (rank + 1) * per_rank], rank, num_physical // per_rank,
-                      group_name, group_name is not None and self.config.eplb.ep_tokens == "sharded")
+            raise ConfigError(
+                f"MoE layer {entry.layer}: no moe_finalize_routing to sum the "
+                "ranks' partial outputs after; expert parallelism needs one"
+            )
+        return _Layer(
+            entry.layer,
+            entry.num_experts,
+            init,
+            fin,
+            gmms,
+            anchors,
+            num_physical,
+            [rank * per_rank, (rank + 1) * per_rank],
+            rank,
+            num_physical // per_rank,
+            group_name,
+            group_name is not None and self.config.eplb.ep_tokens == "sharded",
+        )
 
     def _gather_tokens(self, graph: fx.Graph, layer: _Layer) -> tuple[list[fx.Node], fx.Node]:
         """With sharded tokens, every rank routes the tokens of all ranks, in rank order: the
@@ -217,8 +245,7 @@ class EplbPass(Pass):
             set_val(node)
         return gathered, map_ids
 
-    def _indirect(self, graph: fx.Graph, layer: _Layer,
-                  map_ids: fx.Node) -> tuple[fx.Node, fx.Node | None]:
+    def _indirect(self, graph: fx.Graph, layer: _Layer, map_ids: fx.Node) -> tuple[fx.Node, fx.Node | None]:
         """``eplb_map`` (and ``eplb_record_load``) before init_routing, which then routes over the
         physical slots and keeps this rank's; finalize reads the physical ids too."""
         ops = torch.ops.ascend
@@ -226,18 +253,20 @@ class EplbPass(Pass):
         _, log2phy, replica_count, expert_load, record = layer.anchors[0].args
         expert_idx = init.args[1]
         with graph.inserting_before(init):
-            phys = graph.call_function(ops.eplb_map.default, (map_ids, log2phy, replica_count),
-                                       {"rank": 0})  # the same replica on every rank
+            phys = graph.call_function(
+                ops.eplb_map.default, (map_ids, log2phy, replica_count), {"rank": 0}
+            )  # the same replica on every rank
             recorded = None
             if self.config.eplb.record_load:
                 recorded = graph.call_function(
-                    ops.eplb_record_load.default, (expert_load, phys, record),
-                    {"active_expert_range": layer.active} if layer.group_name is not None else {})
+                    ops.eplb_record_load.default,
+                    (expert_load, phys, record),
+                    {"active_expert_range": layer.active} if layer.group_name is not None else {},
+                )
         copy_location(init, [n for n in (phys, recorded) if n is not None])
         set_val(phys)
         init.update_arg(1, phys)
-        init.kwargs = {**init.kwargs, "expert_num": layer.num_physical,
-                       "active_expert_range": layer.active}
+        init.kwargs = {**init.kwargs, "expert_num": layer.num_physical, "active_expert_range": layer.active}
         if fin is not None and len(fin.args) > 6 and fin.args[6] is expert_idx:
             fin.update_arg(6, phys)
         return phys, recorded
@@ -254,20 +283,39 @@ class EplbPass(Pass):
             set_val(weight)
             gmm.update_arg(1, [weight])
 
-    def _report(self, result: PassResult, layer: _Layer, gathered: list[fx.Node], phys: fx.Node,
-                recorded: fx.Node | None, reduced: tuple[fx.Node, ...]) -> dict[str, Any]:
+    def _report(
+        self,
+        result: PassResult,
+        layer: _Layer,
+        gathered: list[fx.Node],
+        phys: fx.Node,
+        recorded: fx.Node | None,
+        reduced: tuple[fx.Node, ...],
+    ) -> dict[str, Any]:
         """The layer's match in ``result``; returns its entry of ``ctx.facts["eplb_layers"]``."""
         nodes = gathered + [phys] + ([recorded] if recorded is not None else []) + list(reduced)
         expert_load = layer.anchors[0].args[3]
-        result.match("eplb_indirection", layer=layer.name, nodes=nodes, num_logical=layer.num_logical,
-                     num_physical=layer.num_physical, active_expert_range=layer.active,
-                     record_load=recorded is not None, ep_rank=layer.rank, ep_size=layer.ep_size,
-                     ep_tokens=self.config.eplb.ep_tokens if layer.group_name is not None else None)
-        return {"layer": layer.name, "map": phys.name,
-                "record": recorded.name if recorded is not None else None,
-                "num_physical": layer.num_physical, "expert_load": expert_load.name,
-                "active_expert_range": layer.active,
-                "all_reduce": reduced[0].name if reduced else None}
+        result.match(
+            "eplb_indirection",
+            layer=layer.name,
+            nodes=nodes,
+            num_logical=layer.num_logical,
+            num_physical=layer.num_physical,
+            active_expert_range=layer.active,
+            record_load=recorded is not None,
+            ep_rank=layer.rank,
+            ep_size=layer.ep_size,
+            ep_tokens=self.config.eplb.ep_tokens if layer.group_name is not None else None,
+        )
+        return {
+            "layer": layer.name,
+            "map": phys.name,
+            "record": recorded.name if recorded is not None else None,
+            "num_physical": layer.num_physical,
+            "expert_load": expert_load.name,
+            "active_expert_range": layer.active,
+            "all_reduce": reduced[0].name if reduced else None,
+        }
 
     # ------------------------------------------------------------------ expert parallelism
     def _ep(self) -> tuple[Any, int, str | None]:
@@ -293,7 +341,8 @@ class EplbPass(Pass):
                 f"expert slots (attached for expert parallelism over {num_physical // per_rank} "
                 f"ranks), but eplb.ep_size={ep_size} and the EP group has "
                 f"{size if size is not None else 'no initialised process group, so'} ranks; "
-                "compile with the eplb options the model was attached with")
+                "compile with the eplb options the model was attached with"
+            )
         return name, rank
 
     @staticmethod
@@ -304,8 +353,7 @@ class EplbPass(Pass):
         return [gather, graph.call_function(c10d.wait_tensor.default, (gather,))]
 
     @staticmethod
-    def _all_reduce(graph: fx.Graph, fin: fx.Node, group_name: str,
-                    scatter: int | None = None) -> tuple[fx.Node, ...]:
+    def _all_reduce(graph: fx.Graph, fin: fx.Node, group_name: str, scatter: int | None = None) -> tuple[fx.Node, ...]:
         """``fin`` → ``all_reduce(sum) → wait_tensor`` — or, with ``scatter`` = the EP size
         (sharded tokens), ``reduce_scatter_tensor(sum)`` back to this rank's tokens — then
         finalize's skip terms, taken out of it so they are added once, not once per rank (with
@@ -321,8 +369,7 @@ class EplbPass(Pass):
             if scatter is None:
                 ar = graph.call_function(c10d.all_reduce.default, (fin, "sum", group_name))
             else:
-                ar = graph.call_function(c10d.reduce_scatter_tensor.default,
-                                         (fin, "sum", scatter, group_name))
+                ar = graph.call_function(c10d.reduce_scatter_tensor.default, (fin, "sum", scatter, group_name))
         with graph.inserting_after(ar):
             wait = graph.call_function(c10d.wait_tensor.default, (ar,))
         nodes, last = [ar, wait], wait

@@ -18,11 +18,28 @@ _READ_MATMULS = ("mtp", "moe", "mla", "shared_expert_dp")  # passes whose patter
 class LinearPass(PatternPass):
     name = "linear"
     # last: it turns matmuls into ascend.linear, and the passes above look for matmuls in their patterns
-    must_run_after = ("cleanup", "vllm_opaque", "mtp", "norm", "moe", "activation", "mla", "attention", "eplb",
-                      "sequence_parallel", "shared_expert_dp")
-    reasons = {p: (f"linear turns matmuls into ascend.linear, which {p} does not match" if p in _READ_MATMULS
-                   else "linear runs last: it only picks the CPU kernel of the matmuls the other passes leave")
-               for p in must_run_after if p != "cleanup"}
+    must_run_after = (
+        "cleanup",
+        "vllm_opaque",
+        "mtp",
+        "norm",
+        "moe",
+        "activation",
+        "mla",
+        "attention",
+        "eplb",
+        "sequence_parallel",
+        "shared_expert_dp",
+    )
+    reasons = {
+        p: (
+            f"linear turns matmuls into ascend.linear, which {p} does not match"
+            if p in _READ_MATMULS
+            else "linear runs last: it only picks the CPU kernel of the matmuls the other passes leave"
+        )
+        for p in must_run_after
+        if p != "cleanup"
+    }
     summary = "mm(x, weight.T) (+ bias)  becomes  ascend.linear(x, weight, bias)"
     patterns = "ascend_passes.patterns.linear"
 

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import logging
 import operator
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -140,8 +141,7 @@ def _mla_graph(graph: fx.Graph, kw: dict[str, Any], vals: dict[str, Any]) -> dic
     opts = {"dtype": xv.dtype, "device": xv.device}
     kw["kv_cache"] = _call(graph, aten.zeros.default, [tokens, 1, 1, hckv], fake_like=xv, **opts)
     kw["kr_cache"] = _call(graph, aten.zeros.default, [tokens, 1, 1, dr], fake_like=xv, **opts)
-    kw["cache_index"] = _call(graph, aten.arange.default, tokens, fake_like=xv, dtype=torch.int64,
-                              device=xv.device)
+    kw["cache_index"] = _call(graph, aten.arange.default, tokens, fake_like=xv, dtype=torch.int64, device=xv.device)
     kw["cache_mode"] = "PA_BSND"
     for drop in ("head_num", "rope_interleave"):
         kw.pop(drop)
@@ -170,8 +170,10 @@ def _outputs(name: str, graph: fx.Graph, call: fx.Node, bound: dict[str, Any], v
     if name == "mla_prolog":
         xv = vals["token_x"]
         lead = list(xv.shape[:-1])
-        lead_args = [l if isinstance(l, int) else _call(graph, aten.sym_size.int, bound["token_x"], i)
-                     for i, l in enumerate(lead)]
+        lead_args = [
+            size if isinstance(size, int) else _call(graph, aten.sym_size.int, bound["token_x"], i)
+            for i, size in enumerate(lead)
+        ]
         # outputs: query, query_rope, dequant_scale_q_nope, query_norm, dequant_scale_q_norm,
         # kv_cache, kr_cache (_op_plugin_docs.py example and the meta kernel; the caches are last)
         kv = _call(graph, aten.view.default, outs[5], [*lead_args, vals["rmsnorm_gamma_ckv"].shape[0]])
@@ -181,8 +183,17 @@ def _outputs(name: str, graph: fx.Graph, call: fx.Node, bound: dict[str, Any], v
 
 
 # ------------------------------------------------------------------------------ decomposition
-def _finalize_aten(expanded_permuted_rows, skip1, skip2, bias, scales, expanded_src_to_dst_row,
-                   export_for_source_row, drop_pad_mode=0, k=1):
+def _finalize_aten(
+    expanded_permuted_rows,
+    skip1,
+    skip2,
+    bias,
+    scales,
+    expanded_src_to_dst_row,
+    export_for_source_row,
+    drop_pad_mode=0,
+    k=1,
+):
     """``ascend.moe_finalize_routing`` in traceable ATen (the reference without its data-dependent
     range checks)."""
     rows = expanded_permuted_rows
@@ -256,8 +267,10 @@ def decompose(gm: fx.GraphModule, node: fx.Node, name: str) -> None:
         with mode:
             sub = make_fx(call, decomposition_table=_decomposition_table(), tracing_mode="real")(*fakes)
     except Exception as exc:
-        raise LoweringError(f"{node.name} (ascend.{name}) is outside the NPU limits and its reference "
-                            f"implementation does not trace ({type(exc).__name__}: {exc})") from exc
+        raise LoweringError(
+            f"{node.name} (ascend.{name}) is outside the NPU limits and its reference "
+            f"implementation does not trace ({type(exc).__name__}: {exc})"
+        ) from exc
     graph = gm.graph
     placeholders = [p for p in sub.graph.nodes if p.op == "placeholder"]
     val_map: dict[fx.Node, Any] = dict(zip(placeholders, leaves))
@@ -312,8 +325,10 @@ def lower_node(gm: fx.GraphModule, node: fx.Node, name: str, result: PassResult)
         return
     op = npu.npu_overload(name)
     if op is None:
-        raise LoweringError(f"torch.ops.npu.{row.npu_name}.{row.overload} is not registered: load the "
-                            "torch_npu schemas first (npu_schemas.load())")
+        raise LoweringError(
+            f"torch.ops.npu.{row.npu_name}.{row.overload} is not registered: load the "
+            "torch_npu schemas first (npu_schemas.load())"
+        )
     bound = bind(node)
     vals = _vals(bound)
     if name == "moe_finalize_routing":  # read before the producing init_routing was lowered (run())
@@ -321,8 +336,7 @@ def lower_node(gm: fx.GraphModule, node: fx.Node, name: str, result: PassResult)
     reasons = row.outside_limits(vals)
     if reasons:
         decompose(gm, node, name)
-        result.near_miss(f"{name}->{row.npu_name}", f"decomposed to ATen: {'; '.join(reasons)}", layer=layer,
-                         node=node)
+        result.near_miss(f"{name}->{row.npu_name}", f"decomposed to ATen: {'; '.join(reasons)}", layer=layer, node=node)
         result.match(f"{name}->aten", layer=layer, nodes=[node])
         return
     graph = gm.graph
@@ -344,10 +358,22 @@ class LowerPass(Pass):
 
     name = "lower"
     summary = "ascend.X(args)  becomes  npu.npu_X(args adapted to torch_npu's schema), or ATen outside NPU limits"
-    must_run_after = ("cleanup", "mtp", "norm", "moe", "activation", "mla", "attention", "eplb",
-                      "sequence_parallel", "shared_expert_dp", "linear")
-    reasons = {p: "lower runs last: it turns every ascend op the other passes emit into torch_npu's"
-               for p in must_run_after}
+    must_run_after = (
+        "cleanup",
+        "mtp",
+        "norm",
+        "moe",
+        "activation",
+        "mla",
+        "attention",
+        "eplb",
+        "sequence_parallel",
+        "shared_expert_dp",
+        "linear",
+    )
+    reasons = {
+        p: "lower runs last: it turns every ascend op the other passes emit into torch_npu's" for p in must_run_after
+    }
 
     def enabled(self, ctx: PassContext) -> bool:
         return ctx.target == "npu"
@@ -370,11 +396,12 @@ class LowerPass(Pass):
             raise LoweringError(f"ascend nodes left after lowering: {left}")
         gm.recompile()
         lowered = sum(1 for m in result.matches if not m.pattern.endswith("->aten"))
-        log.info("lower: %d ascend nodes lowered to torch_npu ops, %d decomposed to ATen",
-                 lowered, len(result.matches) - lowered)
+        log.info(
+            "lower: %d ascend nodes lowered to torch_npu ops, %d decomposed to ATen",
+            lowered,
+            len(result.matches) - lowered,
+        )
         return result
-
-
 
 
 def npu_inspection_backend(config: Any = None, *, hooks: Any = (), pipeline: Any = None) -> Callable[..., Any]:
@@ -401,12 +428,20 @@ def npu_inspection_backend(config: Any = None, *, hooks: Any = (), pipeline: Any
                 if pass_name == LowerPass.name and stage == "before":
                     saved["graph"] = copy.deepcopy(g)
 
-            run_pipeline(cfg, agm, aten_inputs, target="npu", compiler="torchair (not run here)",
-                         hooks=[*hooks, keep], pipeline=pipeline)
+            run_pipeline(
+                cfg,
+                agm,
+                aten_inputs,
+                target="npu",
+                compiler="torchair (not run here)",
+                hooks=[*hooks, keep],
+                pipeline=pipeline,
+            )
             return make_boxed_func(saved.get("graph", agm).forward)
 
         return aot_autograd(fw_compiler=inference, inference_compiler=inference)(gm, example_inputs)
 
     return backend
+
 
 __all__ = ["LowerPass", "LoweringError", "bind", "decompose", "lower_node", "npu_inspection_backend", "order_for"]

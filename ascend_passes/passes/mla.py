@@ -35,9 +35,13 @@ _SCHEMA_EPS = 1e-6  # ascend.rms_norm's default epsilon
 
 def _pattern(form: patterns.Form, dtype: torch.dtype, decompositions: str) -> TracedPattern:
     """The traced pattern of one form (traced once per process: ``_pattern.traced_pattern``)."""
-    return traced_pattern(("mla_prolog", form, dtype), patterns.search_fn(form),
-                          lambda: patterns.example_inputs(form, dtype),
-                          decompositions=decompositions, argnames=form.argnames)
+    return traced_pattern(
+        ("mla_prolog", form, dtype),
+        patterns.search_fn(form),
+        lambda: patterns.example_inputs(form, dtype),
+        decompositions=decompositions,
+        argnames=form.argnames,
+    )
 
 
 def _forms_for(gm: fx.GraphModule) -> list[tuple[patterns.Form, torch.dtype]]:
@@ -52,8 +56,11 @@ def _forms_for(gm: fx.GraphModule) -> list[tuple[patterns.Form, torch.dtype]]:
     dtypes = {torch.float32}
     if gm.graph.find_nodes(op="call_function", target=aten.rsqrt.default):
         norms.add("hf")
-        dtypes = {v.dtype for n in gm.graph.nodes
-                  if isinstance(v := n.meta.get("val"), torch.Tensor) and v.is_floating_point()} or dtypes
+        dtypes = {
+            v.dtype
+            for n in gm.graph.nodes
+            if isinstance(v := n.meta.get("val"), torch.Tensor) and v.is_floating_point()
+        } or dtypes
     out = []
     for form in patterns.FORMS:
         if form.norm not in norms:
@@ -85,8 +92,9 @@ class MlaPass(Pass):
     name = "mla"
     must_run_after = ("cleanup", "mtp")
     provides = ("mla_layers",)
-    summary = ("q_a_proj → rms_norm → q_b_proj → split → RoPE, kv_a_proj → split → rms_norm, RoPE  "
-               "becomes  ascend.mla_prolog")
+    summary = (
+        "q_a_proj → rms_norm → q_b_proj → split → RoPE, kv_a_proj → split → rms_norm, RoPE  becomes  ascend.mla_prolog"
+    )
 
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         import ascend_passes.ops.mla  # noqa: F401  (registers ascend.mla_prolog)
@@ -101,9 +109,11 @@ class MlaPass(Pass):
             if traced.identity in seen:
                 continue
             seen.add(traced.identity)
-            pm.GraphPatternEntry(pattern=traced.pattern, extra_check=lambda m: True,
-                                 handler=functools.partial(self._rewrite, form, result, facts,
-                                                           ctx.decompositions, refused)).register(matcher)
+            pm.GraphPatternEntry(
+                pattern=traced.pattern,
+                extra_check=lambda m: True,
+                handler=functools.partial(self._rewrite, form, result, facts, ctx.decompositions, refused),
+            ).register(matcher)
         matcher.apply(gm)
         gm.graph.eliminate_dead_code()
         self._diagnose(gm, result, refused)
@@ -111,11 +121,21 @@ class MlaPass(Pass):
         return result
 
     # ------------------------------------------------------------------ one match
-    def _rewrite(self, form: patterns.Form, result: PassResult, facts: list[dict[str, Any]],
-                 decompositions: str, refused: set[str], match: pm.Match, *args: Any, **kwargs: Any) -> None:
+    def _rewrite(
+        self,
+        form: patterns.Form,
+        result: PassResult,
+        facts: list[dict[str, Any]],
+        decompositions: str,
+        refused: set[str],
+        match: pm.Match,
+        *args: Any,
+        **kwargs: Any,
+    ) -> None:
         nodes = match.nodes
-        layer = next((l for l in map(layer_of, nodes) if l is not None), None) \
-            or next((w for w in map(where, nodes) if w is not None), None)
+        layer = next((x for x in map(layer_of, nodes) if x is not None), None) or next(
+            (w for w in map(where, nodes) if w is not None), None
+        )
         name = f"mla_prolog[{'q_lora' if form.q_lora else 'q_proj'},{'interleave' if form.interleave else 'half'}]"
         c, why, anchor = _constants(form, match)
         if why is not None:
@@ -124,17 +144,39 @@ class MlaPass(Pass):
             return
         args = [match.kwargs[a] for a in form.argnames]
         try:
-            new = replace(match, patterns.replacement_fn(form, c), args, decompositions=decompositions,
-                          key=("mla_prolog", form, c), location=anchor)
+            new = replace(
+                match,
+                patterns.replacement_fn(form, c),
+                args,
+                decompositions=decompositions,
+                key=("mla_prolog", form, c),
+                location=anchor,
+            )
         except Exception as exc:  # tracing happens before any graph change
             result.near_miss(name, f"replacement failed: {type(exc).__name__}: {exc}", layer=layer, node=anchor)
             refused.update(n.name for n in nodes)
             return
         op = next((n for n in new if n.target is torch.ops.ascend.mla_prolog.default), None)
-        facts.append({"layer": layer, "node": op.name if op is not None else None,
-                      "head_num": c.head_num, "rope_interleave": c.interleave, "q_lora": form.q_lora})
-        result.match(name, layer=layer, nodes=[anchor], op="ascend.mla_prolog", head_num=c.head_num,
-                     rope_interleave=c.interleave, q_lora=form.q_lora, eps_cq=c.eps_cq, eps_ckv=c.eps_ckv)
+        facts.append(
+            {
+                "layer": layer,
+                "node": op.name if op is not None else None,
+                "head_num": c.head_num,
+                "rope_interleave": c.interleave,
+                "q_lora": form.q_lora,
+            }
+        )
+        result.match(
+            name,
+            layer=layer,
+            nodes=[anchor],
+            op="ascend.mla_prolog",
+            head_num=c.head_num,
+            rope_interleave=c.interleave,
+            q_lora=form.q_lora,
+            eps_cq=c.eps_cq,
+            eps_ckv=c.eps_ckv,
+        )
 
     # ------------------------------------------------------------------ leftovers
     @staticmethod
@@ -151,9 +193,13 @@ class MlaPass(Pass):
                 continue
             normed = any(rms_norm_input(u2) is outs[0] for u in outs[0].users for u2 in [u, *u.users])
             if normed and split.name not in reported:
-                result.near_miss("mla_prolog", "an MLA-like kv split (latent RMS-normed, rope part) "
-                                 "matched no mla_prolog form (attention_bias, another RoPE or norm form?)",
-                                 layer=layer_of(split), node=split)
+                result.near_miss(
+                    "mla_prolog",
+                    "an MLA-like kv split (latent RMS-normed, rope part) "
+                    "matched no mla_prolog form (attention_bias, another RoPE or norm form?)",
+                    layer=layer_of(split),
+                    node=split,
+                )
 
 
 def _constants(form: patterns.Form, match: pm.Match) -> tuple[Any, str | None, fx.Node]:
@@ -189,9 +235,14 @@ def _constants(form: patterns.Form, match: pm.Match) -> tuple[Any, str | None, f
         return None, "q heads are not moved by transpose(1, 2)", anchor
     # the RoPE slices of the q rope part: even/odd (interleave) or the two halves
     q_rot = next((u for u in q_split.users if u.args[1] == 1), None)
-    slices = sorted(((tuple(s.args[2:]) + (1,) * (5 - len(s.args)))[:3]
-                     for s in (q_rot.users if q_rot is not None else ()) if s.target is aten.slice.Tensor),
-                    key=lambda t: [v if const_int(v) is not None else _INF for v in t])
+    slices = sorted(
+        (
+            (tuple(s.args[2:]) + (1,) * (5 - len(s.args)))[:3]
+            for s in (q_rot.users if q_rot is not None else ())
+            if s.target is aten.slice.Tensor
+        ),
+        key=lambda t: [v if const_int(v) is not None else _INF for v in t],
+    )
     if form.interleave:
         want = [(0, _INF, 2), (1, _INF, 2)]
     else:
@@ -202,13 +253,22 @@ def _constants(form: patterns.Form, match: pm.Match) -> tuple[Any, str | None, f
         return None, why, anchor
     norms = [n for n in nodes if n.target is torch.ops.ascend.rms_norm.default]
     if not norms:  # Hugging Face's inline norms: rsqrt(add(mean(x²), eps)); eps may be a graph node
-        norms = [n for n in nodes if n.target is aten.add.Tensor
-                 and isinstance(n.args[0], fx.Node) and n.args[0].target is aten.mean.dim]
+        norms = [
+            n
+            for n in nodes
+            if n.target is aten.add.Tensor and isinstance(n.args[0], fx.Node) and n.args[0].target is aten.mean.dim
+        ]
     kv_norm = [n for n in norms if _feeds_from(n, kv_split)]
     q_norm = [n for n in norms if n not in kv_norm]
     if len(kv_norm) != 1 or len(q_norm) != (1 if form.q_lora else 0):
-        return None, (f"found {len(kv_norm)} kv-latent and {len(q_norm)} q-latent RMSNorms in the match "
-                      f"(expected 1 and {1 if form.q_lora else 0})"), anchor
+        return (
+            None,
+            (
+                f"found {len(kv_norm)} kv-latent and {len(q_norm)} q-latent RMSNorms in the match "
+                f"(expected 1 and {1 if form.q_lora else 0})"
+            ),
+            anchor,
+        )
     eps_ckv, why = _eps(kv_norm[0], "kv latent")
     if why is not None:
         return None, why, anchor
@@ -217,8 +277,13 @@ def _constants(form: patterns.Form, match: pm.Match) -> tuple[Any, str | None, f
         eps_cq, why = _eps(q_norm[0], "q latent")
         if why is not None:
             return None, why, anchor
-    return patterns.Constants(head_num=w_q.shape[0] // (d + dr), interleave=form.interleave,
-                              eps_cq=eps_cq, eps_ckv=eps_ckv), None, anchor
+    return (
+        patterns.Constants(
+            head_num=w_q.shape[0] // (d + dr), interleave=form.interleave, eps_cq=eps_cq, eps_ckv=eps_ckv
+        ),
+        None,
+        anchor,
+    )
 
 
 def _inline_norms_unsupported(nodes: list[fx.Node]) -> str | None:

@@ -15,8 +15,9 @@ from __future__ import annotations
 import functools
 import logging
 import operator
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -26,9 +27,8 @@ from ..pass_manager import Pass, PassContext, PassResult
 from ..patterns import moe_experts, moe_gptoss, moe_router, moe_v4
 from ..patterns.moe_router import RouterConstants
 from . import moe_candidates
+from ._nodes import VIEWS, const_float, const_int, const_ints, graph_input_of, is_scalar_tensor, not_constant
 from ._pattern import replace, traced_pattern
-from ._nodes import (VIEWS, const_float, const_int, const_ints, graph_input_of, is_scalar_tensor,
-                     not_constant)
 from .layers import layer_of, where
 
 log = logging.getLogger("ascend_passes.passes.moe")
@@ -61,11 +61,10 @@ def _trace_fn(decompositions: str) -> Callable[..., list[fx.Node]]:
 
 def _splice(match: pm.Match, fn: Callable[..., Any], args: list[Any], *, decompositions: str) -> list[fx.Node]:
     anchor = max(match.nodes, key=lambda n: len(n.meta.get("nn_module_stack", {}) or {}))
-    return replace(match, fn, args, decompositions=decompositions, key=getattr(fn, "trace_key", None),
-                   location=anchor)
+    return replace(match, fn, args, decompositions=decompositions, key=getattr(fn, "trace_key", None), location=anchor)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _patterns(name: str, decompositions: str) -> tuple[pm.PatternExpr, ...]:
     """Traced patterns of one search function, one per variant (keyword arguments that change the
     traced form, e.g. one expert group) and dtype combination that changes the graph (casts appear
@@ -76,10 +75,14 @@ def _patterns(name: str, decompositions: str) -> tuple[pm.PatternExpr, ...]:
     seen: dict[tuple[str, str], pm.PatternExpr] = {}
     for variant, dtypes in ((v, d) for v in spec.variants for d in spec.dtypes):
         traced = traced_pattern(
-            (name, tuple(sorted(variant.items())), dtypes), functools.partial(spec.fn, **variant),
-            functools.partial(spec.example_inputs, *dtypes), decompositions=decompositions,
-            argnames=spec.argnames, fake_inputs=False,
-            transform=_as_post_grad if decompositions == "inductor" else None)
+            (name, tuple(sorted(variant.items())), dtypes),
+            functools.partial(spec.fn, **variant),
+            functools.partial(spec.example_inputs, *dtypes),
+            decompositions=decompositions,
+            argnames=spec.argnames,
+            fake_inputs=False,
+            transform=_as_post_grad if decompositions == "inductor" else None,
+        )
         seen.setdefault(traced.identity, traced.pattern)
     return tuple(seen.values())
 
@@ -156,52 +159,70 @@ def _softmax(renormalize: bool) -> Callable[..., Any]:
 
 
 _SEARCH: dict[str, _Search] = {
-    "deepseek_router": _Search(_deepseek(True), ("logits", "bias"), _router_inputs, ((torch.float32,),),
-                               _ONE_GROUP),
-    "deepseek_router_no_renorm": _Search(_deepseek(False), ("logits", "bias"), _router_inputs,
-                                         ((torch.float32,),), _ONE_GROUP),
+    "deepseek_router": _Search(_deepseek(True), ("logits", "bias"), _router_inputs, ((torch.float32,),), _ONE_GROUP),
+    "deepseek_router_no_renorm": _Search(
+        _deepseek(False), ("logits", "bias"), _router_inputs, ((torch.float32,),), _ONE_GROUP
+    ),
     # sigmoid + bias, no expert groups (MiniMax-M2): sum with or without DeepSeek's + eps
-    "sigmoid_router": _Search(_sigmoid(True), ("logits", "bias"), _router_inputs, ((torch.float32,),),
-                              ({"eps": None}, {"eps": 1e-20})),
-    "sigmoid_router_no_renorm": _Search(_sigmoid(False), ("logits", "bias"), _router_inputs,
-                                        ((torch.float32,),)),
+    "sigmoid_router": _Search(
+        _sigmoid(True), ("logits", "bias"), _router_inputs, ((torch.float32,),), ({"eps": None}, {"eps": 1e-20})
+    ),
+    "sigmoid_router_no_renorm": _Search(_sigmoid(False), ("logits", "bias"), _router_inputs, ((torch.float32,),)),
     # top-k of the logits, softmax over the k (GraniteMoE, gpt-oss)
-    "topk_softmax_router": _Search(moe_router.topk_softmax_router, ("logits",),
-                                   lambda d: _router_inputs(d)[:1], tuple((d,) for d in _LOW),
-                                   ({"dim": -1}, {"dim": 1})),
+    "topk_softmax_router": _Search(
+        moe_router.topk_softmax_router,
+        ("logits",),
+        lambda d: _router_inputs(d)[:1],
+        tuple((d,) for d in _LOW),
+        ({"dim": -1}, {"dim": 1}),
+    ),
     # Llama 4: searched to say why it stays (no gating mode computes it)
-    "dense_sigmoid_topk_router": _Search(moe_router.dense_sigmoid_topk_router, ("logits",),
-                                         lambda d: _router_inputs(d)[:1], tuple((d,) for d in _LOW)),
-    "softmax_router": _Search(_softmax(True), ("logits",), lambda d: _router_inputs(d)[:1],
-                              tuple((d,) for d in _LOW)),
-    "softmax_router_no_renorm": _Search(_softmax(False), ("logits",), lambda d: _router_inputs(d)[:1],
-                                        tuple((d,) for d in _LOW)),
+    "dense_sigmoid_topk_router": _Search(
+        moe_router.dense_sigmoid_topk_router, ("logits",), lambda d: _router_inputs(d)[:1], tuple((d,) for d in _LOW)
+    ),
+    "softmax_router": _Search(_softmax(True), ("logits",), lambda d: _router_inputs(d)[:1], tuple((d,) for d in _LOW)),
+    "softmax_router_no_renorm": _Search(
+        _softmax(False), ("logits",), lambda d: _router_inputs(d)[:1], tuple((d,) for d in _LOW)
+    ),
     "grouped_mm_experts": _Search(
         moe_experts.grouped_mm_experts(moe_experts.transformers_grouped_mm, histc_on_float=True),
-        _EXPERT_ARGS, _expert_inputs, _EXPERT_DTYPES),
+        _EXPERT_ARGS,
+        _expert_inputs,
+        _EXPERT_DTYPES,
+    ),
     "torch_grouped_mm_experts": _Search(
         moe_experts.grouped_mm_experts(moe_experts.torch_grouped_mm, histc_on_float=True),
-        _EXPERT_ARGS, _expert_inputs, tuple((d, w) for d, w in _EXPERT_DTYPES if d == torch.bfloat16)),
-    "batched_mm_experts": _Search(moe_experts.batched_mm_experts, _EXPERT_ARGS, _expert_inputs,
-                                  _EXPERT_DTYPES),
+        _EXPERT_ARGS,
+        _expert_inputs,
+        tuple((d, w) for d, w in _EXPERT_DTYPES if d == torch.bfloat16),
+    ),
+    "batched_mm_experts": _Search(moe_experts.batched_mm_experts, _EXPERT_ARGS, _expert_inputs, _EXPERT_DTYPES),
 }
+
 
 def _has_transformers_grouped_mm() -> bool:
     """Whether ``torch.ops.transformers.grouped_mm_fallback`` exists (``transformers.integrations.moe``
     registers it on import); without it that search function cannot even be traced."""
     try:
-        torch.ops.transformers.grouped_mm_fallback
+        torch.ops.transformers.grouped_mm_fallback  # noqa: B018  (the lookup is the test)
     except (AttributeError, RuntimeError):
         return False
     return True
 
 
-_ROUTERS = ("deepseek_router", "deepseek_router_no_renorm", "softmax_router", "softmax_router_no_renorm",
-            "sigmoid_router", "sigmoid_router_no_renorm", "topk_softmax_router", "dense_sigmoid_topk_router")
+_ROUTERS = (
+    "deepseek_router",
+    "deepseek_router_no_renorm",
+    "softmax_router",
+    "softmax_router_no_renorm",
+    "sigmoid_router",
+    "sigmoid_router_no_renorm",
+    "topk_softmax_router",
+    "dense_sigmoid_topk_router",
+)
 # Not covered: the int-histc form transformers emits on devices other than cpu/mps (histc on int
 # has no CPU kernel, so that pattern cannot be traced here).
-_EXPERTS = ("grouped_mm_experts", "torch_grouped_mm_experts",
-            "batched_mm_experts")
+_EXPERTS = ("grouped_mm_experts", "torch_grouped_mm_experts", "batched_mm_experts")
 
 
 # DeepSeek-V4 (patterns/moe_v4.py): experts with gate/up clamped before the SwiGLU; hash routers (sigmoid:
@@ -212,18 +233,29 @@ def _hash_router_inputs(dtype: torch.dtype) -> list[torch.Tensor]:
 
 _V4_ROUTERS = tuple(f"v4_hash_router_{score}" for score in moe_v4.SCORES) + ("v4_topk_router_sqrtsoftplus",)
 _V4_EXPERTS = ("v4_grouped_mm_experts", "v4_torch_grouped_mm_experts", "v4_batched_mm_experts")
-_SEARCH.update({
-    **{f"v4_hash_router_{score}": _Search(moe_v4.hash_router(fn), ("logits", "tid2eid", "ids"), _hash_router_inputs,
-                                          ((torch.float32,),)) for score, fn in moe_v4.SCORES.items()},
-    "v4_topk_router_sqrtsoftplus": _Search(moe_v4.topk_router(moe_v4.sqrtsoftplus), ("logits", "bias"),
-                                           _router_inputs, ((torch.float32,),)),
-    "v4_grouped_mm_experts": _Search(moe_v4.grouped_mm_experts(moe_experts.transformers_grouped_mm), _EXPERT_ARGS,
-                                     _expert_inputs, _EXPERT_DTYPES),
-    "v4_torch_grouped_mm_experts": _Search(
-        moe_v4.grouped_mm_experts(moe_experts.torch_grouped_mm), _EXPERT_ARGS, _expert_inputs,
-        tuple((d, w) for d, w in _EXPERT_DTYPES if d == torch.bfloat16)),
-    "v4_batched_mm_experts": _Search(moe_v4.batched_mm_experts, _EXPERT_ARGS, _expert_inputs, _EXPERT_DTYPES),
-})
+_SEARCH.update(
+    {
+        **{
+            f"v4_hash_router_{score}": _Search(
+                moe_v4.hash_router(fn), ("logits", "tid2eid", "ids"), _hash_router_inputs, ((torch.float32,),)
+            )
+            for score, fn in moe_v4.SCORES.items()
+        },
+        "v4_topk_router_sqrtsoftplus": _Search(
+            moe_v4.topk_router(moe_v4.sqrtsoftplus), ("logits", "bias"), _router_inputs, ((torch.float32,),)
+        ),
+        "v4_grouped_mm_experts": _Search(
+            moe_v4.grouped_mm_experts(moe_experts.transformers_grouped_mm), _EXPERT_ARGS, _expert_inputs, _EXPERT_DTYPES
+        ),
+        "v4_torch_grouped_mm_experts": _Search(
+            moe_v4.grouped_mm_experts(moe_experts.torch_grouped_mm),
+            _EXPERT_ARGS,
+            _expert_inputs,
+            tuple((d, w) for d, w in _EXPERT_DTYPES if d == torch.bfloat16),
+        ),
+        "v4_batched_mm_experts": _Search(moe_v4.batched_mm_experts, _EXPERT_ARGS, _expert_inputs, _EXPERT_DTYPES),
+    }
+)
 _ROUTERS += _V4_ROUTERS
 _EXPERTS += _V4_EXPERTS
 _NEEDS_TRANSFORMERS_OP = ("grouped_mm_experts", "v4_grouped_mm_experts")  # transformers' grouped_mm_fallback
@@ -231,15 +263,25 @@ _NEEDS_TRANSFORMERS_OP = ("grouped_mm_experts", "v4_grouped_mm_experts")  # tran
 # gpt-oss (patterns/moe_gptoss.py): biased experts, interleaved clamped SwiGLU variant kept in ATen between
 # the grouped matmuls
 _GPTOSS_EXPERTS = ("gptoss_grouped_mm_experts", "gptoss_torch_grouped_mm_experts", "gptoss_batched_mm_experts")
-_SEARCH.update({
-    "gptoss_grouped_mm_experts": _Search(moe_gptoss.grouped_mm_experts(moe_experts.transformers_grouped_mm),
-                                         moe_gptoss.ARGNAMES, moe_gptoss.example_inputs, _EXPERT_DTYPES),
-    "gptoss_torch_grouped_mm_experts": _Search(
-        moe_gptoss.grouped_mm_experts(moe_experts.torch_grouped_mm), moe_gptoss.ARGNAMES, moe_gptoss.example_inputs,
-        tuple((d, w) for d, w in _EXPERT_DTYPES if d == torch.bfloat16)),
-    "gptoss_batched_mm_experts": _Search(moe_gptoss.batched_mm_experts, moe_gptoss.ARGNAMES,
-                                         moe_gptoss.example_inputs, _EXPERT_DTYPES),
-})
+_SEARCH.update(
+    {
+        "gptoss_grouped_mm_experts": _Search(
+            moe_gptoss.grouped_mm_experts(moe_experts.transformers_grouped_mm),
+            moe_gptoss.ARGNAMES,
+            moe_gptoss.example_inputs,
+            _EXPERT_DTYPES,
+        ),
+        "gptoss_torch_grouped_mm_experts": _Search(
+            moe_gptoss.grouped_mm_experts(moe_experts.torch_grouped_mm),
+            moe_gptoss.ARGNAMES,
+            moe_gptoss.example_inputs,
+            tuple((d, w) for d, w in _EXPERT_DTYPES if d == torch.bfloat16),
+        ),
+        "gptoss_batched_mm_experts": _Search(
+            moe_gptoss.batched_mm_experts, moe_gptoss.ARGNAMES, moe_gptoss.example_inputs, _EXPERT_DTYPES
+        ),
+    }
+)
 _EXPERTS += _GPTOSS_EXPERTS
 _NEEDS_TRANSFORMERS_OP += ("gptoss_grouped_mm_experts",)
 
@@ -249,8 +291,7 @@ def _val(node: Any) -> Any:
     return node.meta.get("val") if isinstance(node, fx.Node) else None
 
 
-def _find(nodes: Sequence[fx.Node], target: Any, pred: Callable[[fx.Node], bool] = lambda n: True
-          ) -> fx.Node | None:
+def _find(nodes: Sequence[fx.Node], target: Any, pred: Callable[[fx.Node], bool] = lambda n: True) -> fx.Node | None:
     for n in nodes:
         if n.target is target and pred(n):
             return n
@@ -270,8 +311,10 @@ class MoePass(Pass):
     name = "moe"
     must_run_after = ("cleanup", "mtp")
     provides = ("moe_layers",)
-    summary = ("router → experts(sort/grouped_mm|bmm/silu·up) → sum  becomes  moe_gating_top_k → "
-               "init_routing_v2 → grouped_matmul → swiglu → grouped_matmul → finalize_routing")
+    summary = (
+        "router → experts(sort/grouped_mm|bmm/silu·up) → sum  becomes  moe_gating_top_k → "
+        "init_routing_v2 → grouped_matmul → swiglu → grouped_matmul → finalize_routing"
+    )
 
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         import ascend_passes.ops  # noqa: F401  (registers torch.ops.ascend)
@@ -284,16 +327,14 @@ class MoePass(Pass):
             return layers.setdefault(layer, MoeLayer(layer))
 
         # routers first, then experts: each PatternMatcherPass is built for this run only
-        for stage, names, handler in (("router", _ROUTERS, self._router),
-                                      ("experts", _EXPERTS, self._experts)):
+        for stage, names, handler in (("router", _ROUTERS, self._router), ("experts", _EXPERTS, self._experts)):
             matcher = pm.PatternMatcherPass(pass_name=f"ascend_moe_{stage}")
             for name in names:
                 if name in _NEEDS_TRANSFORMERS_OP and not _has_transformers_grouped_mm():
                     continue  # transformers' op is not registered: no graph of this process holds it
                 on_match = functools.partial(handler, name, gm, result, layer_entry, trace)
                 for pattern in _patterns(name, ctx.decompositions):
-                    pm.GraphPatternEntry(pattern=pattern, extra_check=_always,
-                                         handler=on_match).register(matcher)
+                    pm.GraphPatternEntry(pattern=pattern, extra_check=_always, handler=on_match).register(matcher)
             if matcher.apply(gm):
                 # a replacement goes in before the match's first node; an input of it made later
                 # (the routed scaling factor's cast of a graph input) moves up: def before use
@@ -305,9 +346,17 @@ class MoePass(Pass):
         return result
 
     # ------------------------------------------------------------------ routers
-    def _router(self, name: str, gm: fx.GraphModule, result: PassResult,
-                layer_entry: Callable[[str | None], MoeLayer], trace: Callable[..., Any],
-                match: pm.Match, *args: Any, **kwargs: Any) -> None:
+    def _router(
+        self,
+        name: str,
+        gm: fx.GraphModule,
+        result: PassResult,
+        layer_entry: Callable[[str | None], MoeLayer],
+        trace: Callable[..., Any],
+        match: pm.Match,
+        *args: Any,
+        **kwargs: Any,
+    ) -> None:
         if name in _V4_ROUTERS:
             return self._v4_router(name, gm, result, layer_entry, trace, match, kwargs)
         layer = _match_layer(match)
@@ -316,8 +365,9 @@ class MoePass(Pass):
         num_experts = const_int(_val(logits).shape[-1])
         topks = [n for n in nodes if n.target is aten.topk.default]
         # the expert choice: top-k over all E scores (the group top-ks see [T, G, E/G] and [T, G])
-        final_topk = next((n for n in topks
-                           if _val(n.args[0]).dim() == 2 and _val(n.args[0]).shape[-1] == num_experts), topks[-1])
+        final_topk = next(
+            (n for n in topks if _val(n.args[0]).dim() == 2 and _val(n.args[0]).shape[-1] == num_experts), topks[-1]
+        )
         top_k = const_int(final_topk.args[1])
         scale = None  # the routed scaling factor when it is a graph input
         details: dict[str, Any] = {}
@@ -326,19 +376,25 @@ class MoePass(Pass):
         renormalize = not name.endswith("no_renorm")
         c = None
         if num_experts is None or top_k is None:
-            reason = (not_constant("the number of experts", _val(logits).shape[-1]) if num_experts is None
-                      else not_constant("top_k", final_topk.args[1]))
+            reason = (
+                not_constant("the number of experts", _val(logits).shape[-1])
+                if num_experts is None
+                else not_constant("top_k", final_topk.args[1])
+            )
         elif (dims := _dims_problem(nodes)) is not None:
             reason = dims  # the matcher ignored every int: a dim or a flag that is not the router's
         elif name == "dense_sigmoid_topk_router":
             op = "moe_gating_top_k or moe_gating_top_k_softmax"
-            reason = ("it scores the top-k experts by sigmoid(logit) without renormalising, as a dense "
-                      "[tokens, experts] matrix (Llama 4); moe_gating_top_k with sigmoid (norm_type=1) "
-                      "always divides the k weights by their sum (top-1: every weight becomes 1), and "
-                      "moe_gating_top_k_softmax scores by softmax")
+            reason = (
+                "it scores the top-k experts by sigmoid(logit) without renormalising, as a dense "
+                "[tokens, experts] matrix (Llama 4); moe_gating_top_k with sigmoid (norm_type=1) "
+                "always divides the k weights by their sum (top-1: every weight becomes 1), and "
+                "moe_gating_top_k_softmax scores by softmax"
+            )
         elif sigmoid:
-            c, scale, reason = _deepseek_constants(nodes, top_k, num_experts, renormalize,
-                                                   grouped=name.startswith("deepseek"))
+            c, scale, reason = _deepseek_constants(
+                nodes, top_k, num_experts, renormalize, grouped=name.startswith("deepseek")
+            )
             if c is not None and reason is None:
                 reason = _deepseek_gating_unsupported(c)
             replacement = functools.partial(moe_router.deepseek_router_fused, c=c)
@@ -364,9 +420,16 @@ class MoePass(Pass):
         entry.gating = gating.name if gating is not None else None
         result.match(name, layer=layer, nodes=[final_topk], op=f"ascend.{op}", **{**vars(c), **details})
 
-    def _v4_router(self, name: str, gm: fx.GraphModule, result: PassResult,
-                   layer_entry: Callable[[str | None], MoeLayer], trace: Callable[..., Any],
-                   match: pm.Match, kwargs: dict[str, Any]) -> None:
+    def _v4_router(
+        self,
+        name: str,
+        gm: fx.GraphModule,
+        result: PassResult,
+        layer_entry: Callable[[str | None], MoeLayer],
+        trace: Callable[..., Any],
+        match: pm.Match,
+        kwargs: dict[str, Any],
+    ) -> None:
         """DeepSeek-V4's routers: a hash router with sigmoid scores becomes ``moe_gating_top_k``'s hash
         mode; one whose scores no gating mode computes (V4's default sqrtsoftplus) stays in ATen with
         a near-miss.  A V4 router never keeps its layer's experts unfused: they are the heavy part,
@@ -386,20 +449,30 @@ class MoePass(Pass):
         anchor = topk if topk is not None else _find(nodes, aten.index.Tensor)
         scale, details = None, {}
         if score not in moe_v4.NORM_TYPE:
-            reason = (f"{score} scoring has no moe_gating_top_k mode (torch_npu documents norm_type 0 = "
-                      f"softmax and 1 = sigmoid only); the {mode} router stays in ATen, its experts are fused")
+            reason = (
+                f"{score} scoring has no moe_gating_top_k mode (torch_npu documents norm_type 0 = "
+                f"softmax and 1 = sigmoid only); the {mode} router stays in ATen, its experts are fused"
+            )
         elif num_experts is None or top_k is None:
-            reason = not_constant("the number of experts" if num_experts is None else "top_k",
-                                  _val(logits).shape[-1] if num_experts is None else k_arg)
+            reason = not_constant(
+                "the number of experts" if num_experts is None else "top_k",
+                _val(logits).shape[-1] if num_experts is None else k_arg,
+            )
         elif (dims := _dims_problem(nodes)) is not None:
             reason = dims
         else:
             c, scale, reason = _v4_hash_constants(nodes, top_k, num_experts, moe_v4.NORM_TYPE[score])
             ids, tid2eid = _val(kwargs["ids"]), _val(kwargs["tid2eid"])
-            if reason is None and (ids.dim() != 1 or ids.dtype not in (torch.int32, torch.int64)
-                                   or tid2eid.dim() != 2 or tid2eid.dtype not in (torch.int32, torch.int64)):
-                reason = (f"token ids {tuple(ids.shape)} {ids.dtype} / tid2eid {tuple(tid2eid.shape)} "
-                          f"{tid2eid.dtype} are not 1-D / 2-D int32 or int64")
+            if reason is None and (
+                ids.dim() != 1
+                or ids.dtype not in (torch.int32, torch.int64)
+                or tid2eid.dim() != 2
+                or tid2eid.dtype not in (torch.int32, torch.int64)
+            ):
+                reason = (
+                    f"token ids {tuple(ids.shape)} {ids.dtype} / tid2eid {tuple(tid2eid.shape)} "
+                    f"{tid2eid.dtype} are not 1-D / 2-D int32 or int64"
+                )
         if reason is not None:
             entry.extra["router_near_miss"] = reason  # not entry.unsupported: the experts still fuse
             result.near_miss(name, f"router not fused into moe_gating_top_k: {reason}", layer=layer, node=anchor)
@@ -418,13 +491,27 @@ class MoePass(Pass):
             return
         gating = next((n for n in new if n.target is torch.ops.ascend.moe_gating_top_k.default), None)
         entry.gating = gating.name if gating is not None else None
-        result.match(name, layer=layer, nodes=[anchor] if anchor is not None else [], op="ascend.moe_gating_top_k",
-                     mode="hash", **{**vars(c), **details})
+        result.match(
+            name,
+            layer=layer,
+            nodes=[anchor] if anchor is not None else [],
+            op="ascend.moe_gating_top_k",
+            mode="hash",
+            **{**vars(c), **details},
+        )
 
     # ------------------------------------------------------------------ experts
-    def _experts(self, name: str, gm: fx.GraphModule, result: PassResult,
-                 layer_entry: Callable[[str | None], MoeLayer], trace: Callable[..., Any],
-                 match: pm.Match, *args: Any, **kwargs: Any) -> None:
+    def _experts(
+        self,
+        name: str,
+        gm: fx.GraphModule,
+        result: PassResult,
+        layer_entry: Callable[[str | None], MoeLayer],
+        trace: Callable[..., Any],
+        match: pm.Match,
+        *args: Any,
+        **kwargs: Any,
+    ) -> None:
         if name in _GPTOSS_EXPERTS:
             return self._gptoss_experts(name, result, layer_entry, trace, match, kwargs)
         layer = _match_layer(match)
@@ -458,8 +545,7 @@ class MoePass(Pass):
             result.near_miss(name, f"experts not fused: {reason}", layer=layer)
             return
         output = match.output_node()
-        new = _replace(match, fused, [hidden, index, weights, gate_up, down],
-                        trace, result, name, layer)
+        new = _replace(match, fused, [hidden, index, weights, gate_up, down], trace, result, name, layer)
         if new is None:
             return
         entry = layer_entry(layer)
@@ -471,11 +557,24 @@ class MoePass(Pass):
         entry.finalize = fin.name if fin is not None else None
         if fin is not None:
             entry.shared_expert_add = _shared_expert_add(fin)
-        result.match(name, layer=layer, nodes=[output] if output is not None else [],
-                     num_experts=int(gu.shape[0]), shared_expert=entry.shared_expert_add is not None, **details)
+        result.match(
+            name,
+            layer=layer,
+            nodes=[output] if output is not None else [],
+            num_experts=int(gu.shape[0]),
+            shared_expert=entry.shared_expert_add is not None,
+            **details,
+        )
 
-    def _gptoss_experts(self, name: str, result: PassResult, layer_entry: Callable[[str | None], MoeLayer],
-                        trace: Callable[..., Any], match: pm.Match, kwargs: dict[str, Any]) -> None:
+    def _gptoss_experts(
+        self,
+        name: str,
+        result: PassResult,
+        layer_entry: Callable[[str | None], MoeLayer],
+        trace: Callable[..., Any],
+        match: pm.Match,
+        kwargs: dict[str, Any],
+    ) -> None:
         """gpt-oss's experts: biases go into the grouped matmuls, the activation (interleaved gate/up,
         clamped, ``(up + 1) * gate * sigmoid(alpha * gate)``: no swiglu mode) stays ATen between them."""
         layer = _match_layer(match)
@@ -509,13 +608,19 @@ class MoePass(Pass):
         entry.finalize = fin.name if fin is not None else None
         if fin is not None:
             entry.shared_expert_add = _shared_expert_add(fin)
-        result.match(name, layer=layer, nodes=[output] if output is not None else [], num_experts=int(gu.shape[0]),
-                     shared_expert=entry.shared_expert_add is not None, biases=True, activation="gpt-oss clamped swiglu",
-                     **vars(c))
+        result.match(
+            name,
+            layer=layer,
+            nodes=[output] if output is not None else [],
+            num_experts=int(gu.shape[0]),
+            shared_expert=entry.shared_expert_add is not None,
+            biases=True,
+            activation="gpt-oss clamped swiglu",
+            **vars(c),
+        )
 
     # ------------------------------------------------------------------ unfused blocks
-    def _check_unfused_blocks(self, gm: fx.GraphModule, result: PassResult,
-                              layers: dict[str | None, MoeLayer]) -> None:
+    def _check_unfused_blocks(self, gm: fx.GraphModule, result: PassResult, layers: dict[str | None, MoeLayer]) -> None:
         """Every MoE block left unfused, in whole or in part, gets a near-miss with its layer and
         why; never silence.  A fused router whose ids leave the graph: the block was split by a
         graph break (Hugging Face's default "eager" experts loop does that).  Every other block is
@@ -525,8 +630,12 @@ class MoePass(Pass):
         try:
             candidates = {c.layer: c for c in moe_candidates.find(gm.graph)}
         except Exception as exc:  # a diagnostic must never undo the rewrites made above
-            log.warning("moe: the search for unfused MoE blocks failed (%s: %s); blocks without a "
-                        "pattern match are not reported", type(exc).__name__, exc)
+            log.warning(
+                "moe: the search for unfused MoE blocks failed (%s: %s); blocks without a "
+                "pattern match are not reported",
+                type(exc).__name__,
+                exc,
+            )
             result.notes.append(f"unfused-block search failed: {type(exc).__name__}: {exc}")
             candidates = {}
         for entry in layers.values():
@@ -536,20 +645,29 @@ class MoePass(Pass):
             found = candidates.get(entry.layer)
             if found is not None and found.sinks:
                 continue  # the experts are in this graph: the candidate's near-miss says how they differ
-            reaches_output = gating is not None and (_leaves_graph(gating) or (found is not None and found.leaves_graph))
+            reaches_output = gating is not None and (
+                _leaves_graph(gating) or (found is not None and found.leaves_graph)
+            )
             # the experts_implementation advice only where the experts are in another graph: in
             # this graph they are in a form the expert patterns do not know, whatever it is set to
-            why = ("its router outputs leave this graph, so the experts run in another graph "
-                   "(a Dynamo graph break, e.g. Hugging Face's default 'eager' experts loop); set "
-                   "config._experts_implementation = 'grouped_mm' or 'batched_mm' to get one graph"
-                   if reaches_output or gating is None else
-                   "the experts are in this graph but no expert pattern matched them (was part of "
-                   "them rewritten by a pass before moe, or are they in a form the patterns do not know?)")
+            why = (
+                "its router outputs leave this graph, so the experts run in another graph "
+                "(a Dynamo graph break, e.g. Hugging Face's default 'eager' experts loop); set "
+                "config._experts_implementation = 'grouped_mm' or 'batched_mm' to get one graph"
+                if reaches_output or gating is None
+                else "the experts are in this graph but no expert pattern matched them (was part of "
+                "them rewritten by a pass before moe, or are they in a form the patterns do not know?)"
+            )
             result.near_miss("moe_block", f"MoE block not fused: {why}", layer=entry.layer)
         explained: dict[str | None, set[str]] = {}
         for nm in result.near_misses:
-            part = ({"router"} if nm.pattern in _ROUTERS or nm.reason.startswith("router") else
-                    {"experts"} if nm.pattern in _EXPERTS or nm.reason.startswith("experts") else {"router", "experts"})
+            part = (
+                {"router"}
+                if nm.pattern in _ROUTERS or nm.reason.startswith("router")
+                else {"experts"}
+                if nm.pattern in _EXPERTS or nm.reason.startswith("experts")
+                else {"router", "experts"}
+            )
             explained.setdefault(nm.layer, set()).update(part)
         for found in candidates.values():
             parts = found.unfused_parts() - explained.get(found.layer, set())
@@ -561,8 +679,16 @@ class MoePass(Pass):
             entry.unsupported = entry.unsupported or reason
             entry.num_experts = entry.num_experts or found.num_experts
 
-def _replace(match: pm.Match, fn: Callable[..., Any], args: list[Any], trace: Callable[..., Any],
-             result: PassResult, name: str, layer: str | None) -> list[fx.Node] | None:
+
+def _replace(
+    match: pm.Match,
+    fn: Callable[..., Any],
+    args: list[Any],
+    trace: Callable[..., Any],
+    result: PassResult,
+    name: str,
+    layer: str | None,
+) -> list[fx.Node] | None:
     """Splice ``fn`` traced on the match's inputs in (``trace``: ``_trace_fn``) and return the new
     nodes; a replacement that cannot be traced (the fused op rejects these inputs) leaves the
     graph untouched and becomes a near-miss (None)."""
@@ -581,19 +707,25 @@ def _as_fn(fn: Callable[..., Any], nargs: int) -> Callable[..., Any]:
     """make_fx wants a function whose positional parameters are exactly the traced inputs.  A
     ``functools.partial`` (the fused router with its constants) gives the wrapper a ``trace_key``,
     so that equal routers share one trace per process."""
-    if nargs == 1:
-        wrapper = lambda a: fn(a)
-    elif nargs == 2:
-        wrapper = lambda a, b: fn(a, b)
-    else:
-        wrapper = lambda a, b, c: fn(a, b, c)
+
+    def one(a: Any) -> Any:
+        return fn(a)
+
+    def two(a: Any, b: Any) -> Any:
+        return fn(a, b)
+
+    def three(a: Any, b: Any, c: Any) -> Any:
+        return fn(a, b, c)
+
+    wrapper = {1: one, 2: two}.get(nargs, three)
     if isinstance(fn, functools.partial):
         wrapper.trace_key = (fn.func, fn.args, tuple(sorted(fn.keywords.items())), nargs)  # type: ignore[attr-defined]
     return wrapper
 
 
-def _deepseek_constants(nodes: Sequence[fx.Node], top_k: int, num_experts: int, renormalize: bool,
-                        grouped: bool = True) -> tuple[RouterConstants | None, fx.Node | None, str | None]:
+def _deepseek_constants(
+    nodes: Sequence[fx.Node], top_k: int, num_experts: int, renormalize: bool, grouped: bool = True
+) -> tuple[RouterConstants | None, fx.Node | None, str | None]:
     """The constants of a matched sigmoid router, read off its nodes (the matcher ignored every
     number): ``(constants, scale, None)``, where ``scale`` is the routed scaling factor's node when
     it is a graph input (a float attribute under ``dynamic=True``: the fused op then scales by 1.0
@@ -618,12 +750,15 @@ def _deepseek_constants(nodes: Sequence[fx.Node], top_k: int, num_experts: int, 
         fill = _fill_value(nodes)
         read["the score of excluded experts"] = (missing if fill is None else fill, const_float)
     if renormalize:  # topk_weights.sum(-1, keepdim=True) (+ eps)
-        total = _find(nodes, aten.sum.dim_IntList, lambda n: any(
-            u.target in (aten.div.Tensor, aten.add.Tensor) for u in n.users))
+        total = _find(
+            nodes, aten.sum.dim_IntList, lambda n: any(u.target in (aten.div.Tensor, aten.add.Tensor) for u in n.users)
+        )
         add = _find(nodes, aten.add.Tensor, lambda n: n.args[0] is total) if total is not None else None
         # no add: the router divides by the plain sum (MiniMax-M2), which the op does with eps 0
         read["the renormalisation epsilon"] = (
-            missing if total is None else add.args[1] if add is not None else 0.0, const_float)
+            missing if total is None else add.args[1] if add is not None else 0.0,
+            const_float,
+        )
     mul = _find(nodes, aten.mul.Tensor)
     values: dict[str, Any] = {}
     for what, (arg, const) in read.items():
@@ -633,8 +768,11 @@ def _deepseek_constants(nodes: Sequence[fx.Node], top_k: int, num_experts: int, 
         if values[what] is None:
             return None, None, not_constant(what, arg)
     if grouped and values["the per-group top-k"] != 2:
-        return None, None, (f"group score is the sum of the top-{values['the per-group top-k']} "
-                            "(the op supports top-2 only)")
+        return (
+            None,
+            None,
+            (f"group score is the sum of the top-{values['the per-group top-k']} (the op supports top-2 only)"),
+        )
     excluded = values.get("the score of excluded experts", float("-inf"))
     if excluded != float("-inf"):
         return None, None, f"experts of unselected groups score {excluded}, not -inf (the op excludes them)"
@@ -645,16 +783,26 @@ def _deepseek_constants(nodes: Sequence[fx.Node], top_k: int, num_experts: int, 
             if not is_scalar_tensor(mul.args[1]):
                 return None, None, not_constant("routed_scaling_factor", mul.args[1])
             factor, scale = 1.0, mul.args[1]
-    c = RouterConstants(top_k=top_k, num_experts=num_experts, num_groups=values.get("the number of groups", 1),
-                        topk_groups=values.get("topk_group", 1), routed_scaling_factor=factor,
-                        renormalize=renormalize,
-                        eps=values.get("the renormalisation epsilon", RouterConstants.eps))
+    c = RouterConstants(
+        top_k=top_k,
+        num_experts=num_experts,
+        num_groups=values.get("the number of groups", 1),
+        topk_groups=values.get("topk_group", 1),
+        routed_scaling_factor=factor,
+        renormalize=renormalize,
+        eps=values.get("the renormalisation epsilon", RouterConstants.eps),
+    )
     return c, scale, None
 
 
 _LAST_DIM = {  # op → position of its dim argument (a list of dims for reductions)
-    aten.topk.default: 2, aten.sum.dim_IntList: 1, aten.amax.default: 1, aten._softmax.default: 1,
-    aten.gather.default: 1, aten.scatter.value: 1, aten.scatter.src: 1,
+    aten.topk.default: 2,
+    aten.sum.dim_IntList: 1,
+    aten.amax.default: 1,
+    aten._softmax.default: 1,
+    aten.gather.default: 1,
+    aten.scatter.value: 1,
+    aten.scatter.src: 1,
 }
 _DEFAULT_DIM = {aten.topk.default: -1}
 
@@ -713,8 +861,9 @@ def _fill_value(nodes: Sequence[fx.Node]) -> Any:
     return None
 
 
-def _v4_hash_constants(nodes: Sequence[fx.Node], top_k: int, num_experts: int, norm_type: int
-                       ) -> tuple[moe_v4.HashRouterConstants | None, fx.Node | None, str | None]:
+def _v4_hash_constants(
+    nodes: Sequence[fx.Node], top_k: int, num_experts: int, norm_type: int
+) -> tuple[moe_v4.HashRouterConstants | None, fx.Node | None, str | None]:
     """The constants of a matched DeepSeek-V4 hash router: the renormalisation epsilon
     (``sum + eps``) and the routed scaling factor (``scale``: its node when it is a graph input,
     as in ``_deepseek_constants``), or a reason; then the op's limits (REFERENCE.md)."""
@@ -735,8 +884,9 @@ def _v4_hash_constants(nodes: Sequence[fx.Node], top_k: int, num_experts: int, n
         return None, None, f"{num_experts} experts (the op takes 3 to 2048)"
     if not 1 <= top_k <= num_experts:
         return None, None, f"top_k {top_k} outside [1, {num_experts}]"
-    c = moe_v4.HashRouterConstants(top_k=top_k, num_experts=num_experts, norm_type=norm_type,
-                                   routed_scaling_factor=factor, eps=eps)
+    c = moe_v4.HashRouterConstants(
+        top_k=top_k, num_experts=num_experts, norm_type=norm_type, routed_scaling_factor=factor, eps=eps
+    )
     return c, scale, None
 
 
@@ -753,8 +903,10 @@ def _v4_clamp_limits(nodes: Sequence[fx.Node]) -> tuple[moe_v4.ClampLimits | Non
     dim = (split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)) if split is not None else None
     halves = {u.args[1]: u for u in (split.users if split is not None else ()) if u.target is operator.getitem}
     if split is None or const_int(dim) is None or dim % rank != rank - 1 or set(halves) != {0, 1}:
-        return None, ("the clamps are not gate = first half / up = second half of the gate·up rows' last dim "
-                      "(a form the V4 reader does not know)")
+        return None, (
+            "the clamps are not gate = first half / up = second half of the gate·up rows' last dim "
+            "(a form the V4 reader does not know)"
+        )
 
     def bounds(node: fx.Node) -> tuple[Any, Any]:  # (lo, hi) of the clamps applied to a half, in order
         lo = hi = None
@@ -772,12 +924,16 @@ def _v4_clamp_limits(nodes: Sequence[fx.Node]) -> tuple[moe_v4.ClampLimits | Non
 
     (gate_lo, gate_hi), (up_lo, up_hi) = bounds(halves[0]), bounds(halves[1])
     if gate_lo is not None or gate_hi is None or up_lo is None or up_hi is None:
-        return None, ("the clamps are not gate = first half / up = second half of the gate·up rows' last dim "
-                      "(a form the V4 reader does not know)")
+        return None, (
+            "the clamps are not gate = first half / up = second half of the gate·up rows' last dim "
+            "(a form the V4 reader does not know)"
+        )
     values = {}
-    for what, arg in (("swiglu_limit (the gate's clamp max)", gate_hi),
-                      ("swiglu_limit (the up clamp's min)", up_lo),
-                      ("swiglu_limit (the up clamp's max)", up_hi)):
+    for what, arg in (
+        ("swiglu_limit (the gate's clamp max)", gate_hi),
+        ("swiglu_limit (the up clamp's min)", up_lo),
+        ("swiglu_limit (the up clamp's max)", up_hi),
+    ):
         values[what] = const_float(arg)
         if values[what] is None:
             return None, not_constant(what, arg)
@@ -789,7 +945,9 @@ def _deepseek_gating_unsupported(c: RouterConstants) -> str | None:
     """Why ``moe_gating_top_k`` cannot compute this router (REFERENCE.md limits), or None."""
     per_group = c.num_experts // max(c.num_groups, 1)
     if not c.renormalize:
-        return "the weights are not renormalised (norm_topk_prob=False); the fused op always renormalises sigmoid weights"
+        return (
+            "the weights are not renormalised (norm_topk_prob=False); the fused op always renormalises sigmoid weights"
+        )
     if c.num_experts > 2048:
         return f"{c.num_experts} experts > 2048"
     if c.num_experts % c.num_groups:
@@ -813,8 +971,6 @@ def _leaves_graph(node: fx.Node) -> bool:
                 seen.add(user)
                 frontier.append(user)
     return False
-
-
 
 
 def _shared_expert_add(finalize: fx.Node) -> str | None:

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import operator
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -28,23 +29,79 @@ aten = torch.ops.aten
 # (Llama 4: scatter → sigmoid → transpose → clone → view → mul → view → bmm) takes 8
 MAX_DEPTH = 16
 
-_MATMULS = frozenset({"aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm", "aten._grouped_mm",
-                      "aten.matmul", "transformers.grouped_mm_fallback"})
+_MATMULS = frozenset(
+    {
+        "aten.mm",
+        "aten.addmm",
+        "aten.bmm",
+        "aten.baddbmm",
+        "aten._grouped_mm",
+        "aten.matmul",
+        "transformers.grouped_mm_fallback",
+    }
+)
 # operand positions that may hold an expert weight, per matmul
-_WEIGHT_ARGS = {"aten.mm": (0, 1), "aten.addmm": (1, 2), "aten.bmm": (0, 1), "aten.baddbmm": (1, 2),
-                "aten.matmul": (0, 1), "aten._grouped_mm": (1,), "transformers.grouped_mm_fallback": (1,)}
+_WEIGHT_ARGS = {
+    "aten.mm": (0, 1),
+    "aten.addmm": (1, 2),
+    "aten.bmm": (0, 1),
+    "aten.baddbmm": (1, 2),
+    "aten.matmul": (0, 1),
+    "aten._grouped_mm": (1,),
+    "transformers.grouped_mm_fallback": (1,),
+}
 _GATING = frozenset({"ascend.moe_gating_top_k", "ascend.moe_gating_top_k_softmax"})
 _FUSED_EXPERTS = frozenset({"ascend.moe_init_routing_v2", "ascend.grouped_matmul"})
 # ops a parameter passes through on its way to a matmul (layout, dtype, per-expert selection)
-_WEIGHT_PATH = frozenset({"aten.view", "aten.reshape", "aten._unsafe_view", "aten.t", "aten.transpose",
-                          "aten.permute", "aten.expand", "aten.clone", "aten._to_copy", "aten.unsqueeze",
-                          "aten.squeeze", "aten.select", "aten.index", "aten.slice", "aten.alias",
-                          "aten.detach", "prims.convert_element_type"})
-_VIEWISH = frozenset({"aten.view", "aten.reshape", "aten._unsafe_view", "aten._to_copy", "aten.clone",
-                      "aten.unsqueeze", "aten.squeeze", "prims.convert_element_type"})
-_DISPATCH = frozenset({"aten.sort", "aten.argsort", "aten.histc", "aten.bincount", "aten.one_hot",
-                       "aten.index", "aten.index_select", "aten.gather", "aten.index_put", "aten.index_add",
-                       "aten.scatter_add", "ascend.moe_init_routing_v2"})
+_WEIGHT_PATH = frozenset(
+    {
+        "aten.view",
+        "aten.reshape",
+        "aten._unsafe_view",
+        "aten.t",
+        "aten.transpose",
+        "aten.permute",
+        "aten.expand",
+        "aten.clone",
+        "aten._to_copy",
+        "aten.unsqueeze",
+        "aten.squeeze",
+        "aten.select",
+        "aten.index",
+        "aten.slice",
+        "aten.alias",
+        "aten.detach",
+        "prims.convert_element_type",
+    }
+)
+_VIEWISH = frozenset(
+    {
+        "aten.view",
+        "aten.reshape",
+        "aten._unsafe_view",
+        "aten._to_copy",
+        "aten.clone",
+        "aten.unsqueeze",
+        "aten.squeeze",
+        "prims.convert_element_type",
+    }
+)
+_DISPATCH = frozenset(
+    {
+        "aten.sort",
+        "aten.argsort",
+        "aten.histc",
+        "aten.bincount",
+        "aten.one_hot",
+        "aten.index",
+        "aten.index_select",
+        "aten.gather",
+        "aten.index_put",
+        "aten.index_add",
+        "aten.scatter_add",
+        "ascend.moe_init_routing_v2",
+    }
+)
 
 
 def op_name(node: Any) -> str | None:
@@ -86,7 +143,8 @@ class Candidate:
     def unfused_parts(self) -> set[str]:
         """``{"router", "experts"}`` minus what the moe pass fused."""
         return ({"router"} - ({"router"} if self.router_fused else set())) | (
-            set() if self.experts_fused else {"experts"})
+            set() if self.experts_fused else {"experts"}
+        )
 
 
 # ----------------------------------------------------------------------------- finding
@@ -132,8 +190,13 @@ def _source(node: fx.Node) -> Candidate | None:
     if name in ("aten.index", "aten.embedding"):
         table = node.args[0]  # index(table, [ids]) and embedding(table, ids)
         tv = _val(table)
-        if (table.op in ("placeholder", "get_attr") and isinstance(tv, torch.Tensor) and tv.dim() == 2
-                and not tv.is_floating_point() and tv.dtype is not torch.bool):
+        if (
+            table.op in ("placeholder", "get_attr")
+            and isinstance(tv, torch.Tensor)
+            and tv.dim() == 2
+            and not tv.is_floating_point()
+            and tv.dtype is not torch.bool
+        ):
             return Candidate(where(node), "lookup", node, node, None)
     return None
 
@@ -217,14 +280,27 @@ def _router_linear(topk: fx.Node) -> fx.Node | None:
         name = op_name(node)
         if name in ("aten.mm", "aten.addmm"):
             weight = node.args[-1]
-            while isinstance(weight, fx.Node) and op_name(weight) in ("aten.t", "aten.transpose",
-                                                                      "aten.permute", "aten._to_copy"):
+            while isinstance(weight, fx.Node) and op_name(weight) in (
+                "aten.t",
+                "aten.transpose",
+                "aten.permute",
+                "aten._to_copy",
+            ):
                 weight = weight.args[0]
             v = _val(weight)
-            return node if (isinstance(weight, fx.Node) and weight.op in ("placeholder", "get_attr")
-                            and isinstance(v, torch.Tensor) and v.dim() == 2) else None
-        tensors = [a for a in node.args if isinstance(a, fx.Node) and isinstance(_val(a), torch.Tensor)
-                   and _val(a).dim() >= 2]
+            return (
+                node
+                if (
+                    isinstance(weight, fx.Node)
+                    and weight.op in ("placeholder", "get_attr")
+                    and isinstance(v, torch.Tensor)
+                    and v.dim() == 2
+                )
+                else None
+            )
+        tensors = [
+            a for a in node.args if isinstance(a, fx.Node) and isinstance(_val(a), torch.Tensor) and _val(a).dim() >= 2
+        ]
         if not tensors:
             return None
         node = tensors[0]
@@ -249,9 +325,11 @@ def explain(cand: Candidate, parts: Iterable[str]) -> str:
     parts = set(parts)
     if cand.leaves_graph and not cand.sinks:
         router = "" if "router" not in parts else f"; router: {_router_reason(cand)}"
-        return ("MoE block not fused: the router's expert ids leave this graph, so the experts run in "
-                "another graph (a Dynamo graph break, e.g. Hugging Face's default 'eager' experts loop); "
-                "set config._experts_implementation = 'grouped_mm' or 'batched_mm' to get one graph" + router)
+        return (
+            "MoE block not fused: the router's expert ids leave this graph, so the experts run in "
+            "another graph (a Dynamo graph break, e.g. Hugging Face's default 'eager' experts loop); "
+            "set config._experts_implementation = 'grouped_mm' or 'batched_mm' to get one graph" + router
+        )
     said = []
     if "router" in parts:
         said.append(f"router not fused: {_router_reason(cand)}")
@@ -275,13 +353,15 @@ def _scores_chain(topk: fx.Node) -> tuple[list[str], bool]:
         name = op_name(node)
         if name is None or name in ("aten.mm", "aten.addmm"):
             break
-        if name == "aten.add" and any(isinstance(a, fx.Node) and a.op in ("placeholder", "get_attr")
-                                      for a in node.args):
+        if name == "aten.add" and any(
+            isinstance(a, fx.Node) and a.op in ("placeholder", "get_attr") for a in node.args
+        ):
             bias = True
         else:
             ops.append(name.split(".", 1)[1])
-        nxt = [a for a in node.args if isinstance(a, fx.Node) and isinstance(_val(a), torch.Tensor)
-               and _val(a).dim() >= 2]
+        nxt = [
+            a for a in node.args if isinstance(a, fx.Node) and isinstance(_val(a), torch.Tensor) and _val(a).dim() >= 2
+        ]
         if not nxt:
             break
         node = nxt[0]
@@ -294,8 +374,10 @@ def _router_reason(cand: Candidate) -> str:
         index = cand.source.args[1]
         index = index[0] if isinstance(index, (list, tuple)) and index else index
         by = getattr(index, "name", "the token ids")
-        return (f"the expert ids come from a fixed table ({table.name}[{by}]: hash routing, e.g. "
-                "DeepSeek-V4's tid2eid[input_ids]), not from the scores; no router pattern matched it")
+        return (
+            f"the expert ids come from a fixed table ({table.name}[{by}]: hash routing, e.g. "
+            "DeepSeek-V4's tid2eid[input_ids]), not from the scores; no router pattern matched it"
+        )
     if cand.kind == "gating":
         return "fused"
     topk = cand.source
@@ -304,19 +386,25 @@ def _router_reason(cand: Candidate) -> str:
     biased = " + a per-expert correction bias" if bias else ""
     values = _getitem(topk, 0)
     if "softplus" in ops and "sqrt" in ops:
-        return (f"it computes sqrtsoftplus scores (sqrt(softplus(logits))){biased} before its top-{k}; "
-                "moe_gating_top_k computes softmax (norm_type 0) or sigmoid (norm_type 1) scores only")
+        return (
+            f"it computes sqrtsoftplus scores (sqrt(softplus(logits))){biased} before its top-{k}; "
+            "moe_gating_top_k computes softmax (norm_type 0) or sigmoid (norm_type 1) scores only"
+        )
     if not ops and values is not None:
         uses = {op_name(u) for u in values.users}
         if "aten.scatter" in uses:
             after = {op_name(u) for s in values.users if op_name(s) == "aten.scatter" for u in s.users}
             act = " and applies sigmoid" if "aten.sigmoid" in after else ""
-            return (f"it scatters its top-{k} logits into a dense [T, {cand.num_experts}] matrix of -inf{act}: "
-                    "one score for every expert (0 for the unselected), not a list of top-k weights")
+            return (
+                f"it scatters its top-{k} logits into a dense [T, {cand.num_experts}] matrix of -inf{act}: "
+                "one score for every expert (0 for the unselected), not a list of top-k weights"
+            )
         if "aten._softmax" in uses:
-            return (f"it takes the top-{k} of the raw logits, then a softmax over the {k} values (equal to "
-                    "softmax → top-k → renormalise, which moe_gating_top_k_softmax computes), a form no "
-                    "router pattern matched")
+            return (
+                f"it takes the top-{k} of the raw logits, then a softmax over the {k} values (equal to "
+                "softmax → top-k → renormalise, which moe_gating_top_k_softmax computes), a form no "
+                "router pattern matched"
+            )
     chain = " → ".join([*ops, f"top-{k}"]) if ops else f"top-{k} of the raw logits"
     return f"no router pattern matched its scores: linear → {chain}{biased}"
 
@@ -333,11 +421,15 @@ def _experts_reason(cand: Candidate) -> str:
     path_ops = {op_name(n) for n in path}
     data = _data_operand(first, cand.num_experts)
     if "aten.mul" in path_ops and any(_is_float(n) for n in path if op_name(n) == "aten.mul"):
-        said.append("the router scores multiply the experts' INPUT (before the first expert matmul); the "
-                    "fused chain weights the experts' output (moe_finalize_routing)")
+        said.append(
+            "the router scores multiply the experts' INPUT (before the first expert matmul); the "
+            "fused chain weights the experts' output (moe_finalize_routing)"
+        )
     if not (path_ops & _DISPATCH) and data is not None and _has_ancestor(data, "aten.repeat", 4):
-        said.append(f"every expert runs on every token (the input repeated {cand.num_experts} times, one "
-                    "batched matmul): no dispatch by expert id")
+        said.append(
+            f"every expert runs on every token (the input repeated {cand.num_experts} times, one "
+            "batched matmul): no dispatch by expert id"
+        )
     if second is not None:
         said.extend(_activation_differences(first, second, cand.num_experts))
         if _adds_bias(first) or _adds_bias(second):
@@ -425,8 +517,11 @@ def _activation_differences(first: fx.Node, second: fx.Node, num_experts: int | 
     if "aten.sigmoid" in names and "aten.silu" not in names and "ascend.swiglu" not in names:
         sig = nodes[names.index("aten.sigmoid")]
         scale = sig.args[0]
-        alpha = (next((const_float(a) for a in scale.args if const_float(a) is not None), None)
-                 if op_name(scale) == "aten.mul" else None)
+        alpha = (
+            next((const_float(a) for a in scale.args if const_float(a) is not None), None)
+            if op_name(scale) == "aten.mul"
+            else None
+        )
         gate = f"gate * sigmoid({alpha:g} * gate)" if alpha is not None else "gate * sigmoid(gate)"
     elif "aten.gelu" in names:
         gate = "gelu(gate)"
@@ -447,8 +542,9 @@ def _activation_differences(first: fx.Node, second: fx.Node, num_experts: int | 
             bounds.append(f"[{'-inf' if lo is None else lo}, {'inf' if hi is None else hi}]")
         clamp = f"gate/up clamped to {' and '.join(dict.fromkeys(bounds))} (a swiglu_limit)"
     if gate != "silu(gate)" or up != "up":
-        said.append(f"the activation is `{up} * {gate}`{' with ' + clamp if clamp else ''}, "
-                    "not SwiGLU `up * silu(gate)`")
+        said.append(
+            f"the activation is `{up} * {gate}`{' with ' + clamp if clamp else ''}, not SwiGLU `up * silu(gate)`"
+        )
     elif clamp:
         said.append(f"the SwiGLU's inputs are clamped first: {clamp}; the fused chain's swiglu clamps nothing")
     return said
@@ -464,7 +560,8 @@ def _adds_bias(mm: fx.Node) -> bool:
                 if op_name(user) in _VIEWISH:
                     nxt.append(user)
                 elif op_name(user) == "aten.add" and any(
-                        other is not node and _bias_param(other) for other in user.args):
+                    other is not node and _bias_param(other) for other in user.args
+                ):
                     return True
         frontier = nxt
     return False

@@ -38,11 +38,22 @@ _CASTS = {aten._to_copy.default, torch.ops.prims.convert_element_type.default}
 _MATMULS = {aten.mm.default, aten.addmm.default}
 _TRANSPOSES = {aten.t.default, aten.permute.default, aten.transpose.int}
 # what a layer derives from the graph-wide inputs it shares (weights, rotary tables, causal mask)
-_PER_LAYER_VIEWS = VIEWS | _TRANSPOSES | {
-    aten.slice.Tensor, aten.unsqueeze.default, aten.squeeze.dim, aten.expand.default,
-    aten.select.int, aten.alias.default, aten.where.self, aten.where.ScalarSelf,
-    aten.where.ScalarOther, aten.where.Scalar,
-}
+_PER_LAYER_VIEWS = (
+    VIEWS
+    | _TRANSPOSES
+    | {
+        aten.slice.Tensor,
+        aten.unsqueeze.default,
+        aten.squeeze.dim,
+        aten.expand.default,
+        aten.select.int,
+        aten.alias.default,
+        aten.where.self,
+        aten.where.ScalarSelf,
+        aten.where.ScalarOther,
+        aten.where.Scalar,
+    }
+)
 
 
 # ----------------------------------------------------------------------------- structure
@@ -88,8 +99,12 @@ def _normed_input(node: Any) -> fx.Node | None:
     for x, r in ((a, b), (b, a)):
         if _is_fn(r, aten.rsqrt.default) and _is_fn(r.args[0], aten.add.Tensor):
             mean = r.args[0].args[0]
-            if _is_fn(mean, aten.mean.dim) and _is_fn(mean.args[0], aten.pow.Tensor_Scalar) \
-                    and mean.args[0].args[1] == 2 and _skip_casts(mean.args[0].args[0]) is _skip_casts(x):
+            if (
+                _is_fn(mean, aten.mean.dim)
+                and _is_fn(mean.args[0], aten.pow.Tensor_Scalar)
+                and mean.args[0].args[1] == 2
+                and _skip_casts(mean.args[0].args[0]) is _skip_casts(x)
+            ):
                 return _skip_casts(x)
     return None
 
@@ -97,9 +112,12 @@ def _normed_input(node: Any) -> fx.Node | None:
 def _is_ascend_norm(node: Any, *names: str) -> bool:
     """``node`` calls ``ascend.<name>`` for one of ``names`` (default: rms_norm, add_rms_norm)."""
     target = getattr(node, "target", None)
-    return (isinstance(node, fx.Node) and isinstance(target, torch._ops.OpOverload)
-            and target.namespace == "ascend"
-            and target._opname in (names or ("rms_norm", "add_rms_norm")))
+    return (
+        isinstance(node, fx.Node)
+        and isinstance(target, torch._ops.OpOverload)
+        and target.namespace == "ascend"
+        and target._opname in (names or ("rms_norm", "add_rms_norm"))
+    )
 
 
 _C10D = torch.ops._c10d_functional
@@ -112,9 +130,12 @@ def _is_embedding(node: Any) -> bool:
         node = _skip_casts(node)
         if _is_fn(node, aten.embedding.default):
             return True
-        if (_is_fn(node, aten.mul.Tensor) and not isinstance(node.args[1], fx.Node)) \
-                or _is_fn(node, _C10D.wait_tensor.default) or _is_fn(node, _C10D.all_reduce.default) \
-                or _is_fn(node, aten.masked_fill.Scalar):
+        if (
+            (_is_fn(node, aten.mul.Tensor) and not isinstance(node.args[1], fx.Node))
+            or _is_fn(node, _C10D.wait_tensor.default)
+            or _is_fn(node, _C10D.all_reduce.default)
+            or _is_fn(node, aten.masked_fill.Scalar)
+        ):
             node = node.args[0]
             continue
         return False
@@ -169,8 +190,11 @@ def _width(node: Any) -> Any:
 
 # ----------------------------------------------------------------------------- extent
 def _module_extent(gm: fx.GraphModule, prefix: str) -> list[fx.Node]:
-    return [n for n in gm.graph.nodes if n.op == "call_function"
-            and (p := module_path(n)) is not None and (p == prefix or p.startswith(prefix + "."))]
+    return [
+        n
+        for n in gm.graph.nodes
+        if n.op == "call_function" and (p := module_path(n)) is not None and (p == prefix or p.startswith(prefix + "."))
+    ]
 
 
 def _dataflow_extent(gm: fx.GraphModule, core: list[fx.Node], eh_out: fx.Node) -> list[fx.Node]:
@@ -205,9 +229,13 @@ def _dataflow_extent(gm: fx.GraphModule, core: list[fx.Node], eh_out: fx.Node) -
         # mask) and constants made for the layer
         changed = False
         for n in gm.graph.nodes:
-            if n.op == "call_function" and (n.target in _PER_LAYER_VIEWS or not n.all_input_nodes) \
-                    and n not in extent \
-                    and n.users and all(u in extent for u in n.users):
+            if (
+                n.op == "call_function"
+                and (n.target in _PER_LAYER_VIEWS or not n.all_input_nodes)
+                and n not in extent
+                and n.users
+                and all(u in extent for u in n.users)
+            ):
                 extent.add(n)
                 changed = True
     return [n for n in gm.graph.nodes if n in extent and n.op == "call_function"]
@@ -230,10 +258,14 @@ class MtpPass(Pass):
     name = "mtp"
     must_run_after = ("cleanup",)
     provides = ("mtp_layers", "meta['ascend_mtp_layer']")
-    followed_because = ("mtp tags the MTP layers' nodes and every rewrite copies the tag onto what it makes; "
-                        "rewritten before, an MTP layer's ops are named, balanced and split as the main model's")
-    summary = ("cat([rms_norm(embedding), rms_norm(hidden)]) → eh_proj → decoder block → norm  "
-               "tagged as MTP layer i (meta['ascend_mtp_layer'] = i)")
+    followed_because = (
+        "mtp tags the MTP layers' nodes and every rewrite copies the tag onto what it makes; "
+        "rewritten before, an MTP layer's ops are named, balanced and split as the main model's"
+    )
+    summary = (
+        "cat([rms_norm(embedding), rms_norm(hidden)]) → eh_proj → decoder block → norm  "
+        "tagged as MTP layer i (meta['ascend_mtp_layer'] = i)"
+    )
 
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         result = PassResult(self.name)
@@ -255,10 +287,23 @@ class MtpPass(Pass):
             for n in extent:
                 n.meta[MTP_TAG] = index
             claimed.update(extent)
-            layers.append({"index": index, "eh_proj": eh_mm.name, "nodes": len(extent),
-                           "module": prefix, "extent": "module" if prefix is not None else "dataflow"})
-            result.match("mtp_layer", layer=f"mtp.{index}", nodes=[cat, eh_mm], eh_proj=eh_mm.name,
-                         num_nodes=len(extent), module=prefix)
+            layers.append(
+                {
+                    "index": index,
+                    "eh_proj": eh_mm.name,
+                    "nodes": len(extent),
+                    "module": prefix,
+                    "extent": "module" if prefix is not None else "dataflow",
+                }
+            )
+            result.match(
+                "mtp_layer",
+                layer=f"mtp.{index}",
+                nodes=[cat, eh_mm],
+                eh_proj=eh_mm.name,
+                num_nodes=len(extent),
+                module=prefix,
+            )
         ctx.facts["mtp_layers"] = layers
         return result
 

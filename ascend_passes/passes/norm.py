@@ -44,8 +44,11 @@ def _square_of(node: object) -> fx.Node | None:
 def _mean_of_squares(node: object) -> tuple[fx.Node, fx.Node] | None:
     """``(reduction, x)`` when ``node`` reduces ``x²`` (a mean, or a sum Inductor may divide)."""
     node = _through_casts(node)
-    if isinstance(node, fx.Node) and node.target in (aten.div.Tensor, aten.mul.Tensor) \
-            and not isinstance(node.args[1], fx.Node):
+    if (
+        isinstance(node, fx.Node)
+        and node.target in (aten.div.Tensor, aten.mul.Tensor)
+        and not isinstance(node.args[1], fx.Node)
+    ):
         node = node.args[0]  # Inductor: sum(x²) / n
     if not isinstance(node, fx.Node) or node.target not in _REDUCTIONS:
         return None
@@ -77,10 +80,12 @@ def diagnose_rsqrt(rsqrt: fx.Node) -> str | None:
             if found is not None:
                 source = _through_casts(other)
                 if isinstance(source, fx.Node) and source.op == "placeholder":
-                    eps_reason = (f"eps is not a constant (it is the graph input {source.name}: a "
-                                  "tensor, or a float attribute Dynamo turned into an input under "
-                                  "dynamic=True; mark only the token dim dynamic or set "
-                                  "torch._dynamo.config.specialize_float=True)")
+                    eps_reason = (
+                        f"eps is not a constant (it is the graph input {source.name}: a "
+                        "tensor, or a float attribute Dynamo turned into an input under "
+                        "dynamic=True; mark only the token dim dynamic or set "
+                        "torch._dynamo.config.specialize_float=True)"
+                    )
                 elif isinstance(other, fx.Node):
                     eps_reason = f"eps is not a constant (it is the tensor {other.name})"
                 break
@@ -116,8 +121,10 @@ def diagnose_rsqrt(rsqrt: fx.Node) -> str | None:
 class NormPass(PatternPass):
     name = "norm"
     must_run_after = ("cleanup", "mtp")
-    summary = ("x → rms(x)·w  becomes  ascend.rms_norm(x, w, eps); a + b → rms_norm  becomes  "
-               "ascend.add_rms_norm(a, b, w, eps) (sum reused as residual)")
+    summary = (
+        "x → rms(x)·w  becomes  ascend.rms_norm(x, w, eps); a + b → rms_norm  becomes  "
+        "ascend.add_rms_norm(a, b, w, eps) (sum reused as residual)"
+    )
     patterns = "ascend_passes.patterns.norm"
 
     def diagnose(self, gm: fx.GraphModule, ctx: PassContext, result: PassResult) -> None:
@@ -134,8 +141,9 @@ class NormPass(PatternPass):
                 # the checks' reasons win, each once (the weighted and the unweighted pattern
                 # may both reject one norm for the same reason, e.g. its layout)
                 first = {nm.reason: nm for nm in reversed(checked)}
-                result.near_misses = [nm for nm in result.near_misses
-                                      if not any(nm is c for c in checked) or first[nm.reason] is nm]
+                result.near_misses = [
+                    nm for nm in result.near_misses if not any(nm is c for c in checked) or first[nm.reason] is nm
+                ]
                 continue
             result.near_misses = [nm for nm in result.near_misses if nm not in checked]
             result.near_miss("rms_norm", reason, layer=layer_of(node), node=node)

@@ -48,6 +48,7 @@ log = logging.getLogger("ascend_passes.passes.sequence_parallel")
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 
+
 @dataclass
 class SequenceParallelFacts:
     """What the pass hands to later passes (``ctx.facts["sequence_parallel"]``), as nodes of the
@@ -90,8 +91,9 @@ def resolve_tp_group(tp_group: Any) -> tuple[Any, int, int, str]:
 
 def is_tp_all_reduce(node: fx.Node, group_name: str) -> bool:
     """An ``all_reduce`` over the TP group (any reduce op: the plan refuses all but ``sum``)."""
-    return (node.op == "call_function" and node.target is c10d.all_reduce.default
-            and str(node.args[2]) == str(group_name))
+    return (
+        node.op == "call_function" and node.target is c10d.all_reduce.default and str(node.args[2]) == str(group_name)
+    )
 
 
 # ------------------------------------------------------------------------------------- sizes
@@ -248,8 +250,11 @@ def _spread(node: fx.Node, p: Plan) -> None:
         if _is_in(a, p.sharded) or _token_free(a):
             continue
         if _shape(a) != _shape(partner):
-            raise _Refuse(f"{node.name} combines a token shard with an operand of shape {_shape(a)} "
-                          f"(the shard's full shape is {_shape(partner)})", node)
+            raise _Refuse(
+                f"{node.name} combines a token shard with an operand of shape {_shape(a)} "
+                f"(the shard's full shape is {_shape(partner)})",
+                node,
+            )
         p.sliced.append((node, i))
     p.ops.append(node)
     if kind is None:
@@ -284,7 +289,9 @@ def _check_every_all_reduce_reaches_a_norm(p: Plan) -> None:
             raise _Refuse(
                 f"all_reduce {ar.name} feeds {what}, not a fused RMSNorm; sequence parallelism needs "
                 "every norm after a TP all-reduce rewritten to ascend.rms_norm/add_rms_norm (is the norm "
-                "pass in the pipeline, and did it match this norm?)", ar)
+                "pass in the pipeline, and did it match this norm?)",
+                ar,
+            )
 
 
 def _drop_idle_views(p: Plan) -> None:
@@ -328,12 +335,13 @@ def _token_free(value: Any) -> bool:
 class SequenceParallelPass(Pass):
     name = "sequence_parallel"
     must_run_after = ("cleanup", "mtp", "norm", "eplb")
-    reasons = {"norm": "sequence_parallel splits the tokens at the ascend.rms_norm / add_rms_norm ops norm makes",
-               "eplb": "sequence_parallel turns eplb's expert-parallel all_reduce into a reduce_scatter like the TP ones"}
+    reasons = {
+        "norm": "sequence_parallel splits the tokens at the ascend.rms_norm / add_rms_norm ops norm makes",
+        "eplb": "sequence_parallel turns eplb's expert-parallel all_reduce into a reduce_scatter like the TP ones",
+    }
     enabled_by = "sequence_parallel.enabled"
     provides = ("sequence_parallel",)
-    summary = ("all_reduce → [add_]rms_norm  becomes  reduce_scatter → [add_]rms_norm on this rank's "
-               "tokens → all_gather")
+    summary = "all_reduce → [add_]rms_norm  becomes  reduce_scatter → [add_]rms_norm on this rank's tokens → all_gather"
 
     def enabled(self, ctx: PassContext) -> bool:
         return self.config.sequence_parallel.enabled
@@ -361,16 +369,21 @@ class SequenceParallelPass(Pass):
         return result
 
 
-def _rewrite(gm: fx.GraphModule, p: Plan, world_size: int, rank: int, group_name: str,
-             result: PassResult) -> SequenceParallelFacts:
+def _rewrite(
+    gm: fx.GraphModule, p: Plan, world_size: int, rank: int, group_name: str, result: PassResult
+) -> SequenceParallelFacts:
     """Apply the plan; returns the facts later passes read (``SequenceParallelFacts``)."""
     r = _Rewriter(gm, p, SequenceParallelFacts(world_size, rank, group_name), result)
     r.reduce_scatter()
     r.shard_ops()
     r.gather()
     r.erase_replaced()
-    log.debug("sequence_parallel: %d all_reduce -> reduce_scatter, %d norms on shards, %d all_gather",
-              len(p.all_reduces), len(p.norms), len(p.gathered))
+    log.debug(
+        "sequence_parallel: %d all_reduce -> reduce_scatter, %d norms on shards, %d all_gather",
+        len(p.all_reduces),
+        len(p.norms),
+        len(p.gathered),
+    )
     return r.facts
 
 
@@ -404,12 +417,14 @@ class _Rewriter:
             with self.graph.inserting_before(ar):
                 t = b.tokens(x, self.world_size, self.rank)
                 flat = self._rows(x, t, ar)
-                rs = b.call(c10d.reduce_scatter_tensor.default, (flat, "sum", self.world_size, self.group_name),
-                            like=ar)
+                rs = b.call(
+                    c10d.reduce_scatter_tensor.default, (flat, "sum", self.world_size, self.group_name), like=ar
+                )
                 rs_wait = b.call(c10d.wait_tensor.default, (rs,), like=wait)
             self.shard[wait], self.tokens[wait] = rs_wait, t
-            self.result.match("reduce_scatter", layer=where(ar), nodes=[ar], world_size=self.world_size,
-                              padded=t.needs_pad)
+            self.result.match(
+                "reduce_scatter", layer=where(ar), nodes=[ar], world_size=self.world_size, padded=t.needs_pad
+            )
 
     def shard_ops(self) -> None:
         """2. Norms and adds on shards, in graph order; full operands sliced to this rank's rows;
@@ -471,8 +486,9 @@ class _Rewriter:
             foreign = [u for u in value.users if u not in self.p.ops and u not in self.p.views]
             # right before the first consumer: everything the original value's shape refers to exists there
             with self.graph.inserting_before(min(foreign, key=order.__getitem__)):
-                gathered = b.call(c10d.all_gather_into_tensor.default, (part, self.world_size, self.group_name),
-                                  like=value)
+                gathered = b.call(
+                    c10d.all_gather_into_tensor.default, (part, self.world_size, self.group_name), like=value
+                )
                 gathered = b.call(c10d.wait_tensor.default, (gathered,), like=value)
                 if t.needs_pad:
                     gathered = b.call(aten.slice.Tensor, (gathered, 0, 0, t.n), like=value)

@@ -30,8 +30,15 @@ log = logging.getLogger("ascend_passes.passes.shared_expert_dp")
 aten = torch.ops.aten
 
 _MATMULS = {aten.mm.default, aten.addmm.default}
-_POINTWISE = {aten.silu.default, aten.sigmoid.default, aten.mul.Tensor, aten.add.Tensor, aten.sub.Tensor,
-              aten._to_copy.default, aten.neg.default}
+_POINTWISE = {
+    aten.silu.default,
+    aten.sigmoid.default,
+    aten.mul.Tensor,
+    aten.add.Tensor,
+    aten.sub.Tensor,
+    aten._to_copy.default,
+    aten.neg.default,
+}
 _WEIGHT_VIEWS = {aten.t.default, aten.transpose.int, aten.permute.default, aten._to_copy.default}
 
 
@@ -83,8 +90,13 @@ def _branch(full: fx.Node, source: fx.Node) -> list[fx.Node]:
         target = node.target
         if node.op != "call_function":
             raise _NotTokenWise(f"{node.name} is a {node.op}")
-        allowed = target in VIEWS or target in _MATMULS or target in _POINTWISE or target is aten.cat.default \
+        allowed = (
+            target in VIEWS
+            or target in _MATMULS
+            or target in _POINTWISE
+            or target is aten.cat.default
             or target is swiglu
+        )
         if not allowed:
             raise _NotTokenWise(f"{node.name} ({target}) is not a token-wise op")
         for a in node.all_input_nodes:
@@ -102,11 +114,12 @@ class SharedExpertDpPass(Pass):
     name = "shared_expert_dp"
     requires = ("sequence_parallel", "moe")
     must_run_after = ("cleanup", "mtp")
-    reasons = {"sequence_parallel": "shared_expert_dp runs the shared expert on the token shards sequence_parallel makes",
-               "moe": "shared_expert_dp finds the shared expert beside the router moe fused"}
+    reasons = {
+        "sequence_parallel": "shared_expert_dp runs the shared expert on the token shards sequence_parallel makes",
+        "moe": "shared_expert_dp finds the shared expert beside the router moe fused",
+    }
     enabled_by = "shared_expert_dp"
-    summary = ("all_gather(norm) → shared_expert → slice(rank rows) → add  becomes  "
-               "shared_expert(norm shard) → add")
+    summary = "all_gather(norm) → shared_expert → slice(rank rows) → add  becomes  shared_expert(norm shard) → add"
 
     def enabled(self, ctx: PassContext) -> bool:
         return self.config.shared_expert_dp
@@ -115,8 +128,11 @@ class SharedExpertDpPass(Pass):
         result = PassResult(self.name)
         sp = ctx.facts.get("sequence_parallel")  # a SequenceParallelFacts
         if sp is None:
-            result.near_miss("shared_expert_dp", "sequence parallelism did not rewrite this graph, so there "
-                             "are no token shards to run the shared expert on")
+            result.near_miss(
+                "shared_expert_dp",
+                "sequence parallelism did not rewrite this graph, so there "
+                "are no token shards to run the shared expert on",
+            )
             return result
         by_name = {n.name: n for n in gm.graph.nodes}
         gathered = {full: part for full, part in sp.gathered.items() if _alive(full, gm) and _alive(part, gm)}
@@ -139,13 +155,11 @@ class SharedExpertDpPass(Pass):
                 branch = _branch(full, source)
                 out = _clone_on_shard(gm, branch, source, gathered[source], full, cut)
             except _NotTokenWise as why:
-                result.near_miss("shared_expert_dp", f"shared expert left on all tokens: {why}", layer=layer,
-                                 node=full)
+                result.near_miss("shared_expert_dp", f"shared expert left on all tokens: {why}", layer=layer, node=full)
                 continue
             cut.replace_all_uses_with(out)
             moved.add(layer or full.name)
-            result.match("shared_expert_on_shard", layer=layer, nodes=[full], tokens="T/W",
-                         world_size=sp.world_size)
+            result.match("shared_expert_on_shard", layer=layer, nodes=[full], tokens="T/W", world_size=sp.world_size)
         gm.graph.eliminate_dead_code()
         for entry in ctx.facts.get("moe_layers", []):
             if entry.shared_expert_add and entry.shared_expert_add in by_name and entry.layer not in moved:
@@ -154,7 +168,9 @@ class SharedExpertDpPass(Pass):
                     "the shared expert is TP-sharded (its output is summed into the layer's reduce-scatter); "
                     "data parallelism needs its full weights on every rank: build the model with a replicated "
                     "shared expert (e.g. ascend_passes.models_tp.deepseek_v3_tp(..., shared_expert='replicated'))",
-                    layer=entry.layer, node=by_name[entry.shared_expert_add])
+                    layer=entry.layer,
+                    node=by_name[entry.shared_expert_add],
+                )
         return result
 
 
@@ -181,16 +197,20 @@ def _source(node: fx.Node, gathered: dict[fx.Node, fx.Node], limit: int = 64) ->
     return next(iter(hits)) if len(hits) == 1 else None
 
 
-def _clone_on_shard(gm: fx.GraphModule, branch: list[fx.Node], source: fx.Node, shard: fx.Node,
-                    full: fx.Node, cut: fx.Node) -> fx.Node:
+def _clone_on_shard(
+    gm: fx.GraphModule, branch: list[fx.Node], source: fx.Node, shard: fx.Node, full: fx.Node, cut: fx.Node
+) -> fx.Node:
     """Copy ``branch`` (which reads ``source``, a full ``[..., H]`` value) so that it reads ``shard`` (the
     ``[T/W, H]`` rows of this rank) instead; views become ``[T/W, last]``; returns the copy of ``full``."""
     graph = gm.graph
     chunk_val = shard.meta["val"].shape[0]
     env: dict[fx.Node, Any] = {source: shard}
     with graph.inserting_before(cut):
-        chunk: Any = int(chunk_val) if not isinstance(chunk_val, torch.SymInt) \
-            or isinstance(chunk_val.node.maybe_as_int(), int) else None
+        chunk: Any = (
+            int(chunk_val)
+            if not isinstance(chunk_val, torch.SymInt) or isinstance(chunk_val.node.maybe_as_int(), int)
+            else None
+        )
         if chunk is None:
             chunk = graph.call_function(aten.sym_size.int, (shard, 0))
             set_val(chunk)
@@ -201,8 +221,10 @@ def _clone_on_shard(gm: fx.GraphModule, branch: list[fx.Node], source: fx.Node, 
                 src_val, out_val = node.args[0].meta["val"], node.meta["val"]
                 if src_val.shape[-1] != out_val.shape[-1]:
                     raise _NotTokenWise(f"{node.name} reshapes the hidden dim, not only the tokens")
-                args[1] = [chunk, out_val.shape[-1] if not isinstance(out_val.shape[-1], torch.SymInt)
-                           else int(out_val.shape[-1])]
+                args[1] = [
+                    chunk,
+                    out_val.shape[-1] if not isinstance(out_val.shape[-1], torch.SymInt) else int(out_val.shape[-1]),
+                ]
             elif node.target is aten.cat.default:
                 dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
                 if not _last_dim(node, dim):

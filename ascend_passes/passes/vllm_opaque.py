@@ -21,19 +21,27 @@ _NAMESPACES = ("vllm", "_C", "_moe_C", "_rocm_C", "vllm_ir")
 
 # (family, name test, reason) in the order they are tried; the reason is formatted with {op}
 _FAMILIES: tuple[tuple[str, Any, str], ...] = (
-    ("moe", lambda n: "moe" in n or n in ("fused_experts", "topk_softmax", "grouped_topk"),
-     "MoE runs inside {op}, an opaque vLLM op: the moe and eplb passes cannot see its router or "
-     "experts. With compilation_config custom_ops=['none'] vLLM writes the router (softmax / "
-     "DeepSeek grouped top-k) in plain torch, which the moe pass's router patterns can match; "
-     "the experts stay inside the op"),
-    ("mla", lambda n: "attention" in n or "attn" in n or "mla" in n,
-     "attention runs inside {op}, an opaque vLLM op (its KV cache and kernels are vLLM's): the "
-     "mla and attention passes cannot rewrite it; in vLLM's piecewise mode (mode 3) the graph is "
-     "split at this op and the pieces around it are compiled separately"),
-    ("linear", lambda n: any(k in n for k in ("scaled_mm", "gemm", "quant", "gptq", "awq", "marlin",
-                                              "woq", "matmul_")),
-     "a quantized linear layer runs inside {op}, an opaque vLLM op: the linear pass rewrites only "
-     "plain bf16/fp32 matmuls (mm / addmm); serve an unquantized checkpoint to get ascend.linear"),
+    (
+        "moe",
+        lambda n: "moe" in n or n in ("fused_experts", "topk_softmax", "grouped_topk"),
+        "MoE runs inside {op}, an opaque vLLM op: the moe and eplb passes cannot see its router or "
+        "experts. With compilation_config custom_ops=['none'] vLLM writes the router (softmax / "
+        "DeepSeek grouped top-k) in plain torch, which the moe pass's router patterns can match; "
+        "the experts stay inside the op",
+    ),
+    (
+        "mla",
+        lambda n: "attention" in n or "attn" in n or "mla" in n,
+        "attention runs inside {op}, an opaque vLLM op (its KV cache and kernels are vLLM's): the "
+        "mla and attention passes cannot rewrite it; in vLLM's piecewise mode (mode 3) the graph is "
+        "split at this op and the pieces around it are compiled separately",
+    ),
+    (
+        "linear",
+        lambda n: any(k in n for k in ("scaled_mm", "gemm", "quant", "gptq", "awq", "marlin", "woq", "matmul_")),
+        "a quantized linear layer runs inside {op}, an opaque vLLM op: the linear pass rewrites only "
+        "plain bf16/fp32 matmuls (mm / addmm); serve an unquantized checkpoint to get ascend.linear",
+    ),
 )
 
 

@@ -548,23 +548,7 @@ class MoePass(Pass):
         new = _replace(match, fused, [hidden, index, weights, gate_up, down], trace, result, name, layer)
         if new is None:
             return
-        entry = layer_entry(layer)
-        entry.num_experts = int(gu.shape[0])
-        ops = torch.ops.ascend
-        init = next((n for n in new if n.target is ops.moe_init_routing_v2.default), None)
-        fin = next((n for n in new if n.target is ops.moe_finalize_routing.default), None)
-        entry.init_routing = init.name if init is not None else None
-        entry.finalize = fin.name if fin is not None else None
-        if fin is not None:
-            entry.shared_expert_add = _shared_expert_add(fin)
-        result.match(
-            name,
-            layer=layer,
-            nodes=[output] if output is not None else [],
-            num_experts=int(gu.shape[0]),
-            shared_expert=entry.shared_expert_add is not None,
-            **details,
-        )
+        _record_fused_experts(layer_entry(layer), new, int(gu.shape[0]), result, name, layer, output, **details)
 
     def _gptoss_experts(
         self,
@@ -596,24 +580,18 @@ class MoePass(Pass):
             return
         output = match.output_node()
         fused = lambda h, i, w, a, b, d, e: moe_gptoss.fused_experts(h, i, w, a, b, d, e, c=c)  # noqa: E731
+        fused.trace_key = ("gptoss_experts", c)  # equal constants share one trace per process
         new = _replace(match, fused, args, trace, result, name, layer)
         if new is None:
             return
-        entry = layer_entry(layer)
-        entry.num_experts = int(gu.shape[0])
-        ops = torch.ops.ascend
-        init = next((n for n in new if n.target is ops.moe_init_routing_v2.default), None)
-        fin = next((n for n in new if n.target is ops.moe_finalize_routing.default), None)
-        entry.init_routing = init.name if init is not None else None
-        entry.finalize = fin.name if fin is not None else None
-        if fin is not None:
-            entry.shared_expert_add = _shared_expert_add(fin)
-        result.match(
+        _record_fused_experts(
+            layer_entry(layer),
+            new,
+            int(gu.shape[0]),
+            result,
             name,
-            layer=layer,
-            nodes=[output] if output is not None else [],
-            num_experts=int(gu.shape[0]),
-            shared_expert=entry.shared_expert_add is not None,
+            layer,
+            output,
             biases=True,
             activation="gpt-oss clamped swiglu",
             **vars(c),
@@ -697,6 +675,36 @@ def _replace(
     except Exception as exc:  # tracing happens before any graph change
         result.near_miss(name, f"replacement failed: {type(exc).__name__}: {exc}", layer=layer)
         return None
+
+
+def _record_fused_experts(
+    entry: MoeLayer,
+    new: Sequence[fx.Node],
+    num_experts: int,
+    result: PassResult,
+    name: str,
+    layer: str | None,
+    output: fx.Node | None,
+    **details: Any,
+) -> None:
+    """Record a fused experts block: its routing/finalize nodes and shared-expert add for the later
+    passes, and the match in the report."""
+    ops = torch.ops.ascend
+    init = next((n for n in new if n.target is ops.moe_init_routing_v2.default), None)
+    fin = next((n for n in new if n.target is ops.moe_finalize_routing.default), None)
+    entry.num_experts = num_experts
+    entry.init_routing = init.name if init is not None else None
+    entry.finalize = fin.name if fin is not None else None
+    if fin is not None:
+        entry.shared_expert_add = _shared_expert_add(fin)
+    result.match(
+        name,
+        layer=layer,
+        nodes=[output] if output is not None else [],
+        num_experts=num_experts,
+        shared_expert=entry.shared_expert_add is not None,
+        **details,
+    )
 
 
 def _always(match: pm.Match) -> bool:

@@ -24,7 +24,7 @@ import torch.fx as fx
 from torch._inductor import pattern_matcher as pm
 
 from ..pass_manager import Pass, PassContext, PassResult
-from ..patterns import moe_experts, moe_gptoss, moe_router, moe_v4
+from ..patterns import moe_experts, moe_gptoss, moe_llama4, moe_router, moe_v4
 from ..patterns.moe_router import RouterConstants
 from . import moe_candidates
 from ._nodes import VIEWS, const_float, const_int, const_ints, graph_input_of, is_scalar_tensor, not_constant
@@ -73,7 +73,12 @@ def _patterns(name: str, decompositions: str) -> tuple[pm.PatternExpr, ...]:
     shapes)."""
     spec = _SEARCH[name]
     seen: dict[tuple[str, str], pm.PatternExpr] = {}
-    for variant, dtypes in ((v, d) for v in spec.variants for d in spec.dtypes):
+    transforms: tuple[Any, ...] = (None,)
+    if decompositions == "inductor":
+        # routers: also the form before Inductor's post-grad passes (views not yet reshapes): the
+        # ahead-of-time route runs the pipeline in compile_fx's inner_compile, before them
+        transforms = (_as_post_grad, _as_joint_graph) if name in _ROUTERS else (_as_post_grad,)
+    for variant, dtypes, transform in ((v, d, t) for v in spec.variants for d in spec.dtypes for t in transforms):
         traced = traced_pattern(
             (name, tuple(sorted(variant.items())), dtypes),
             functools.partial(spec.fn, **variant),
@@ -81,7 +86,7 @@ def _patterns(name: str, decompositions: str) -> tuple[pm.PatternExpr, ...]:
             decompositions=decompositions,
             argnames=spec.argnames,
             fake_inputs=False,
-            transform=_as_post_grad if decompositions == "inductor" else None,
+            transform=transform,
         )
         seen.setdefault(traced.identity, traced.pattern)
     return tuple(seen.values())
@@ -98,6 +103,15 @@ def _as_post_grad(gm: fx.GraphModule) -> None:
 
     constant_fold_uniform_value(gm)
     view_to_reshape(gm)
+    gm.recompile()
+
+
+def _as_joint_graph(gm: fx.GraphModule) -> None:
+    """The form a graph has after Inductor's joint-graph passes, before its post-grad ones (the
+    ahead-of-time route's ``inner_compile``): uniform constants folded, views still views."""
+    from torch._inductor.fx_passes.joint_graph import constant_fold_uniform_value
+
+    constant_fold_uniform_value(gm)
     gm.recompile()
 
 
@@ -140,8 +154,14 @@ def _deepseek(renormalize: bool) -> Callable[..., Any]:
 
 
 # DeepSeek with one expert group (n_group=1): the mask's reshape of a [T, 1, E] expand is a plain
-# view, not clone + _unsafe_view, so that form is traced too
-_ONE_GROUP = ({}, {"num_groups": 1, "topk_groups": 1})
+# view, not clone + _unsafe_view, so that form is traced too; one group kept (topk_group=1) under
+# Inductor: the mask's scatter is a one-hot where; each in Hugging Face's and vLLM's form
+# (moe_router.VLLM_FORM), vLLM's also with the routed scaling multiply in the router
+_ONE_GROUP = tuple(
+    {**form, **mask}
+    for form in ({}, moe_router.VLLM_FORM)
+    for mask in ({}, {"num_groups": 1, "topk_groups": 1}, {"topk_groups": 1, "one_hot_mask": True})
+) + ({**moe_router.VLLM_FORM, "routed_scaling_factor": 2.5},)
 
 
 def _sigmoid(renormalize: bool) -> Callable[..., Any]:
@@ -285,6 +305,14 @@ _SEARCH.update(
 _EXPERTS += _GPTOSS_EXPERTS
 _NEEDS_TRANSFORMERS_OP += ("gptoss_grouped_mm_experts",)
 
+# Llama 4 (patterns/moe_llama4.py): router and dense experts are one match (the router's dense scores scale
+# the experts' input), in the router stage and ahead of the dense sigmoid router pattern it contains
+_LLAMA4 = ("llama4_moe",)
+_SEARCH["llama4_moe"] = _Search(
+    moe_llama4.moe, moe_llama4.ARGNAMES, moe_llama4.example_inputs, tuple((d,) for d in _LOW)
+)
+_ROUTERS = tuple(n for r in _ROUTERS for n in ((*_LLAMA4, r) if r == "dense_sigmoid_topk_router" else (r,)))
+
 
 # ----------------------------------------------------------------------------- helpers
 def _val(node: Any) -> Any:
@@ -359,6 +387,8 @@ class MoePass(Pass):
     ) -> None:
         if name in _V4_ROUTERS:
             return self._v4_router(name, gm, result, layer_entry, trace, match, kwargs)
+        if name in _LLAMA4:
+            return self._llama4_moe(name, result, layer_entry, trace, match, kwargs)
         layer = _match_layer(match)
         nodes = match.nodes
         logits = kwargs["logits"]
@@ -498,6 +528,49 @@ class MoePass(Pass):
             op="ascend.moe_gating_top_k",
             mode="hash",
             **{**vars(c), **details},
+        )
+
+    def _llama4_moe(
+        self,
+        name: str,
+        result: PassResult,
+        layer_entry: Callable[[str | None], MoeLayer],
+        trace: Callable[..., Any],
+        match: pm.Match,
+        kwargs: dict[str, Any],
+    ) -> None:
+        """Llama 4's MoE block (router + dense experts, one match): the experts become the fused chain
+        with the scores applied to the dispatched rows; the router stays ATen with a near-miss (no
+        gating mode computes it).  A block that does not fit is left to the dense router pattern
+        (which explains the router) and gets an experts near-miss here."""
+        layer = _match_layer(match)
+        args = [kwargs[a] for a in moe_llama4.ARGNAMES]
+        x, logits, gu, dn = map(_val, args)
+        sizes = (*gu.shape, *dn.shape, logits.shape[-1], x.shape[-1])
+        top_k = None
+        if const_ints(sizes) is None:
+            reason = not_constant("an expert weight size", next(d for d in sizes if const_int(d) is None))
+        else:
+            reason = moe_llama4.check_shapes(x, logits, gu, dn)
+        if reason is None:
+            top_k, reason = moe_llama4.read_top_k(match.nodes, int(gu.shape[0]))
+        if reason is not None:
+            result.near_miss(name, f"experts not fused: {reason}", layer=layer)
+            return
+        output = match.output_node()
+        fused = lambda h, lg, a, b: moe_llama4.fused_moe(h, lg, a, b, top_k=top_k)  # noqa: E731
+        fused.trace_key = ("llama4_moe", top_k)  # equal k share one trace per process
+        new = _replace(match, fused, args, trace, result, name, layer)
+        if new is None:
+            return
+        entry = layer_entry(layer)
+        entry.router, entry.top_k = name, top_k
+        entry.extra["router_near_miss"] = moe_llama4.ROUTER_REASON  # not entry.unsupported: the experts fused
+        topk = _find(new, aten.topk.default)
+        reason = f"router not fused into moe_gating_top_k or moe_gating_top_k_softmax: {moe_llama4.ROUTER_REASON}"
+        result.near_miss("dense_sigmoid_topk_router", reason, layer=layer, node=topk)
+        _record_fused_experts(
+            entry, new, int(gu.shape[0]), result, name, layer, output, top_k=top_k, scores="on the experts' input"
         )
 
     # ------------------------------------------------------------------ experts
@@ -641,9 +714,13 @@ class MoePass(Pass):
         for nm in result.near_misses:
             part = (
                 {"router"}
-                if nm.pattern in _ROUTERS or nm.reason.startswith("router")
+                if nm.reason.startswith("router")
                 else {"experts"}
-                if nm.pattern in _EXPERTS or nm.reason.startswith("experts")
+                if nm.reason.startswith("experts")
+                else {"router"}
+                if nm.pattern in _ROUTERS
+                else {"experts"}
+                if nm.pattern in _EXPERTS
                 else {"router", "experts"}
             )
             explained.setdefault(nm.layer, set()).update(part)
@@ -859,7 +936,8 @@ def _fill_value(nodes: Sequence[fx.Node]) -> Any:
     fill = _find(nodes, aten.masked_fill.Scalar)
     if fill is not None:
         return fill.args[2]
-    where_ = _find(nodes, aten.where.self)
+    # the fill of the scores the expert top-k reads (a one-hot group mask is a where too)
+    where_ = _find(nodes, aten.where.self, lambda n: any(u.target is aten.topk.default for u in n.users))
     value = where_.args[1] if where_ is not None and len(where_.args) > 1 else None
     if isinstance(value, fx.Node):
         if value.target is aten.scalar_tensor.default:

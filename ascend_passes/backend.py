@@ -7,10 +7,8 @@ Also the two entry points serving engines import: ``make_backend(config)`` and
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import logging
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -23,7 +21,7 @@ from .errors import ConfigError
 from .inspect.trace import trace_pass_graphs
 from .npu import torch_npu_available
 from .pass_manager import Pass, PassContext, PassHook, PassManager
-from .report import CompileReport, publish
+from .report import CompileReport, compiling_graph, publish
 from .weights import record_execution_weights
 
 log = logging.getLogger("ascend_passes.backend")
@@ -128,30 +126,6 @@ def _ensure_lowered(gm: fx.GraphModule) -> None:
 
 
 # --------------------------------------------------------------------------- pipeline
-_GRAPH_ID: contextvars.ContextVar[str | None] = contextvars.ContextVar("ascend_passes_graph_id", default=None)
-
-
-@contextlib.contextmanager
-def graph_id(name: str) -> Iterator[None]:
-    """Reports (and ``dump_dir`` folders) of the graphs compiled inside the block are named
-    ``name`` instead of Dynamo's compile id: a serving engine compiling several pieces of one
-    Dynamo graph (vLLM's piecewise backend) names each piece."""
-    token = _GRAPH_ID.set(name)
-    try:
-        yield
-    finally:
-        _GRAPH_ID.reset(token)
-
-
-def _compile_id() -> str:
-    name = _GRAPH_ID.get()
-    if name is not None:
-        return name
-    ctx = torch._guards.CompileContext.try_get()
-    cid = getattr(ctx, "compile_id", None) if ctx is not None else None
-    return str(cid) if cid is not None else "?"
-
-
 def _real_inputs_for(aten_inputs: Sequence[Any], real: Sequence[Any] | None) -> list[Any] | None:
     """The Dynamo-level real inputs when they line up one to one with the ATen placeholders."""
     if real is None or len(real) != len(aten_inputs):
@@ -184,15 +158,16 @@ def run_pipeline(
     manager = PassManager(config, pipeline)
     ctx = PassContext(config, example_inputs, real_inputs, decompositions, target)
     all_hooks = [trace_pass_graphs, *hooks]  # TORCH_TRACE artifacts (a no-op when unset)
-    if config.dump_dir:
-        from .inspect.dump import GraphDumper
+    with compiling_graph() as gid:  # distinct in this process: reports and dump folders never collide
+        if config.dump_dir:
+            from .inspect.dump import GraphDumper
 
-        all_hooks.append(GraphDumper(config.dump_dir, graph_name=_compile_id()))
-    result = manager.run(gm, ctx, all_hooks)
+            all_hooks.append(GraphDumper(config.dump_dir, graph_name=gid))
+        result = manager.run(gm, ctx, all_hooks)
     # mark the parameters the rewritten graph reads through fused kernels (weights.prepare/restore)
     ctx.facts["execution_weights"] = record_execution_weights(gm, ctx.real_inputs)
     report = CompileReport(
-        graph_id=_compile_id(),
+        graph_id=gid,
         passes=result.passes,
         graph=gm,
         compiler=compiler,

@@ -1,9 +1,11 @@
-"""What a compile did: one ``CompileReport`` per compiled graph, collected by ``capture()``."""
+"""What a compile did: one ``CompileReport`` per compiled graph, collected by ``capture()``, and the
+graph ids that name reports and ``dump_dir`` folders (distinct within a process)."""
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,7 +50,7 @@ class CompileReport:
     """One compiled graph: the passes that ran (name → PassResult), the final graph, where it
     went next, and how long the pipeline took."""
 
-    graph_id: int
+    graph_id: str
     passes: dict[str, PassResult]
     graph: fx.GraphModule
     compiler: str
@@ -103,3 +105,68 @@ def publish(report: CompileReport) -> None:
     """Hand ``report`` to every open ``capture()``."""
     for reports in _ACTIVE.get():
         reports.append(report)
+
+
+# --------------------------------------------------------------------------- graph ids
+_NAMED: contextvars.ContextVar[str | None] = contextvars.ContextVar("ascend_passes_graph_name", default=None)
+_RUNNING: contextvars.ContextVar[str | None] = contextvars.ContextVar("ascend_passes_graph_id", default=None)
+_TAKEN: dict[str, int] = {}  # id -> graphs of this process that wanted it
+_TAKEN_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def graph_id(name: str) -> Iterator[None]:
+    """Graphs compiled inside the block are named ``name`` instead of Dynamo's compile id: a serving
+    engine compiling several pieces of one Dynamo graph (vLLM's piecewise backend) names each piece."""
+    token = _NAMED.set(name)
+    try:
+        yield
+    finally:
+        _NAMED.reset(token)
+
+
+def _wanted_graph_id() -> str:
+    """The name a graph compiled now would get: the engine's (``graph_id``), else Dynamo's compile id
+    (``"1/0"``), else AOTAutograd's graph name (torch's ahead-of-time compile has no Dynamo compile
+    context: ``"aot:0_inference"``), else ``"graph"``."""
+    name = _NAMED.get()
+    if name is not None:
+        return name
+    ctx = torch._guards.CompileContext.try_get()
+    cid = getattr(ctx, "compile_id", None) if ctx is not None else None
+    if cid is not None:
+        return str(cid)
+    tracing = torch._guards.TracingContext.try_get()
+    aot_name = getattr(tracing, "aot_graph_name", None) if tracing is not None else None
+    if aot_name:
+        return "aot:" + "_".join(map(str, aot_name))
+    return "graph"
+
+
+@contextlib.contextmanager
+def compiling_graph() -> Iterator[str]:
+    """Claims the id of the graph whose pipeline runs inside the block: the wanted name, or
+    ``name#2``, ``name#3``... when an earlier graph of this process had it (a Dynamo reset, two
+    engines naming alike), so reports and ``dump_dir`` folders never collide.  Hooks read it with
+    ``current_graph_id()``."""
+    wanted = _wanted_graph_id()
+    with _TAKEN_LOCK:
+        n = _TAKEN.get(wanted, 0) + 1
+        _TAKEN[wanted] = n
+        gid = wanted if n == 1 else f"{wanted}#{n}"
+        while gid != wanted and gid in _TAKEN:  # "a#2" taken as a name of its own
+            n += 1
+            _TAKEN[wanted] = n
+            gid = f"{wanted}#{n}"
+        _TAKEN.setdefault(gid, 1)
+    token = _RUNNING.set(gid)
+    try:
+        yield gid
+    finally:
+        _RUNNING.reset(token)
+
+
+def current_graph_id() -> str:
+    """The id of the graph whose pipeline is running (``compiling_graph``), else the name a graph
+    compiled now would want."""
+    return _RUNNING.get() or _wanted_graph_id()

@@ -219,7 +219,8 @@ def _compiler_class() -> type:
     from vllm.compilation.compiler_interface import InductorStandaloneAdaptor
     from vllm.config.vllm import get_current_vllm_config_or_none
 
-    from .backend import graph_id, resolve_compiler
+    from .backend import resolve_compiler
+    from .report import graph_id
 
     class AscendCompiler(InductorStandaloneAdaptor):
         """vLLM ``CompilerInterface`` of the piecewise backend: each piece runs the ascend_passes

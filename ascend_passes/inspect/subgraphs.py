@@ -16,7 +16,7 @@ import torch.fx as fx
 
 from ..pass_manager import PassResult
 from ..passes.layers import layer_of
-from ..report import op_name
+from ..report import current_graph_id, op_name
 
 log = logging.getLogger("ascend_passes.inspect")
 
@@ -119,12 +119,6 @@ def node_info(node: fx.Node) -> NodeInfo:
     return NodeInfo(node.name, _label(node), _shape(node), source_line(node), layer_of(node))
 
 
-def _compile_id() -> str:
-    ctx = torch._guards.CompileContext.try_get()
-    cid = getattr(ctx, "compile_id", None) if ctx is not None else None
-    return str(cid) if cid is not None else "?"
-
-
 # --------------------------------------------------------------------------- the hook
 @dataclass
 class _Snapshot:
@@ -161,7 +155,8 @@ class SubgraphRecorder:
         before, self._before = self._before, None
         if before is None or result is None:
             return
-        record = self.graphs.setdefault(_compile_id(), GraphRecord(_compile_id()))
+        gid = current_graph_id()  # the id run_pipeline gave this graph's report
+        record = self.graphs.setdefault(gid, GraphRecord(gid))
         for nm in result.near_misses:
             if nm.node is not None and nm.node in before.info:
                 record.near_miss_nodes[(pass_name, nm.node)] = before.info[nm.node]

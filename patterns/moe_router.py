@@ -1,8 +1,8 @@
 """MoE router patterns: Hugging Face router code (search) and the fused gating op (replacement).
 
 DeepSeek-V3 ``noaux_tc`` routing (sigmoid + correction bias + group-limited top-k + gather of the
-unbiased scores + renormalisation + routed scaling) and the same without expert groups (MiniMax-M2)
-become ``ascend.moe_gating_top_k``; Qwen3 / Mixtral softmax top-k routing and its equal, top-k of
+unbiased scores + renormalisation + routed scaling), as Hugging Face and vLLM's ``grouped_topk`` write
+it, and the same without expert groups (MiniMax-M2) become ``ascend.moe_gating_top_k``; Qwen3 / Mixtral softmax top-k routing and its equal, top-k of
 the logits then softmax over the k (GraniteMoE, gpt-oss), become ``ascend.moe_gating_top_k_softmax``
 (+ the renormalisation, which that op does not do).  Llama 4's dense sigmoid of the top-k is searched
 only so the pass can say which gating mode it is not.  Search functions take the router's constants as keyword-only
@@ -41,13 +41,21 @@ def deepseek_router(
     num_groups: int = 4,
     topk_groups: int = 2,
     top_k: int = 2,
-    routed_scaling_factor: float = 2.5,
+    routed_scaling_factor: float | None = 2.5,
     renormalize: bool = True,
+    eps: float | None = 1e-20,
+    bias_row: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``DeepseekV3TopkRouter.forward`` after the router matmul: (weights [T,k], ids [T,k])."""
+    """``DeepseekV3TopkRouter.forward`` after the router matmul: (weights [T,k], ids [T,k]).
+
+    The keyword-only flags are forms, not numbers (each is traced once): Hugging Face's is the
+    default; vLLM's ``grouped_topk`` (``CPURouter`` on CPU, ``GroupedTopk``'s native path) adds the
+    bias as ``bias.unsqueeze(0)`` (``bias_row``), divides by the plain sum (``eps=None``) and
+    multiplies by the routed scaling factor only when it is not applied to the experts' output
+    (``routed_scaling_factor=None``: no multiply)."""
     num_experts = logits.shape[-1]
     scores = logits.sigmoid()
-    scores_for_choice = scores + bias
+    scores_for_choice = scores + (bias.unsqueeze(0) if bias_row else bias)
     group_scores = scores_for_choice.view(-1, num_groups, num_experts // num_groups).topk(2, dim=-1)[0].sum(dim=-1)
     group_idx = torch.topk(group_scores, k=topk_groups, dim=-1, sorted=False)[1]
     group_mask = torch.zeros_like(group_scores).scatter(1, group_idx, 1)  # functional form
@@ -56,10 +64,18 @@ def deepseek_router(
     topk_indices = torch.topk(scores_for_choice, k=top_k, dim=-1, sorted=False)[1]
     topk_weights = scores.gather(1, topk_indices)
     if renormalize:
-        denominator = topk_weights.sum(dim=-1, keepdim=True) + 1e-20
+        denominator = topk_weights.sum(dim=-1, keepdim=True)
+        if eps is not None:
+            denominator = denominator + eps
         topk_weights = topk_weights / denominator
-    topk_weights = topk_weights * routed_scaling_factor
+    if routed_scaling_factor is not None:
+        topk_weights = topk_weights * routed_scaling_factor
     return topk_weights, topk_indices
+
+
+# vLLM's grouped_topk (vllm/model_executor/layers/fused_moe/router/cpu_router.py ``_grouped_topk``; the
+# DeepSeek models apply the routed scaling factor to the experts' output, so the router has no multiply)
+VLLM_FORM: dict[str, object] = {"bias_row": True, "eps": None, "routed_scaling_factor": None}
 
 
 def deepseek_router_fused(

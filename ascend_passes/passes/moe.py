@@ -26,7 +26,7 @@ from torch._inductor import pattern_matcher as pm
 from ..pass_manager import Pass, PassContext, PassResult
 from ..patterns import moe_experts, moe_gptoss, moe_llama4, moe_router, moe_v4
 from ..patterns.moe_router import RouterConstants
-from . import moe_candidates
+from . import moe_candidates, vllm_opaque
 from ._nodes import VIEWS, const_float, const_int, const_ints, graph_input_of, is_scalar_tensor, not_constant
 from ._pattern import replace, traced_pattern
 from .layers import layer_of, where
@@ -101,17 +101,23 @@ def _as_post_grad(gm: fx.GraphModule) -> None:
     from torch._inductor.fx_passes.joint_graph import constant_fold_uniform_value
     from torch._inductor.fx_passes.post_grad import view_to_reshape
 
-    constant_fold_uniform_value(gm)
+    _as_joint_graph(gm)
     view_to_reshape(gm)
     gm.recompile()
 
 
 def _as_joint_graph(gm: fx.GraphModule) -> None:
     """The form a graph has after Inductor's joint-graph passes, before its post-grad ones (the
-    ahead-of-time route's ``inner_compile``): uniform constants folded, views still views."""
-    from torch._inductor.fx_passes.joint_graph import constant_fold_uniform_value
+    ahead-of-time route's ``inner_compile`` sees it): uniform constants folded, then a scatter
+    into a constant tensor made a one-hot ``where`` (Inductor's ``scatter_upon_const_tensor``: a
+    router that keeps one expert group, ``topk_group=1``); views still views."""
+    from torch._inductor.fx_passes import joint_graph
 
-    constant_fold_uniform_value(gm)
+    joint_graph.constant_fold_uniform_value(gm)
+    scatter = pm.PatternMatcherPass(pass_name="ascend_scatter_upon_const_tensor")
+    for entry in joint_graph.patterns.patterns.get(("call_function", aten.scatter.value), ()):
+        entry.register(scatter)
+    scatter.apply(gm.graph)
     gm.recompile()
 
 
@@ -160,7 +166,7 @@ def _deepseek(renormalize: bool) -> Callable[..., Any]:
 _ONE_GROUP = tuple(
     {**form, **mask}
     for form in ({}, moe_router.VLLM_FORM)
-    for mask in ({}, {"num_groups": 1, "topk_groups": 1}, {"topk_groups": 1, "one_hot_mask": True})
+    for mask in ({}, {"num_groups": 1, "topk_groups": 1}, {"topk_groups": 1})
 ) + ({**moe_router.VLLM_FORM, "routed_scaling_factor": 2.5},)
 
 
@@ -696,6 +702,16 @@ class MoePass(Pass):
             found = candidates.get(entry.layer)
             if found is not None and found.sinks:
                 continue  # the experts are in this graph: the candidate's near-miss says how they differ
+            opaque = vllm_opaque.opaque_moe_consumer(gating) if gating is not None else None
+            if opaque is not None:  # vLLM: the experts are its opaque op's, by design
+                result.near_miss(
+                    "moe_block",
+                    f"MoE block: the router is fused, its experts run inside {opaque}, an opaque vLLM op "
+                    "(no moe_init_routing / grouped_matmul chain, no EPLB indirection for them)",
+                    layer=entry.layer,
+                    node=gating,
+                )
+                continue
             reaches_output = gating is not None and (
                 _leaves_graph(gating) or (found is not None and found.leaves_graph)
             )

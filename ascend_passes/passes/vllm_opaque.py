@@ -1,6 +1,8 @@
 """Diagnostics for graphs traced inside vLLM: the blocks vLLM hides in opaque custom ops.
 
-vLLM runs its fused MoE (``torch.ops.vllm.moe_forward``), its attention (MLA:
+vLLM runs its fused MoE (``torch.ops.vllm.moe_forward``: router and experts; on its CPU platform the
+layer is traced, its router is plain torch and only the experts are opaque, ``_C.cpu_fused_moe``),
+fused routers (``_moe_C.grouped_topk``, ``_C.biased_topk_cpu`` ...), its attention (MLA:
 ``vllm.unified_mla_attention_with_output``) and quantized linear layers as custom ops whose
 insides the graph does not show, so the ``moe``, ``mla`` and ``linear`` patterns cannot match
 there.  This pass rewrites nothing: for every such op it adds a near-miss naming the op and what
@@ -12,22 +14,39 @@ from __future__ import annotations
 
 from typing import Any
 
+import operator
+
 import torch
 import torch.fx as fx
 
 from ..pass_manager import Pass, PassContext, PassResult
+from ._nodes import VIEWS
 
 _NAMESPACES = ("vllm", "_C", "_moe_C", "_rocm_C", "vllm_ir")
 
 # (family, name test, reason) in the order they are tried; the reason is formatted with {op}
 _FAMILIES: tuple[tuple[str, Any, str], ...] = (
     (
-        "moe",
-        lambda n: "moe" in n or n in ("fused_experts", "topk_softmax", "grouped_topk"),
+        "moe",  # fused routers: _moe_C.grouped_topk / topk_softmax, _C.biased_topk_cpu / hash_topk_cpu
+        lambda n: "topk" in n,
+        "MoE routing runs inside {op}, an opaque vLLM op: the moe pass cannot fuse this router into "
+        "moe_gating_top_k (vLLM's plain-torch routers, e.g. the CPU platform's grouped top-k, are "
+        "fused; sqrtsoftplus routers have no gating mode)",
+    ),
+    (
+        "moe",  # the whole layer: router and experts
+        lambda n: n.startswith("moe_forward"),
         "MoE runs inside {op}, an opaque vLLM op: the moe and eplb passes cannot see its router or "
-        "experts. With compilation_config custom_ops=['none'] vLLM writes the router (softmax / "
-        "DeepSeek grouped top-k) in plain torch, which the moe pass's router patterns can match; "
-        "the experts stay inside the op",
+        "experts (vLLM's CPU platform calls the layer directly instead: there the router is plain "
+        "torch, which the moe pass fuses into moe_gating_top_k, and the experts run in "
+        "_C.cpu_fused_moe)",
+    ),
+    (
+        "moe",  # the routed experts only: the router in front of them is in the graph
+        lambda n: "moe" in n or n == "fused_experts",
+        "MoE runs inside {op}, an opaque vLLM op: its routed experts stay vLLM's (no moe_init_routing "
+        "/ grouped_matmul chain, no EPLB indirection); the router in front of it is plain torch "
+        "(vLLM's CPU router), which the moe pass fuses into moe_gating_top_k when it matches",
     ),
     (
         "mla",
@@ -75,6 +94,36 @@ def opaque_family(op: Any) -> tuple[str, str] | None:
     return None
 
 
+_PASS_THROUGH = VIEWS | {
+    operator.getitem,
+    torch.ops.aten._to_copy.default,
+    torch.ops.prims.convert_element_type.default,
+    torch.ops.aten.clone.default,
+}
+
+
+def opaque_moe_consumer(node: fx.Node, max_depth: int = 6) -> str | None:
+    """The opaque vLLM MoE op (``"ns.name"``) a router's output reaches through getitem, views and
+    casts (called directly or through ``auto_functionalized``), or None: a fused router whose
+    experts run inside vLLM's op, not a block the expert patterns missed."""
+    frontier, seen = [node], {node}
+    for _ in range(max_depth):
+        nxt = []
+        for n in frontier:
+            for user in n.users:
+                if user.op != "call_function" or user in seen:
+                    continue
+                seen.add(user)
+                op = _called_op(user)
+                found = opaque_family(op)
+                if found is not None and found[0] == "moe":
+                    return ".".join(_op_name(op))
+                if user.target in _PASS_THROUGH:
+                    nxt.append(user)
+        frontier = nxt
+    return None
+
+
 class VllmOpaquePass(Pass):
     name = "vllm_opaque"
     summary = "reports vLLM's opaque MoE / attention / quantized-linear ops as near-misses (no rewrite)"
@@ -97,4 +146,4 @@ class VllmOpaquePass(Pass):
         return result
 
 
-__all__ = ["VllmOpaquePass", "opaque_family"]
+__all__ = ["VllmOpaquePass", "opaque_family", "opaque_moe_consumer"]

@@ -31,13 +31,25 @@ place a new node gets its ``stack_trace`` / ``nn_module_stack`` / ``ascend_*`` t
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
+import enum
+import functools
+import hashlib
 import importlib
 import inspect
+import io
 import logging
+import os
+import pickle
+import sys
+import threading
+import types
+import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import ModuleType
 from typing import Any, ClassVar
 
@@ -154,6 +166,313 @@ _SPECIFIC = _Lru(4096)  # search functions re-traced on a match's shapes (static
 _REPLACEMENTS = _Lru(1024)  # replacement graphs per shapes, fake values stripped
 
 
+# ------------------------------------------------------------------------------- on disk
+# A search function's initial trace (the slow part of a first compile: make_fx of every search
+# function of every pattern pass) is also kept on disk, as the traced graph's node list; a later
+# process rebuilds the graph and makes the PatternExpr from it with the same ``fx_to_pattern``
+# call, so a loaded pattern is the pattern the trace gives.  The key describes everything the
+# trace depends on: torch / Python / ascend_passes (/ transformers) versions, the search
+# function (module, qualified name, bytecode, defaults, closure constants), the example-input
+# maker, the transform, scalar stand-ins, decompositions, and the source of every module these
+# functions come from with everything it imports from ascend_passes (``source_digest``).  What
+# cannot be described that way (a function of ``__main__``, an object of unknown type in a
+# closure) is not stored: traced as before.
+CACHE_ENV = "ASCEND_PASSES_PATTERN_CACHE"
+"""``0`` / ``off`` / ``false`` / ``no``: no on-disk pattern cache (patterns traced once per process)."""
+CACHE_DIR_ENV = "ASCEND_PASSES_PATTERN_CACHE_DIR"
+"""Directory of the on-disk pattern cache; default ``$XDG_CACHE_HOME/ascend_passes/patterns``
+(``~/.cache/ascend_passes/patterns``)."""
+_FORMAT = 1  # bump when the entry layout changes
+
+STATS: collections.Counter[str] = collections.Counter()
+"""This process's pattern preparation: ``traced`` (search functions traced on example inputs),
+``disk_hits``, ``disk_writes``, ``disk_errors`` (unreadable or inconsistent entries, traced
+again and rewritten), ``not_cacheable`` (keys that cannot be described across processes)."""
+
+
+def cache_dir() -> Path | None:
+    """Where traced patterns are kept across processes, or None when switched off."""
+    if os.environ.get(CACHE_ENV, "").strip().lower() in ("0", "off", "false", "no"):
+        return None
+    explicit = os.environ.get(CACHE_DIR_ENV)
+    if explicit:
+        return Path(explicit)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "ascend_passes" / "patterns"
+
+
+class _NotStable(Exception):
+    """Raised while describing a key part that has no description valid in another process."""
+
+
+def _code_digest(code: types.CodeType) -> str:
+    h = hashlib.sha256()
+
+    def feed(c: types.CodeType) -> None:
+        h.update(c.co_code)
+        h.update(repr((c.co_names, c.co_varnames, c.co_freevars, c.co_cellvars)).encode())
+        for const in c.co_consts:
+            if isinstance(const, types.CodeType):
+                feed(const)
+            elif isinstance(const, frozenset):  # set order varies with the hash seed
+                h.update(repr(sorted(map(repr, const))).encode())
+            else:
+                h.update(repr(const).encode())
+
+    feed(code)
+    return h.hexdigest()
+
+
+def _describe(obj: Any, modules: set[str], depth: int = 0) -> Any:
+    """A description of ``obj`` that is equal in any process exactly when ``obj`` means the same
+    there (given equal sources of ``modules``, which collects the modules functions come from)."""
+    if depth > 16:
+        raise _NotStable("nested too deeply")
+    d = functools.partial(_describe, modules=modules, depth=depth + 1)
+    if obj is None or isinstance(obj, (bool, int, float, str, bytes)):
+        return obj
+    if isinstance(obj, (torch.dtype, torch.device, torch.memory_format, torch.layout)):
+        return ("torch", str(obj))
+    if isinstance(obj, enum.Enum):
+        modules.add(type(obj).__module__)
+        return ("enum", type(obj).__module__, type(obj).__qualname__, obj.name)
+    if isinstance(obj, (tuple, list)):
+        return (type(obj).__name__, *map(d, obj))
+    if isinstance(obj, (set, frozenset)):
+        return ("set", *sorted(repr(d(x)) for x in obj))
+    if isinstance(obj, dict):
+        return ("dict", *sorted((repr(d(k)), d(v)) for k, v in obj.items()))
+    if isinstance(obj, functools.partial):
+        return ("partial", d(obj.func), d(obj.args), d(obj.keywords))
+    if isinstance(obj, types.FunctionType):
+        modules.add(obj.__module__)
+        cells = []
+        for cell in obj.__closure__ or ():
+            try:
+                cells.append(d(cell.cell_contents))
+            except ValueError:  # an empty cell
+                cells.append(("empty",))
+        return (
+            "function",
+            obj.__module__,
+            obj.__qualname__,
+            _code_digest(obj.__code__),
+            d(obj.__defaults__),
+            d(obj.__kwdefaults__),
+            tuple(cells),
+        )
+    if isinstance(obj, types.MethodType):
+        return ("method", d(obj.__func__), d(obj.__self__))
+    if isinstance(obj, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        return ("op", str(obj))
+    if isinstance(obj, types.BuiltinFunctionType):
+        return ("builtin", getattr(obj, "__module__", None), obj.__qualname__)
+    if isinstance(obj, type):
+        modules.add(obj.__module__)
+        return ("class", obj.__module__, obj.__qualname__)
+    if dataclasses.is_dataclass(obj):
+        modules.add(type(obj).__module__)
+        fields = tuple((f.name, d(getattr(obj, f.name))) for f in dataclasses.fields(obj))
+        return ("dataclass", type(obj).__module__, type(obj).__qualname__, fields)
+    raise _NotStable(f"no stable description of a {type(obj).__qualname__}")
+
+
+def _versions() -> tuple[Any, ...]:
+    transformers = sys.modules.get("transformers")
+    package = sys.modules.get("ascend_passes")
+    return (
+        _FORMAT,
+        sys.version_info[:3],
+        torch.__version__,
+        torch.version.git_version,
+        getattr(package, "__version__", None),
+        getattr(transformers, "__version__", None),
+    )
+
+
+@functools.cache
+def _package_digest() -> str:
+    """sha256 over every ``.py`` file of the installed ascend_passes (patterns and kernels
+    included), read once per process: any source change there gives every entry a new key."""
+    import importlib.util
+
+    files: dict[str, Path] = {}
+    for package in ("ascend_passes", "ascend_passes.patterns", "ascend_passes.kernels"):
+        try:
+            spec = importlib.util.find_spec(package)
+        except (ImportError, ValueError):
+            continue
+        for location in (spec.submodule_search_locations or []) if spec is not None else []:
+            for path in Path(location).rglob("*.py"):
+                files.setdefault(str(path.resolve()), path)
+    h = hashlib.sha256()
+    for resolved in sorted(files):
+        h.update(resolved.encode() + b"\0" + files[resolved].read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+@functools.cache
+def _module_digest(name: str) -> str:
+    """sha256 of the source file of module ``name`` (outside ascend_passes); raises
+    ``_NotStable`` when it has none (``__main__``, a module made at run time)."""
+    module = sys.modules.get(name)
+    path = getattr(module, "__file__", None) if name != "__main__" else None
+    if not path or not path.endswith(".py") or not os.path.exists(path):
+        raise _NotStable(f"module {name} has no source file")
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def _disk_key(parts: Any) -> tuple[str, str] | None:
+    """``(file name, description)`` of the on-disk entry for ``parts``, or None when they cannot
+    be described across processes.  Sources: all of ascend_passes, and the file of every other
+    module a described function or class comes from (torch and transformers: their versions)."""
+    modules: set[str] = set()
+    try:
+        description = _describe(parts, modules)
+        sources = []
+        for name in sorted(modules):
+            top = name.partition(".")[0]
+            if top in ("ascend_passes", "torch", "transformers") or name in sys.builtin_module_names:
+                continue  # hashed as a whole, versioned, or no source
+            sources.append((name, _module_digest(name)))
+    except _NotStable as exc:
+        log.debug("pattern not cached on disk: %s", exc)
+        STATS["not_cacheable"] += 1
+        return None
+    text = repr((_versions(), _package_digest(), tuple(sources), description))
+    return hashlib.sha256(text.encode()).hexdigest() + ".pattern", text
+
+
+@dataclass(frozen=True)
+class _Ref:
+    """A node reference in a stored node list: the index of the node it names."""
+
+    index: int
+
+
+def _op(qualname: str, overload: str) -> torch._ops.OpOverload:
+    namespace, name = qualname.split("::")
+    return getattr(getattr(getattr(torch.ops, namespace), name), overload or "default")
+
+
+class _Pickler(pickle.Pickler):
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, torch._ops.OpOverload):
+            return _op, (obj._schema.name, obj._overloadname)
+        if isinstance(obj, torch._ops.OpOverloadPacket):
+            raise _NotStable(f"an overload packet {obj} in a graph")
+        return NotImplemented
+
+
+_SAFE_MODULES = ("torch", "operator", "_operator", "math")
+_SAFE_BUILTINS = frozenset({"slice", "list", "tuple", "dict", "set", "frozenset", "int", "float", "complex", "bool"})
+
+
+class _Unpickler(pickle.Unpickler):
+    """Loads only what a node list holds: containers, numbers, torch's dtypes / devices /
+    operators, ``operator`` functions, and this module's ``_op`` / ``_Ref``."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == __name__ and name in ("_op", "_Ref"):
+            return globals()[name]
+        if (module == "builtins" and name in _SAFE_BUILTINS) or module.partition(".")[0] in _SAFE_MODULES:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a pattern cache entry")
+
+
+def _plain(arg: Any, index: dict[fx.Node, int]) -> Any:
+    if isinstance(arg, fx.Node):
+        return _Ref(index[arg])
+    if isinstance(arg, (list, tuple)):
+        return (list if isinstance(arg, list) else tuple)(_plain(a, index) for a in arg)
+    if isinstance(arg, dict):
+        return {k: _plain(v, index) for k, v in arg.items()}
+    return arg
+
+
+def _graph_to_data(graph: fx.Graph) -> list[tuple[str, str, Any, Any, Any]]:
+    """``graph`` as ``(op, name, target, args, kwargs)`` rows, nodes named by ``_Ref``."""
+    index: dict[fx.Node, int] = {}
+    rows = []
+    for i, node in enumerate(graph.nodes):
+        if node.op not in ("placeholder", "call_function", "output"):
+            raise _NotStable(f"a {node.op} node ({node.name})")
+        rows.append((node.op, node.name, node.target, _plain(node.args, index), _plain(node.kwargs, index)))
+        index[node] = i
+    return rows
+
+
+def _graph_from_data(rows: Sequence[tuple[str, str, Any, Any, Any]]) -> fx.GraphModule:
+    graph = fx.Graph()
+    nodes: list[fx.Node] = []
+
+    def real(arg: Any) -> Any:
+        if isinstance(arg, _Ref):
+            return nodes[arg.index]
+        if isinstance(arg, (list, tuple)):
+            return type(arg)(real(a) for a in arg)
+        if isinstance(arg, dict):
+            return {k: real(v) for k, v in arg.items()}
+        return arg
+
+    for op, name, target, args, kwargs in rows:
+        nodes.append(graph.create_node(op, target, real(args), real(kwargs), name))
+    return _GraphHolder(torch.nn.Module(), graph)
+
+
+class _GraphHolder(fx.GraphModule):
+    """A GraphModule that only holds its graph for ``fx_to_pattern`` (which walks the graph and
+    never calls the module): no Python code is generated for it."""
+
+    def recompile(self) -> Any:
+        return None
+
+
+_WRITE_LOCK = threading.Lock()
+
+
+def _load_graph(path: Path, description: str) -> tuple[fx.GraphModule, str] | None:
+    """The traced graph stored at ``path`` and its text, or None (absent, or unreadable /
+    inconsistent: logged at debug level, counted, traced again and overwritten)."""
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return None
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            entry = _Unpickler(io.BytesIO(data)).load()
+        if not isinstance(entry, dict) or entry.get("description") != description:
+            raise ValueError("the entry was written for another key")
+        gm = _graph_from_data(entry["nodes"])
+        text = str(gm.graph)
+        if text != entry["graph_text"]:
+            raise ValueError("the rebuilt graph differs from the one stored")
+    except Exception as exc:  # any damage: never trust the entry
+        log.debug("pattern cache entry %s ignored (%s: %s); traced again", path, type(exc).__name__, exc)
+        STATS["disk_errors"] += 1
+        return None
+    STATS["disk_hits"] += 1
+    return gm, text
+
+
+def _store_graph(path: Path, description: str, gm: fx.GraphModule, text: str) -> None:
+    """Write the traced graph atomically (a temporary file renamed); failures are only logged."""
+    try:
+        buf = io.BytesIO()
+        entry = {"description": description, "nodes": _graph_to_data(gm.graph), "graph_text": text}
+        _Pickler(buf, protocol=4).dump(entry)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with _WRITE_LOCK:
+            tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+            tmp.write_bytes(buf.getvalue())
+            os.replace(tmp, path)
+    except (OSError, _NotStable, pickle.PicklingError, TypeError, AttributeError) as exc:
+        log.debug("pattern not written to the cache at %s (%s: %s)", path, type(exc).__name__, exc)
+        return
+    STATS["disk_writes"] += 1
+
+
 def _trace_initial(
     fn: Callable[..., Any],
     example_inputs: Callable[[], Sequence[Any]],
@@ -163,7 +482,33 @@ def _trace_initial(
     ignore_types: tuple[type, ...],
     fake_inputs: bool,
     transform: Callable[[fx.GraphModule], None] | None,
+    disk: tuple[str, str] | None = None,
 ) -> TracedPattern:
+    """The trace, read from the on-disk cache when ``disk`` (its file name and description)
+    names an entry there, else made and stored."""
+    directory = cache_dir() if disk is not None else None
+    loaded = _load_graph(directory / disk[0], disk[1]) if directory is not None and disk is not None else None
+    if loaded is not None:
+        gm, text = loaded
+    else:
+        gm = _trace_graph(fn, example_inputs, argnames, decompositions, scalars, fake_inputs, transform)
+        text = str(gm.graph)
+        if directory is not None and disk is not None:
+            _store_graph(directory / disk[0], disk[1], gm, text)
+    pattern = pm.fx_to_pattern(gm, ignore_types=ignore_types, argnames=list(argnames), scalar_workaround=dict(scalars))
+    return TracedPattern(pattern, pm.PatternPrettyPrinter.run(pattern), text)
+
+
+def _trace_graph(
+    fn: Callable[..., Any],
+    example_inputs: Callable[[], Sequence[Any]],
+    argnames: Sequence[str],
+    decompositions: str,
+    scalars: Mapping[str, Any],
+    fake_inputs: bool,
+    transform: Callable[[fx.GraphModule], None] | None,
+) -> fx.GraphModule:
+    STATS["traced"] += 1
     get_decomp_fn = _decomp_fn(decompositions)
     mode = FakeTensorMode() if fake_inputs else contextlib.nullcontext()
     with torch._guards.tracing(None), unset_fake_temporarily(), mode:
@@ -172,8 +517,7 @@ def _trace_initial(
         gm = pm.fwd_only(fn, flat, get_decomp_fn=get_decomp_fn)
     if transform is not None:
         transform(gm)
-    pattern = pm.fx_to_pattern(gm, ignore_types=ignore_types, argnames=list(argnames), scalar_workaround=dict(scalars))
-    return TracedPattern(pattern, pm.PatternPrettyPrinter.run(pattern), str(gm.graph))
+    return gm
 
 
 def traced_pattern(
@@ -197,12 +541,15 @@ def traced_pattern(
     before it becomes a pattern (e.g. into the form Inductor's post-grad passes give a graph)."""
     names = tuple(argnames if argnames is not None else inspect.signature(fn).parameters)
     stand_ins = dict(scalars or {})
-    return _TRACED.get(
-        (key, fn, decompositions, tuple(sorted(stand_ins.items())), ignore_types, fake_inputs, transform),
-        lambda: _trace_initial(
-            fn, example_inputs, names, decompositions, stand_ins, ignore_types, fake_inputs, transform
-        ),
-    )
+    parts = (key, fn, decompositions, tuple(sorted(stand_ins.items())), ignore_types, fake_inputs, transform)
+
+    def make() -> TracedPattern:
+        disk = _disk_key(("initial", parts, example_inputs, names)) if cache_dir() is not None else None
+        return _trace_initial(
+            fn, example_inputs, names, decompositions, stand_ins, ignore_types, fake_inputs, transform, disk
+        )
+
+    return _TRACED.get(parts, make)
 
 
 def _signature(fn: Any, values: Sequence[Any], decompositions: str) -> Any:

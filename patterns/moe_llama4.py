@@ -46,9 +46,17 @@ ROUTER_REASON = (
 
 
 def moe(
-    hidden: torch.Tensor, logits: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, *, top_k: int = 1
+    hidden: torch.Tensor,
+    logits: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    *,
+    top_k: int = 1,
+    view_pair: bool = True,
 ) -> torch.Tensor:
-    """``Llama4Router.forward`` after its matmul, then ``Llama4TextMoe``'s routed part (search)."""
+    """``Llama4Router.forward`` after its matmul, then ``Llama4TextMoe``'s routed part (search).
+    ``view_pair``: the output's ``view(-1, H)`` then ``reshape(E, -1, H)`` kept (the AOT graph) or folded
+    away (Inductor's joint-graph passes, before ``inductor_pass`` sees the graph)."""
     top_value, indices = torch.topk(logits, top_k, dim=1)
     scores = torch.full_like(logits, float("-inf")).scatter(1, indices, top_value)
     scores = torch.sigmoid(scores.float()).to(scores.dtype)
@@ -56,8 +64,11 @@ def moe(
     routed_in = routed_in * scores.transpose(0, 1).reshape(-1, 1)
     rows = routed_in.view(gate_up_proj.shape[0], -1, hidden.shape[-1])
     gate, up = torch.bmm(rows, gate_up_proj).chunk(2, dim=-1)
-    out = torch.bmm(up * torch.nn.functional.silu(gate), down_proj).view(-1, hidden.shape[-1])
-    return out.reshape(scores.shape[1], -1, out.shape[-1]).sum(dim=0)
+    out = torch.bmm(up * torch.nn.functional.silu(gate), down_proj)
+    if view_pair:
+        out = out.view(-1, hidden.shape[-1])
+        out = out.reshape(scores.shape[1], -1, out.shape[-1])
+    return out.sum(dim=0)
 
 
 def example_inputs(dtype: torch.dtype) -> list[torch.Tensor]:
@@ -178,11 +189,16 @@ def read_top_k(nodes: Sequence[fx.Node], num_experts: int) -> tuple[int | None, 
     if repeat is None or const_ints(repeat.args[1]) != [num_experts, 1]:
         return None, f"the input is not repeated once per expert ({num_experts}, 1)"
     transpose = _find(nodes, aten.transpose.int)
-    if transpose is None or {d % 2 for d in transpose.args[1:3] if const_int(d) is not None} != {0, 1}:
+    permute = _find(nodes, aten.permute.default)  # Inductor's decomposition of the transpose
+    swapped = (
+        {d % 2 for d in transpose.args[1:3] if const_int(d) is not None} == {0, 1}
+        if transpose is not None
+        else permute is not None and [d % 2 for d in const_ints(permute.args[1]) or []] == [1, 0]
+    )
+    if not swapped:
         return None, "the score matrix is not transposed expert-major before it multiplies the input"
     split = _find(nodes, aten.split.Tensor)
     halves = {u.args[1]: u for u in (split.users if split is not None else ()) if len(u.args) > 1}
-    silu = _find(nodes, aten.silu.default)
     src = split.args[0].meta.get("val") if split is not None else None
     if (
         split is None
@@ -190,8 +206,7 @@ def read_top_k(nodes: Sequence[fx.Node], num_experts: int) -> tuple[int | None, 
         or not _is_dim(_arg(split, 2, "dim", 0), -1, src.dim())
         or const_int(split.args[1]) != src.shape[-1] // 2
         or set(halves) != {0, 1}
-        or silu is None
-        or silu.args[0] is not halves[0]
+        or not _is_silu_times_up(nodes, halves[0], halves[1])
     ):
         return None, "the activation is not silu(first half) * second half of the gate·up rows"
     total = _find(nodes, aten.sum.dim_IntList)
@@ -204,6 +219,29 @@ def read_top_k(nodes: Sequence[fx.Node], num_experts: int) -> tuple[int | None, 
     ):
         return None, "the experts' outputs are not summed over the experts"
     return k, None
+
+
+def _is_silu_times_up(nodes: Sequence[fx.Node], gate: fx.Node, up: fx.Node) -> bool:
+    """``up * silu(gate)`` among the matched nodes: ``aten.silu``, or Inductor's decomposition
+    ``gate / (exp(-gate) + 1)``."""
+    for act in nodes:
+        if act.target is aten.silu.default:
+            ok = act.args[0] is gate
+        elif act.target is aten.div.Tensor and act.args[0] is gate and isinstance(act.args[1], fx.Node):
+            add = act.args[1]
+            exp = add.args[0] if add.target is aten.add.Tensor else None
+            neg = exp.args[0] if isinstance(exp, fx.Node) and exp.target is aten.exp.default else None
+            ok = (
+                isinstance(neg, fx.Node)
+                and neg.target is aten.neg.default
+                and neg.args[0] is gate
+                and const_float(add.args[1]) == 1.0
+            )
+        else:
+            continue
+        if ok and any(u.target is aten.mul.Tensor and set(u.args) == {act, up} for u in act.users):
+            return True
+    return False
 
 
 __all__ = [

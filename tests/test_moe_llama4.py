@@ -5,9 +5,9 @@ moe_init_routing_v2 → rows × score → grouped_matmul → swiglu → grouped_
 moe_finalize_routing(scales=None)`` (``patterns/moe_llama4.py``).  The router stays ATen, with a
 near-miss that names why no gating mode computes it.
 
-Tiny random Llama 4 text models (2 MoE layers), fp32 compiled == uncompiled within 1e-4 relative under
-eager and Inductor downstream, k = 1 and 2, bf16 within the other MoE tests' tolerance; fused ops
-counted per layer.  A router that fills the unselected experts with 0 instead of -inf (sigmoid 0.5: every
+Tiny random Llama 4 text models (2 MoE layers), fp32 compiled == uncompiled within 1e-4 relative (k = 1
+and 2), bf16 within the other MoE tests' tolerance, one block under Inductor downstream (the backend's
+graph and ``inductor_pass``'s post-grad graph); fused ops counted per layer.  A router that fills the unselected experts with 0 instead of -inf (sigmoid 0.5: every
 expert weighs in) is read off the graph and left unfused, never fused with an assumed -inf.
 """
 
@@ -16,6 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 from _helpers import compile_and_run, rel_diff
+from torch._inductor import config as inductor_config
 
 import ascend_passes as ap
 from ascend_passes import models
@@ -88,11 +89,45 @@ def _assert_fused(report, top_k: int) -> None:
         assert e.unsupported is None and e.top_k == top_k and e.num_experts == 4, layer
 
 
-@pytest.mark.parametrize("top_k, compiler", [(1, "eager"), (2, "eager"), (1, "inductor")])
-def test_llama4_experts_fused_exact(top_k, compiler):
-    ref, out, report = _run(*_llama4(top_k), compiler)
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_llama4_experts_fused_exact(top_k):
+    ref, out, report = _run(*_llama4(top_k))
     assert rel_diff(out, ref) <= TOL
     _assert_fused(report, top_k)
+
+
+def _block(dtype: torch.dtype = torch.float32) -> tuple[torch.nn.Module, torch.Tensor]:
+    model, _ = _llama4(1, dtype)
+    hidden = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(1)).to(dtype)
+    return model.lm.model.layers[0].feed_forward, hidden
+
+
+def _assert_block_fused(report) -> None:
+    moe = report.passes["moe"]
+    (match,) = moe.matches
+    assert match.pattern == "llama4_moe" and match.details["top_k"] == 1
+    assert [(nm.pattern, nm.layer) for nm in moe.near_misses] == [("dense_sigmoid_topk_router", match.layer)]
+    assert report.count("ascend.moe_init_routing_v2") == 1 and report.count("ascend.moe_finalize_routing") == 1
+    assert report.count("ascend.grouped_matmul") == 2
+
+
+@pytest.mark.parametrize("route", ["backend", "inductor_pass"])
+def test_llama4_block_fused_under_inductor(route):
+    """Inductor downstream: the backend's AOT graph, and ``inductor_pass`` on Inductor's post-grad graph
+    (transpose → permute, silu decomposed, the output's view pair folded away)."""
+    block, hidden = _block()
+    torch._dynamo.reset()
+    with torch.no_grad(), ap.capture() as reports:
+        ref = block(hidden)[0]
+        if route == "backend":
+            out = torch.compile(block, backend="ascend_passes", options={"compiler": "inductor"})(hidden)[0]
+        else:
+            custom = ap.inductor_pass(compiler="inductor")
+            with inductor_config.patch(post_grad_custom_post_pass=custom, fx_graph_cache=False):
+                out = torch.compile(block)(hidden)[0]
+    assert rel_diff(out, ref) <= TOL
+    (report,) = reports
+    _assert_block_fused(report)
 
 
 def test_llama4_experts_fused_bf16():
@@ -105,15 +140,13 @@ def test_llama4_experts_fused_bf16():
 def test_llama4_fused_block_equals_the_model_block_bf16():
     """One MoE block alone in bf16: the scores multiply the dispatched rows in bf16 before the first
     matmul, as the model does (a multiply after the matmul, or in fp32, would differ by more)."""
-    model, _ = _llama4(1, torch.bfloat16)
-    block = model.lm.model.layers[0].feed_forward
-    hidden = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    block, hidden = _block(torch.bfloat16)
     torch._dynamo.reset()
     with torch.no_grad(), ap.capture() as reports:
         ref = block(hidden)[0]
         out = torch.compile(block, backend="ascend_passes", options={"compiler": "eager"})(hidden)[0]
     (report,) = reports
-    assert [m.pattern for m in report.passes["moe"].matches] == ["llama4_moe"]
+    _assert_block_fused(report)
     assert rel_diff(out, ref) <= 1e-2
 
 

@@ -315,7 +315,11 @@ _NEEDS_TRANSFORMERS_OP += ("gptoss_grouped_mm_experts",)
 # the experts' input), in the router stage and ahead of the dense sigmoid router pattern it contains
 _LLAMA4 = ("llama4_moe",)
 _SEARCH["llama4_moe"] = _Search(
-    moe_llama4.moe, moe_llama4.ARGNAMES, moe_llama4.example_inputs, tuple((d,) for d in _LOW)
+    moe_llama4.moe,
+    moe_llama4.ARGNAMES,
+    moe_llama4.example_inputs,
+    tuple((d,) for d in _LOW),
+    ({}, {"view_pair": False}),
 )
 _ROUTERS = tuple(n for r in _ROUTERS for n in ((*_LLAMA4, r) if r == "dense_sigmoid_topk_router" else (r,)))
 
@@ -569,10 +573,13 @@ class MoePass(Pass):
         new = _replace(match, fused, args, trace, result, name, layer)
         if new is None:
             return
+        topk = _find(new, aten.topk.default)
+        # where the unfused-block search will place this block (its router's top-k; differs from the
+        # match's first module outside a decoder layer, e.g. a block compiled alone)
+        layer = (where(topk) if topk is not None else None) or layer
         entry = layer_entry(layer)
         entry.router, entry.top_k = name, top_k
         entry.extra["router_near_miss"] = moe_llama4.ROUTER_REASON  # not entry.unsupported: the experts fused
-        topk = _find(new, aten.topk.default)
         reason = f"router not fused into moe_gating_top_k or moe_gating_top_k_softmax: {moe_llama4.ROUTER_REASON}"
         result.near_miss("dense_sigmoid_topk_router", reason, layer=layer, node=topk)
         _record_fused_experts(

@@ -422,8 +422,8 @@ def _experts_reason(cand: Candidate) -> str:
     data = _data_operand(first, cand.num_experts)
     if "aten.mul" in path_ops and any(_is_float(n) for n in path if op_name(n) == "aten.mul"):
         said.append(
-            "the router scores multiply the experts' INPUT (before the first expert matmul); the "
-            "fused chain weights the experts' output (moe_finalize_routing)"
+            "the router scores multiply the experts' INPUT (before the first expert matmul), in a form "
+            "no pattern matched (Llama 4's own is fused: patterns/moe_llama4.py)"
         )
     if not (path_ops & _DISPATCH) and data is not None and _has_ancestor(data, "aten.repeat", 4):
         said.append(

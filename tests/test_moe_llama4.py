@@ -7,8 +7,9 @@ near-miss that names why no gating mode computes it.
 
 Tiny random Llama 4 text models (2 MoE layers), fp32 compiled == uncompiled within 1e-4 relative (k = 1
 and 2), bf16 within the other MoE tests' tolerance, one block under Inductor downstream (the backend's
-graph and ``inductor_pass``'s post-grad graph); fused ops counted per layer.  A router that fills the unselected experts with 0 instead of -inf (sigmoid 0.5: every
-expert weighs in) is read off the graph and left unfused, never fused with an assumed -inf.
+graph and ``inductor_pass``'s post-grad graph); fused ops counted per layer.  A router that fills the
+unselected experts with 0 instead of -inf (sigmoid 0.5: every expert weighs in) is read off the graph
+and left unfused, never fused with an assumed -inf.
 """
 
 from __future__ import annotations

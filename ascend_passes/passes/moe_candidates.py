@@ -170,9 +170,11 @@ def find(graph: fx.Graph) -> list[Candidate]:
 def _source(node: fx.Node) -> Candidate | None:
     """A candidate router at ``node``: its kind, the expert-id node and the number of experts."""
     name = op_name(node)
-    if name == "aten.topk":
+    if name == "aten.topk" or (name == "aten.max" and node.target is aten.max.dim):
+        # max(dim=-1): a top-1 per call (PhiMoE's sparsemixer takes its experts one max at a time)
         x = _val(node.args[0])
-        dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", -1)
+        dim_pos = 2 if name == "aten.topk" else 1
+        dim = node.args[dim_pos] if len(node.args) > dim_pos else node.kwargs.get("dim", -1)
         if not isinstance(x, torch.Tensor) or x.dim() < 2 or not x.is_floating_point():
             return None
         if const_int(dim) is None or dim not in (-1, x.dim() - 1):
@@ -381,6 +383,8 @@ def _router_reason(cand: Candidate) -> str:
     if cand.kind == "gating":
         return "fused"
     topk = cand.source
+    if topk.target is aten.max.dim:
+        return _max_router_reason(cand)
     k = const_int(topk.args[1])
     ops, bias = _scores_chain(topk)
     biased = " + a per-expert correction bias" if bias else ""
@@ -407,6 +411,21 @@ def _router_reason(cand: Candidate) -> str:
             )
     chain = " → ".join([*ops, f"top-{k}"]) if ops else f"top-{k} of the raw logits"
     return f"no router pattern matched its scores: linear → {chain}{biased}"
+
+
+def _max_router_reason(cand: Candidate) -> str:
+    """A router whose expert ids come from ``max`` over the scores, one expert per call."""
+    steps = sum(
+        1
+        for n in cand.source.graph.nodes
+        if n.target is aten.max.dim and layer_of(n) == layer_of(cand.source) and _getitem(n, 1) is not None
+    )
+    masked = any(op_name(u) in ("aten.masked_fill", "aten.where", "aten.scatter") for u in cand.source.args[0].users)
+    how = ", the scores masked between choices as PhiMoE's sparsemixer does" if masked else ""
+    return (
+        f"it picks its experts one at a time by max over the scores ({steps} max calls in this layer{how}), "
+        "not by one top-k over softmax or sigmoid scores; no router pattern matched it"
+    )
 
 
 def _experts_reason(cand: Candidate) -> str:

@@ -233,3 +233,45 @@ def test_vllm_moe_block_router_fused_experts_named(route: str) -> None:
         for nm in near
     ), near
     assert not any("no expert pattern matched" in nm or "leave this graph" in nm for nm in near), near
+
+
+# ------------------------------------------------------------------------------ vLLM's TP all-reduce
+@pytest.mark.skipif(not _HAVE_VLLM, reason="vLLM is not installed (bash tools/setup.sh --vllm)")
+@pytest.mark.parametrize("tokens", [6, 5])
+def test_vllm_all_reduce_is_the_tp_all_reduce_of_sequence_parallelism(tokens: int) -> None:
+    """``torch.ops.vllm.all_reduce(x, group_name="tp:0")`` → add_rms_norm is planned like torch's
+    functional all-reduce, and the rewrite emits vLLM's own ``reduce_scatter`` / ``all_gather`` over
+    the same vLLM group (rows, dim 0; no wait_tensor), so the graph runs inside vLLM; an odd token
+    count is padded.  Graph-level only (world size 2, rank 1): vLLM's collectives need vLLM's group
+    registry, which a test without an ``LLM`` does not have."""
+    import vllm.distributed.parallel_state  # noqa: F401  (registers torch.ops.vllm.all_reduce & co.)
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    import ascend_passes.ops  # noqa: F401
+    from ascend_passes.pass_manager import PassResult
+    from ascend_passes.passes import sequence_parallel as sp
+
+    def layer(x: torch.Tensor, residual: torch.Tensor, gamma: torch.Tensor, w: torch.Tensor) -> Any:
+        reduced = torch.ops.vllm.all_reduce(x, group_name="tp:0")
+        y, _, new_residual = torch.ops.ascend.add_rms_norm(reduced, residual, gamma, 1e-6)
+        return y @ w, new_residual
+
+    hidden = 16
+    inputs = (torch.randn(tokens, hidden), torch.randn(tokens, hidden), torch.ones(hidden), torch.randn(16, 8))
+    gm = make_fx(layer, tracing_mode="fake")(*inputs)
+    assert sp.is_tp_all_reduce(next(n for n in gm.graph.nodes if sp.vllm_group_of(n)), "tp:0")
+    plan = sp.plan(gm, "tp:0")
+    assert plan.vllm_group == "tp:0" and len(plan.all_reduces) == 1 and len(plan.norms) == 1
+    result = PassResult("sequence_parallel")
+    sp._rewrite(gm, plan, 2, 1, "tp:0", result)
+    gm.graph.lint()
+    targets = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+    assert targets.count("vllm.reduce_scatter.default") == 1
+    assert targets.count("vllm.all_gather.default") == 2  # y for the matmul, the residual for the output
+    assert "vllm.all_reduce.default" not in targets and not any("_c10d_functional" in t for t in targets)
+    assert ("aten.constant_pad_nd.default" in targets) == (tokens % 2 == 1)
+    for n in gm.graph.nodes:
+        if str(n.target) in ("vllm.reduce_scatter.default", "vllm.all_gather.default"):
+            assert n.args[1:] == (0, 2) and n.kwargs == {"group_name": "tp:0"}, (n.args, n.kwargs)
+    assert sorted(m.pattern for m in result.matches) == ["add_rms_norm_on_shard", "all_gather", "all_gather",
+                                                        "reduce_scatter"]  # fmt: skip

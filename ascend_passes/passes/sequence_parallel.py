@@ -21,6 +21,11 @@ reduce-scatter and the padding is dropped after the all-gather; whether a (symbo
 is a multiple of W is decided with sympy, and for symbolic counts the padding is computed in the
 graph, so one compiled graph serves every token count.
 
+The TP all-reduce is torch's functional ``all_reduce → wait_tensor`` or vLLM's out-of-place
+``torch.ops.vllm.all_reduce(x, group_name)`` (recognised by its name: this module never imports vLLM);
+a graph of vLLM's gets vLLM's own ``reduce_scatter`` / ``all_gather`` ops over the same vLLM group
+(dim 0, no wait), so it runs inside vLLM.
+
 The pass is all-or-nothing per graph: every TP all-reduce must reach a fused RMSNorm (through
 adds), else nothing changes and a near-miss names the all-reduce, its layer and its consumer
 (a half-SP graph would be wrong or slower).
@@ -89,11 +94,47 @@ def resolve_tp_group(tp_group: Any) -> tuple[Any, int, int, str]:
     return group, size, dist.get_rank(group), group.group_name
 
 
+VLLM_ALL_REDUCE = "vllm.all_reduce.default"  # torch.ops.vllm.all_reduce(tensor, group_name): sum, no wait
+
+
+def vllm_group_of(node: fx.Node) -> str | None:
+    """The vLLM group name of a ``torch.ops.vllm.all_reduce`` node, else None."""
+    if node.op != "call_function" or str(node.target) != VLLM_ALL_REDUCE:
+        return None
+    name = node.kwargs.get("group_name", node.args[1] if len(node.args) > 1 else None)
+    return str(name) if name is not None else None
+
+
+def _vllm_group_is(vllm_name: str, group_name: str) -> bool:
+    """Whether vLLM's group ``vllm_name`` ("tp:0") is the torch process group ``group_name``: the
+    name itself, or the torch group under vLLM's coordinator (read from vLLM's registry when vLLM
+    is loaded; never imported here)."""
+    import sys
+
+    if vllm_name == str(group_name):
+        return True
+    state = sys.modules.get("vllm.distributed.parallel_state")
+    ref = getattr(state, "_groups", {}).get(vllm_name) if state is not None else None
+    coordinator = ref() if callable(ref) else None
+    groups = (getattr(coordinator, "device_group", None), getattr(coordinator, "cpu_group", None))
+    return any(getattr(g, "group_name", None) == str(group_name) for g in groups if g is not None)
+
+
 def is_tp_all_reduce(node: fx.Node, group_name: str) -> bool:
-    """An ``all_reduce`` over the TP group (any reduce op: the plan refuses all but ``sum``)."""
-    return (
-        node.op == "call_function" and node.target is c10d.all_reduce.default and str(node.args[2]) == str(group_name)
-    )
+    """An ``all_reduce`` over the TP group (any reduce op: the plan refuses all but ``sum``):
+    torch's functional collective or vLLM's ``torch.ops.vllm.all_reduce``."""
+    if node.op != "call_function":
+        return False
+    if node.target is c10d.all_reduce.default:
+        return str(node.args[2]) == str(group_name)
+    vllm_name = vllm_group_of(node)
+    return vllm_name is not None and _vllm_group_is(vllm_name, group_name)
+
+
+def _reduced(all_reduce: fx.Node) -> fx.Node:
+    """The node holding an all-reduce's result: its ``wait_tensor`` (torch's functional collective)
+    or the node itself (vLLM's op is synchronous)."""
+    return all_reduce if vllm_group_of(all_reduce) is not None else next(iter(all_reduce.users))
 
 
 # ------------------------------------------------------------------------------------- sizes
@@ -191,6 +232,7 @@ class Plan:
     """What the rewrite will do, decided before anything changes."""
 
     all_reduces: list[fx.Node] = field(default_factory=list)
+    vllm_group: str | None = None  # the all-reduces are vLLM's, over this vLLM group: emit vLLM's ops
     sharded: set[fx.Node] = field(default_factory=set)  # values (original nodes) computed on shards
     ops: list[fx.Node] = field(default_factory=list)  # norms and adds that run on shards
     norms: list[fx.Node] = field(default_factory=list)
@@ -202,7 +244,15 @@ class Plan:
 def plan(gm: fx.GraphModule, group_name: str) -> Plan:
     """Decide the rewrite; raises ``_Refuse`` when the graph cannot be made sequence-parallel."""
     p = Plan(all_reduces=_tp_all_reduces(gm, group_name))
-    p.sharded.update(next(iter(ar.users)) for ar in p.all_reduces)  # their wait_tensors
+    vllm_groups = {vllm_group_of(ar) for ar in p.all_reduces}
+    if len(vllm_groups) > 1:
+        raise _Refuse(
+            "the graph mixes torch's functional all_reduce and vLLM's vllm.all_reduce (or two vLLM groups) "
+            f"over the TP group: {sorted(map(str, vllm_groups))}",
+            p.all_reduces[0],
+        )
+    p.vllm_group = vllm_groups.pop()
+    p.sharded.update(_reduced(ar) for ar in p.all_reduces)  # their wait_tensors (vLLM: themselves)
     for node in gm.graph.nodes:  # topological order: inputs are decided before their users
         _spread(node, p)
     _check_every_all_reduce_reaches_a_norm(p)
@@ -217,11 +267,12 @@ def _tp_all_reduces(gm: fx.GraphModule, group_name: str) -> list[fx.Node]:
     for node in gm.graph.nodes:
         if not is_tp_all_reduce(node, group_name):
             continue
-        if node.args[1] != "sum":
-            raise _Refuse(f"all_reduce {node.name} reduces with {node.args[1]!r}, not 'sum'", node)
-        users = list(node.users)
-        if len(users) != 1 or users[0].target is not c10d.wait_tensor.default:
-            raise _Refuse(f"all_reduce {node.name} is not followed by exactly one wait_tensor", node)
+        if vllm_group_of(node) is None:  # vLLM's all_reduce always sums and needs no wait
+            if node.args[1] != "sum":
+                raise _Refuse(f"all_reduce {node.name} reduces with {node.args[1]!r}, not 'sum'", node)
+            users = list(node.users)
+            if len(users) != 1 or users[0].target is not c10d.wait_tensor.default:
+                raise _Refuse(f"all_reduce {node.name} is not followed by exactly one wait_tensor", node)
         if _shape(node) is None or len(_shape(node)) < 2:
             raise _Refuse(f"all_reduce {node.name} is not over a [tokens, hidden] activation", node)
         found.append(node)
@@ -274,7 +325,7 @@ def _check_every_all_reduce_reaches_a_norm(p: Plan) -> None:
     """Every all-reduce must reach a fused norm (through adds and views), else a norm stays
     un-rewritten and the graph would be half sequence-parallel."""
     for ar in p.all_reduces:
-        frontier, seen, reached = [next(iter(ar.users))], set(), False
+        frontier, seen, reached = [_reduced(ar)], set(), False
         while frontier and not reached:
             value = frontier.pop()
             for user in value.users:
@@ -284,7 +335,7 @@ def _check_every_all_reduce_reaches_a_norm(p: Plan) -> None:
                     seen.add(user)
                     frontier.append(user)
         if not reached:
-            consumer = next(iter(next(iter(ar.users)).users), None)
+            consumer = next(iter(_reduced(ar).users), None)
             what = f"{consumer.name} ({consumer.target})" if consumer is not None else "nothing"
             raise _Refuse(
                 f"all_reduce {ar.name} feeds {what}, not a fused RMSNorm; sequence parallelism needs "
@@ -411,16 +462,25 @@ class _Rewriter:
     def reduce_scatter(self) -> None:
         """1. Every TP all_reduce becomes a reduce_scatter over padded rows."""
         b = self.b
+        vllm_group = self.p.vllm_group
         for ar in self.p.all_reduces:
-            wait = next(iter(ar.users))
+            wait = _reduced(ar)
             x = ar.args[0]
             with self.graph.inserting_before(ar):
                 t = b.tokens(x, self.world_size, self.rank)
                 flat = self._rows(x, t, ar)
-                rs = b.call(
-                    c10d.reduce_scatter_tensor.default, (flat, "sum", self.world_size, self.group_name), like=ar
-                )
-                rs_wait = b.call(c10d.wait_tensor.default, (rs,), like=wait)
+                if vllm_group is not None:  # vLLM's op over vLLM's group: rows (dim 0), synchronous
+                    rs_wait = b.call(
+                        torch.ops.vllm.reduce_scatter.default,
+                        (flat, 0, self.world_size),
+                        {"group_name": vllm_group},
+                        like=ar,
+                    )
+                else:
+                    rs = b.call(
+                        c10d.reduce_scatter_tensor.default, (flat, "sum", self.world_size, self.group_name), like=ar
+                    )
+                    rs_wait = b.call(c10d.wait_tensor.default, (rs,), like=wait)
             self.shard[wait], self.tokens[wait] = rs_wait, t
             self.result.match(
                 "reduce_scatter", layer=where(ar), nodes=[ar], world_size=self.world_size, padded=t.needs_pad
@@ -486,10 +546,18 @@ class _Rewriter:
             foreign = [u for u in value.users if u not in self.p.ops and u not in self.p.views]
             # right before the first consumer: everything the original value's shape refers to exists there
             with self.graph.inserting_before(min(foreign, key=order.__getitem__)):
-                gathered = b.call(
-                    c10d.all_gather_into_tensor.default, (part, self.world_size, self.group_name), like=value
-                )
-                gathered = b.call(c10d.wait_tensor.default, (gathered,), like=value)
+                if self.p.vllm_group is not None:
+                    gathered = b.call(
+                        torch.ops.vllm.all_gather.default,
+                        (part, 0, self.world_size),
+                        {"group_name": self.p.vllm_group},
+                        like=value,
+                    )
+                else:
+                    gathered = b.call(
+                        c10d.all_gather_into_tensor.default, (part, self.world_size, self.group_name), like=value
+                    )
+                    gathered = b.call(c10d.wait_tensor.default, (gathered,), like=value)
                 if t.needs_pad:
                     gathered = b.call(aten.slice.Tensor, (gathered, 0, 0, t.n), like=value)
                 full = b.call(aten.view.default, (gathered, list(t.shape)), like=value)
@@ -501,7 +569,7 @@ class _Rewriter:
     def erase_replaced(self) -> None:
         """4. The replaced nodes are dead now (collectives are never dead code to fx: erase them by hand)."""
         p = self.p
-        old = [*p.views, *p.ops, *p.all_reduces, *(next(iter(ar.users)) for ar in p.all_reduces)]
+        old = [*p.views, *p.ops, *p.all_reduces, *(_reduced(ar) for ar in p.all_reduces)]
         old += [item for op in p.ops for item in _getitems(op).values()]
         order = self._order()
         for node in sorted(set(old), key=order.__getitem__, reverse=True):

@@ -1,14 +1,15 @@
 """MoE router patterns: Hugging Face router code (search) and the fused gating op (replacement).
 
 DeepSeek-V3 ``noaux_tc`` routing (sigmoid + correction bias + group-limited top-k + gather of the
-unbiased scores + renormalisation + routed scaling), as Hugging Face and vLLM's ``grouped_topk`` write
-it, and the same without expert groups (MiniMax-M2) become ``ascend.moe_gating_top_k``; Qwen3 / Mixtral softmax top-k routing and its equal, top-k of
-the logits then softmax over the k (GraniteMoE, gpt-oss), become ``ascend.moe_gating_top_k_softmax``
-(+ the renormalisation, which that op does not do).  Llama 4's dense sigmoid of the top-k is searched
-only so the pass can say which gating mode it is not.  Search functions take the router's constants as keyword-only
-arguments: they are traced once with small example values, and the matcher treats ints and
-floats as wildcards, so one trace matches every expert count, group count and k; the pass reads
-the real constants off the matched nodes (``RouterConstants``).
+unbiased scores + renormalisation + routed scaling), as Hugging Face and vLLM's ``grouped_topk``
+write it, and the same without expert groups (MiniMax-M2) become ``ascend.moe_gating_top_k``; Qwen3
+/ Mixtral softmax top-k routing and its equal, top-k of the logits then softmax over the k
+(GraniteMoE, gpt-oss), become ``ascend.moe_gating_top_k_softmax`` (+ the renormalisation, which that
+op does not do). Llama 4's dense sigmoid of the top-k is searched only so the pass can say which
+gating mode it is not. Search functions take the router's constants as keyword-only arguments: they
+are traced once with small example values, and the matcher treats ints and floats as wildcards, so
+one trace matches every expert count, group count and k; the pass reads the real constants off the
+matched nodes (``RouterConstants``).
 """
 
 from __future__ import annotations

@@ -98,7 +98,6 @@ def _as_post_grad(gm: fx.GraphModule) -> None:
     one value become ``full`` (a masked fill's ``scalar_tensor(-inf)`` is ``full([], -inf)``) and
     every ``aten.view`` is an ``aten.reshape`` (``view_to_reshape``, which Inductor applies to the
     whole graph).  Inductor's own functions, so the pattern follows whatever they do."""
-    from torch._inductor.fx_passes.joint_graph import constant_fold_uniform_value
     from torch._inductor.fx_passes.post_grad import view_to_reshape
 
     _as_joint_graph(gm)

@@ -12,9 +12,8 @@ Invariant: the graph is not modified.
 
 from __future__ import annotations
 
-from typing import Any
-
 import operator
+from typing import Any
 
 import torch
 import torch.fx as fx

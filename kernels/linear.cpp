@@ -1,6 +1,7 @@
 // CPU kernel of ascend.linear (torch_npu.npu_linear): y = input @ weight^T (+ bias), input [M, K],
 // weight [N, K]. A few rows (decode) -> the weight-streaming kernel of skinny.h, split over the
-// weight's rows; otherwise ATen's linear (BLAS), the same call the un-rewritten graph made.
+// weight's rows (bf16: AVX512_BF16 dot products where the CPU has them), except bf16 of 4+ rows on a CPU
+// with AMX (kAmxLinearRows); otherwise ATen's linear (BLAS / oneDNN), the call the un-rewritten graph made.
 #include "common.h"
 #include "kernels.h"
 #include "skinny.h"
@@ -9,6 +10,18 @@ namespace ascend_kernels {
 namespace {
 
 constexpr const char* kLinear = "linear";
+
+// bf16 with at least this many rows on a CPU with AMX: torch's linear (oneDNN's AMX kernel, fp32
+// accumulation), not the streaming kernel. Measured on the development machine (Xeon with AMX, one
+// thread, cold bf16 weights [4096, 1024] / [1024, 512] / [256, 1024]): the AVX512_BF16 stream beats
+// oneDNN by 1.2-2x at 1 row and ties it at 2-3; from 4 rows its dot products, 1 per row per 32 weight
+// elements, bound it (oneDNN 1.2-1.8x faster at 4-8 rows), where the tile units have compute to spare.
+constexpr int64_t kAmxLinearRows = 4;
+
+bool bf16_linear_on_amx(const at::Tensor& input) {
+  return input.scalar_type() == at::kBFloat16 && input.size(0) >= kAmxLinearRows && isa_level() == Isa::kAmx &&
+         at::globalContext().userEnabledMkldnn();
+}
 
 void check_linear(const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
   check_float(kLinear, "input", input);
@@ -24,12 +37,14 @@ void check_linear(const at::Tensor& input, const at::Tensor& weight, const std::
   }
 }
 
+// bf16 input and weight: the bf16 x bf16 kernel reads x as it is (AVX512_BF16 dot products where the
+// CPU has them); fp32: the fp32 kernel. The output is accumulated in fp32 and rounded once (after the bias).
 template <typename T>
 at::Tensor skinny_linear(const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
   const int64_t m = input.size(0), k = input.size(1), n = weight.size(0);
-  const auto xf = input.to(at::kFloat).contiguous();  // no copy for a contiguous float input
+  const auto xc = input.contiguous();  // no copy for contiguous rows
   auto y = at::empty({m, n}, input.options().dtype(at::kFloat));
-  const float* xp = xf.const_data_ptr<float>();
+  const T* xp = xc.const_data_ptr<T>();
   const T* wp = weight.const_data_ptr<T>();
   float* yp = y.data_ptr<float>();
   const int64_t ws = weight.stride(0);
@@ -48,7 +63,7 @@ at::Tensor linear(const at::Tensor& input, const at::Tensor& weight, const std::
   const auto dtype = input.scalar_type();
   const bool streams = input.size(0) > 0 && input.size(0) <= kSkinnyRows && input.size(1) > 0 && weight.size(0) > 0 &&
                        weight.stride(1) == 1 && (dtype == at::kFloat || dtype == at::kBFloat16);
-  if (!streams) return at::linear(input, weight, bias);
+  if (!streams || bf16_linear_on_amx(input)) return at::linear(input, weight, bias);
   if (dtype == at::kFloat) return skinny_linear<float>(input, weight, bias);
   return skinny_linear<c10::BFloat16>(input, weight, bias);
 }

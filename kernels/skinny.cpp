@@ -2,9 +2,21 @@
 // registers), AVX2 + FMA (8 lanes, 16 registers) and the x86-64 baseline, picked once at run time
 // from the CPU's feature bits. The register blocks differ per target: MB rows of x times NB
 // weight rows of accumulators, as many as fit in the register file next to the NB weight vectors.
+// bf16 weights on AVX-512 have kernels of their own (intrinsics): with bf16 x, AVX512_BF16 dot products
+// (vdpbf16ps, 32 elements of K per instruction: half the instructions of widening, which bounded bf16
+// decode at ~the fp32 element rate, i.e. half its bytes per second); with fp32 x, or capped by
+// ASCEND_PASSES_ISA=avx512, two-instruction widening to fp32 and FMAs.
 #include "skinny.h"
 
+#include <string>
+#include <type_traits>
 #include <utility>
+#include <vector>
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#include <immintrin.h>
+#define ASCEND_SKINNY_X86 1
+#endif
 
 namespace ascend_kernels {
 namespace {
@@ -159,6 +171,114 @@ ASCEND_INLINE void rows(const float* x, int64_t xs, const T* w, int64_t ws, floa
   }
 }
 
+#ifdef ASCEND_SKINNY_X86
+#define ASCEND_AVX512 __attribute__((target("avx512f,avx512vl,avx512bw,avx512dq,avx2,fma")))
+#define ASCEND_AVX512BF16 __attribute__((target("avx512f,avx512vl,avx512bw,avx512dq,avx512bf16,avx2,fma")))
+
+// ---- bf16 weights, AVX-512F: 16 weight elements widened to floats (exact: a bf16 is the top half
+// of a float) by two instructions, zero-extend and shift; masked loads handle K tails (zeros add 0)
+ASCEND_AVX512 ASCEND_INLINE __m512 widen16(const c10::BFloat16* p, __mmask16 mask) {
+  const __m256i h = _mm256_maskz_loadu_epi16(mask, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// y[0:MB, 0:NB] = x[0:MB] (fp32) . w[0:NB] (bf16) in fp32, 16 lanes of K per step
+template <int MB, int NB>
+ASCEND_AVX512 ASCEND_INLINE void block_widen(const float* x, int64_t xs, const c10::BFloat16* w, int64_t ws, float* y,
+                                             int64_t ys, int64_t k) {
+  __m512 acc[MB][NB];
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t kk = 0; kk < k; kk += 16) {
+    const __mmask16 mask = k - kk >= 16 ? __mmask16(0xffff) : __mmask16((1u << (k - kk)) - 1);
+    __m512 wv[NB];
+    for (int j = 0; j < NB; ++j) wv[j] = widen16(w + j * ws + kk, mask);
+    for (int i = 0; i < MB; ++i) {
+      const __m512 xv = _mm512_maskz_loadu_ps(mask, x + i * xs + kk);
+      for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);
+    }
+  }
+  float sums[MB * NB];
+  lane_sums<16, MB * NB>(reinterpret_cast<const Vec<16>::f*>(&acc[0][0]), sums);
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NB; ++j) y[i * ys + j] = sums[i * NB + j];
+}
+
+// ---- bf16 weights and bf16 x, AVX512_BF16: vdpbf16ps multiplies 32 bf16 pairs and adds each
+// adjacent pair of products into one fp32 lane, so a step covers 32 elements of K with half the
+// instructions of the widening path (products of bf16 are exact in fp32; sums are fp32, rounded to
+// nearest even; the instruction treats denormal inputs and outputs as zero)
+template <int MB, int NB>
+ASCEND_AVX512BF16 ASCEND_INLINE void block_dot(const c10::BFloat16* x, int64_t xs, const c10::BFloat16* w, int64_t ws,
+                                               float* y, int64_t ys, int64_t k) {
+  __m512 acc[MB][NB];
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t kk = 0; kk < k; kk += 32) {
+    const __mmask32 mask = k - kk >= 32 ? __mmask32(0xffffffffu) : __mmask32((1u << (k - kk)) - 1);
+    __m512i wv[NB];
+    for (int j = 0; j < NB; ++j) wv[j] = _mm512_maskz_loadu_epi16(mask, w + j * ws + kk);
+    for (int i = 0; i < MB; ++i) {
+      const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + i * xs + kk);
+      for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, (__m512bh)wv[j]);
+    }
+  }
+  float sums[MB * NB];
+  lane_sums<16, MB * NB>(reinterpret_cast<const Vec<16>::f*>(&acc[0][0]), sums);
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NB; ++j) y[i * ys + j] = sums[i * NB + j];
+}
+
+// every weight row n_lo..n_hi for MB rows of x, in blocks of NB weight rows (register budget: MB * NB
+// accumulators + NB weight vectors + one x vector <= 32)
+#define ASCEND_BF16_COLS(NAME, BLOCK, XT, TARGET)                                                                   \
+  template <int MB>                                                                                                 \
+  TARGET ASCEND_INLINE void NAME(const XT* x, int64_t xs, const c10::BFloat16* w, int64_t ws, float* y, int64_t ys, \
+                                 int64_t k, int64_t n_lo, int64_t n_hi) {                                           \
+    constexpr int NB = rows_of_w<16>(MB);                                                                           \
+    int64_t n = n_lo;                                                                                               \
+    for (; n + NB <= n_hi; n += NB) BLOCK<MB, NB>(x, xs, w + n * ws, ws, y + n, ys, k);                             \
+    for (; n < n_hi; ++n) BLOCK<MB, 1>(x, xs, w + n * ws, ws, y + n, ys, k);                                        \
+  }                                                                                                                 \
+  TARGET void NAME##_rows(const XT* x, int64_t xs, const c10::BFloat16* w, int64_t ws, float* y, int64_t ys,        \
+                          int64_t m, int64_t k, int64_t n_lo, int64_t n_hi) {                                       \
+    static_assert(kSkinnyRows == 8, "the switch below covers 1..8 rows");                                           \
+    for (int64_t m0 = 0; m0 < m; m0 += kSkinnyRows) {                                                               \
+      const XT* xb = x + m0 * xs;                                                                                   \
+      float* yb = y + m0 * ys;                                                                                      \
+      switch (std::min(kSkinnyRows, m - m0)) {                                                                      \
+        case 1:                                                                                                     \
+          NAME<1>(xb, xs, w, ws, yb, ys, k, n_lo, n_hi);                                                            \
+          break;                                                                                                    \
+        case 2:                                                                                                     \
+          NAME<2>(xb, xs, w, ws, yb, ys, k, n_lo, n_hi);                                                            \
+          break;                                                                                                    \
+        case 3:                                                                                                     \
+          NAME<3>(xb, xs, w, ws, yb, ys, k, n_lo, n_hi);                                                            \
+          break;                                                                                                    \
+        case 4:                                                                                                     \
+          NAME<4>(xb, xs, w, ws, yb, ys, k, n_lo, n_hi);                                                            \
+          break;                                                                                                    \
+        case 5:                                                                                                     \
+          NAME<5>(xb, xs, w, ws, yb, ys, k, n_lo, n_hi);                                                            \
+          break;                                                                                                    \
+        case 6:                                                                                                     \
+          NAME<6>(xb, xs, w, ws, yb, ys, k, n_lo, n_hi);                                                            \
+          break;                                                                                                    \
+        case 7:                                                                                                     \
+          NAME<7>(xb, xs, w, ws, yb, ys, k, n_lo, n_hi);                                                            \
+          break;                                                                                                    \
+        default:                                                                                                    \
+          NAME<8>(xb, xs, w, ws, yb, ys, k, n_lo, n_hi);                                                            \
+          break;                                                                                                    \
+      }                                                                                                             \
+    }                                                                                                               \
+  }
+ASCEND_BF16_COLS(cols_widen, block_widen, float, ASCEND_AVX512)
+ASCEND_BF16_COLS(cols_dot, block_dot, c10::BFloat16, ASCEND_AVX512BF16)
+#undef ASCEND_BF16_COLS
+#endif
+
 #define ASCEND_SKINNY_ARGS                                                                                      \
   const float *x, int64_t xs, const T *w, int64_t ws, float *y, int64_t ys, int64_t m, int64_t k, int64_t n_lo, \
       int64_t n_hi
@@ -185,7 +305,11 @@ void dispatch(ASCEND_SKINNY_ARGS) {
   switch (isa_level()) {
     case Isa::kAmx:  // decode is bound by reading the weight: AVX-512 streams it
     case Isa::kAvx512:
-      rows_avx512<T>(ASCEND_SKINNY_PASS);
+      if constexpr (std::is_same_v<T, c10::BFloat16>) {
+        cols_widen_rows(ASCEND_SKINNY_PASS);
+      } else {
+        rows_avx512<T>(ASCEND_SKINNY_PASS);
+      }
       break;
     case Isa::kAvx2:
       rows_avx2<T>(ASCEND_SKINNY_PASS);
@@ -204,6 +328,23 @@ void dispatch(ASCEND_SKINNY_ARGS) {
 
 }  // namespace
 
+bool skinny_bf16_dot() {
+#ifdef ASCEND_SKINNY_X86
+  static const bool dot = [] {
+    __builtin_cpu_init();
+    if (!__builtin_cpu_supports("avx512bf16")) return false;
+    const Isa level = isa_level();
+    if (level == Isa::kAmx) return true;  // amx implies avx512_bf16
+    // avx512_bf16 without AMX (Cooper Lake, Zen 4): level avx512, unless ASCEND_PASSES_ISA capped it there
+    const char* cap = std::getenv("ASCEND_PASSES_ISA");
+    return level == Isa::kAvx512 && (cap == nullptr || *cap == '\0' || std::string(cap) == "amx");
+  }();
+  return dot;
+#else
+  return false;
+#endif
+}
+
 void skinny_nt(const float* x, int64_t xs, const float* w, int64_t ws, float* y, int64_t ys, int64_t m, int64_t k,
                int64_t n_lo, int64_t n_hi) {
   using T = float;
@@ -214,6 +355,22 @@ void skinny_nt(const float* x, int64_t xs, const c10::BFloat16* w, int64_t ws, f
                int64_t k, int64_t n_lo, int64_t n_hi) {
   using T = c10::BFloat16;
   dispatch<T>(ASCEND_SKINNY_PASS);
+}
+
+void skinny_nt(const c10::BFloat16* x, int64_t xs, const c10::BFloat16* w, int64_t ws, float* y, int64_t ys, int64_t m,
+               int64_t k, int64_t n_lo, int64_t n_hi) {
+#ifdef ASCEND_SKINNY_X86
+  if (skinny_bf16_dot()) {
+    cols_dot_rows(x, xs, w, ws, y, ys, m, k, n_lo, n_hi);
+    return;
+  }
+#endif
+  // no bf16 dot product: x widened to fp32 (exact), then the fp32-x kernel
+  thread_local std::vector<float> xf;
+  xf.resize(m * k);
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t kk = 0; kk < k; ++kk) xf[i * k + kk] = static_cast<float>(x[i * xs + kk]);
+  skinny_nt(xf.data(), k, w, ws, y, ys, m, k, n_lo, n_hi);
 }
 
 #undef ASCEND_SKINNY_ARGS

@@ -15,12 +15,19 @@ namespace ascend_kernels {
 
 constexpr int64_t kSkinnyRows = 8;  // at most this many rows of x: the streaming kernel
 
-// y[0:m, n_lo:n_hi] = x[0:m, 0:k] @ w[n_lo:n_hi, 0:k]^T in float. x: float rows xs apart;
+// y[0:m, n_lo:n_hi] = x[0:m, 0:k] @ w[n_lo:n_hi, 0:k]^T, accumulated in fp32. x: float rows xs apart;
 // w: rows ws apart, each k contiguous elements; y: float rows ys apart (column n at y + n).
 // Any m (rows are taken in blocks of kSkinnyRows); picks the AVX-512 / AVX2 code at run time.
 void skinny_nt(const float* x, int64_t xs, const float* w, int64_t ws, float* y, int64_t ys, int64_t m, int64_t k,
                int64_t n_lo, int64_t n_hi);
 void skinny_nt(const float* x, int64_t xs, const c10::BFloat16* w, int64_t ws, float* y, int64_t ys, int64_t m,
                int64_t k, int64_t n_lo, int64_t n_hi);
+// bf16 x and w: AVX512_BF16 dot products (vdpbf16ps: 32 elements of K per instruction, bf16 products
+// exact in fp32, fp32 sums; denormal inputs count as zero) where the CPU has them and ASCEND_PASSES_ISA
+// does not cap them (skinny_bf16_dot()); else x widened to fp32 and the kernel above (exact products).
+void skinny_nt(const c10::BFloat16* x, int64_t xs, const c10::BFloat16* w, int64_t ws, float* y, int64_t ys, int64_t m,
+               int64_t k, int64_t n_lo, int64_t n_hi);
+// whether the bf16 x bf16 kernel uses the AVX512_BF16 dot products (read once: CPU bits + ASCEND_PASSES_ISA)
+bool skinny_bf16_dot();
 
 }  // namespace ascend_kernels

@@ -60,6 +60,26 @@ def test_norms_and_swiglu_large_rows(dtype):
     assert_same(K.swiglu(long_rows, 0), reference.swiglu(long_rows, 0), dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("interleaved", [True, False])
+def test_clipped_swiglu_kernel_equals_reference(dtype, interleaved):
+    """Many short rows (split across rows), few long ones (split inside a row), another dim,
+    a non-contiguous x and grouped rows: the C++ kernel equals the reference."""
+    kw = dict(alpha=1.702, limit=7.0, bias=1.0, interleaved=interleaved)
+    x = (torch.randn(257, 1024) * 8).to(dtype)  # both clamps bite
+    assert_same(K.clipped_swiglu(x, **kw), reference.clipped_swiglu(x, **kw), dtype)
+    long_rows = (torch.randn(2, 4, 9000) * 8).to(dtype)
+    assert_same(K.clipped_swiglu(long_rows, dim=0, **kw), reference.clipped_swiglu(long_rows, dim=0, **kw), dtype)
+    assert_same(K.clipped_swiglu(long_rows, dim=1, **kw), reference.clipped_swiglu(long_rows, dim=1, **kw), dtype)
+    strided = (torch.randn(64, 40) * 8).to(dtype).t().contiguous().t()
+    assert not strided.is_contiguous()
+    assert_same(K.clipped_swiglu(strided, **kw), reference.clipped_swiglu(strided, **kw), dtype)
+    groups = torch.tensor([100, 0, 57])  # 157 of 257 rows
+    got = K.clipped_swiglu(x, group_index=groups, **kw)
+    assert_same(got, reference.clipped_swiglu(x, group_index=groups, **kw), dtype)
+    assert (got[157:] == 0).all()
+
+
 def routing_case(tokens: int, experts: int, k: int, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     return torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(tokens)]).to(torch.int32)
@@ -679,3 +699,145 @@ def test_library_built_for_other_schemas_falls_back_instead_of_aborting():
     warnings = [line for line in lines if line.startswith("WARNING:ascend_passes.kernels")]
     assert len(warnings) == 1 and "were built for other op schemas (zz_retired: not an ascend op)" in warnings[0]
     assert "backend reference ['zz_retired: not an ascend op']" in lines and lines[-1] == "ran"
+
+
+# bf16 decode (issue 18 goal 3): bf16 x bf16 streaming takes AVX512_BF16 dot products (vdpbf16ps) where
+# the CPU has them, the AVX-512F widening FMAs under ASCEND_PASSES_ISA=avx512; bf16 linear of 4+ rows runs
+# torch's linear (oneDNN on AMX) on an AMX CPU. Which path ran shows in the result of denormal inputs:
+# vdpbf16ps (and the tile units) read a denormal bf16 as zero, the widening FMA path keeps it.
+BF16_DECODE_SCRIPT = textwrap.dedent(
+    """
+    import torch, ascend_passes.ops
+    from ascend_passes.ops import reference
+    K = torch.ops.ascend_kernels
+    torch.manual_seed(3)
+    # every row count of the streaming kernel, K tails of the 32- and 16-element steps, a bias
+    for rows in (1, 2, 3, 5, 8):
+        for k in (17, 100, 1024):
+            x = torch.randn(rows, k).bfloat16()
+            w = (torch.randn(131, k) / k**0.5).bfloat16()
+            b = torch.randn(131).bfloat16()
+            got, want = K.linear(x, w, b).float(), reference.linear(x, w, b).float()
+            torch.testing.assert_close(got, want, atol=1e-2, rtol=1e-2)
+    # grouped_matmul decode schedule: HF's [E, N, K] experts as transposed views, 1..8 rows per group
+    group_list = torch.tensor([1, 0, 3, 8, 2])
+    x = torch.randn(16, 100).bfloat16()
+    w = (torch.randn(5, 200, 100) / 10).transpose(1, 2).bfloat16()
+    for act, b in ((0, None), (5, [torch.randn(5, 200).bfloat16()])):
+        kw = dict(bias=b, group_list=group_list, group_type=0, group_list_type=1, act_type=act)
+        got, want = K.grouped_matmul([x], [w], **kw)[0], reference.grouped_matmul([x], [w], **kw)[0]
+        torch.testing.assert_close(got.float(), want.float(), atol=1e-2, rtol=1e-2)
+    tiny = torch.full((8, 64), 1e-39).bfloat16()  # denormal; the sum of 64 of them is a normal float
+    ones = torch.ones(16, 64).bfloat16()
+    one_row = K.linear(tiny[:1], ones)[0, 0].float().item()
+    gmm = K.grouped_matmul([tiny[:1]], [ones.t().unsqueeze(0)], group_list=torch.tensor([1]), group_type=0,
+                           group_list_type=1)[0][0, 0].float().item()
+    print("MARK-END-OF-STREAM", flush=True)
+    eight_rows = K.linear(tiny, ones)[0, 0].float().item()
+    print(f"one-row {one_row:.3e} gmm {gmm:.3e} eight-rows {eight_rows:.3e}", flush=True)
+    """
+)
+
+
+@pytest.mark.parametrize("isa", ["amx", "avx512"])
+def test_bf16_decode_streams_with_bf16_dot_products_where_the_cpu_has_them(isa):
+    """bf16 linear and grouped_matmul decode equal the reference within the bf16 tolerance on both
+    paths; uncapped on a CPU with avx512_bf16 the stream uses vdpbf16ps (denormal inputs read as 0),
+    capped at avx512 the widening FMAs (they add up); with AMX, 8 bf16 rows go to oneDNN's AMX kernel."""
+    flags = set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").exists() else set()
+    if not {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags:
+        pytest.skip("this CPU lacks AVX-512: the bf16 streaming paths under test are AVX-512 ones")
+    dot = "avx512_bf16" in flags and isa == "amx"
+    amx = cpu_has_amx_bf16() and isa == "amx"
+    run = subprocess.run(
+        [sys.executable, "-c", BF16_DECODE_SCRIPT],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "ASCEND_PASSES_ISA": isa, "ONEDNN_VERBOSE": "1"},
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    rest = run.stdout.split("MARK-END-OF-STREAM")[1]  # before it: the reference's own oneDNN calls
+    (line,) = [line for line in rest.splitlines() if line.startswith("one-row ")]
+    sums = dict(zip(*[iter(line.split())] * 2))
+    denormal_sum = 64 * 1e-39
+    for path in ("one-row", "gmm"):
+        got = float(sums[path])
+        assert got == 0.0 if dot else got == pytest.approx(denormal_sum, rel=0.02), (path, sums)
+    bf16_mm = [line for line in rest.splitlines() if ",exec," in line and "bf16" in line]
+    if amx:  # 8 rows: oneDNN's AMX kernel (tile units read denormals as zero too)
+        assert bf16_mm and all("amx" in line for line in bf16_mm), rest[-3000:]
+        assert float(sums["eight-rows"]) == 0.0
+    else:  # 8 rows stream through the widening FMAs
+        assert float(sums["eight-rows"]) == pytest.approx(denormal_sum, rel=0.02), sums
+
+
+# fp32 prefill pieces (> 8 rows, weight K contiguous): the AVX-512 GEMM for K <= 512, MKL's sgemm above
+# (kernels/gemm.h, GemmRoute); ASCEND_PASSES_GEMM=own|blas forces one route. MKL_VERBOSE names every
+# sgemm call, so the route shows in the output between the markers; every result equals the reference.
+GEMM_ROUTE_SCRIPT = textwrap.dedent(
+    """
+    import os, torch, ascend_passes.ops
+    from ascend_passes.ops import reference
+    K = torch.ops.ascend_kernels
+    torch.manual_seed(3)
+    group_list = torch.tensor([9, 40, 0, 23])  # groups at the streaming kernel's row bound + 1 and above
+    for k in (512, 513):
+        x = torch.randn(int(group_list.sum()), k)
+        w = (torch.randn(4, 70, k) / 23).transpose(1, 2)  # HF's [E, N, K] storage
+        kw = dict(group_list=group_list, group_type=0, group_list_type=1)
+        expected = reference.grouped_matmul([x], [w], **kw)[0]
+        for route in ("", "auto", "own", "blas"):
+            os.environ["ASCEND_PASSES_GEMM"] = route
+            print(f"MARK k={k} route={route or 'unset'}", flush=True)
+            got = K.grouped_matmul([x], [w], **kw)[0]
+            print("MARK-END", flush=True)
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4)
+    os.environ["ASCEND_PASSES_GEMM"] = "fast"
+    try:
+        K.grouped_matmul([x], [w], **kw)
+    except ValueError as e:
+        print("bad-route:", e)
+    print("gemm-route-ok", flush=True)
+    """
+)
+
+
+def test_fp32_prefill_gemm_route_switches_to_blas_above_the_depth_threshold():
+    """Issue 18 (fp32 prefill regression): pieces with K <= 512 take the AVX-512 GEMM, deeper ones MKL
+    (faster there on this AMX Xeon: 85 vs 64-71% of a dense mm at K = 1024); both sides of the boundary
+    and both forced routes equal the reference; a bad ASCEND_PASSES_GEMM value raises naming the choices."""
+    if not torch.backends.mkl.is_available():
+        pytest.skip("torch is built without MKL: MKL_VERBOSE cannot show which route ran")
+    run = subprocess.run(
+        [sys.executable, "-c", GEMM_ROUTE_SCRIPT],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "MKL_VERBOSE": "1", "OMP_NUM_THREADS": "2"},
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "gemm-route-ok" in run.stdout
+    assert "ASCEND_PASSES_GEMM must be one of auto, own, blas; got 'fast'" in run.stdout
+    sgemm_calls = {}
+    for block in run.stdout.split("MARK ")[1:]:
+        name, body = block.split("\n", 1)
+        sgemm_calls[name] = body.split("MARK-END")[0].count("SGEMM(")
+    own_gemm = {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= set(Path("/proc/cpuinfo").read_text().split())
+    own_gemm = own_gemm and os.environ.get("ASCEND_PASSES_ISA", "") in ("", "amx", "avx512")
+    blas = {k: v > 0 for k, v in sgemm_calls.items()}
+    if own_gemm:
+        # 3 pieces of > 8 rows each; the group of 9 rows is above the streaming kernel's 8
+        assert blas == {
+            "k=512 route=unset": False,
+            "k=512 route=auto": False,
+            "k=512 route=own": False,
+            "k=512 route=blas": True,
+            "k=513 route=unset": True,
+            "k=513 route=auto": True,
+            "k=513 route=own": False,
+            "k=513 route=blas": True,
+        }, sgemm_calls
+        assert sgemm_calls["k=513 route=blas"] == 3, sgemm_calls
+    else:  # no AVX-512 GEMM here: every route is BLAS
+        assert all(blas.values()), sgemm_calls

@@ -8,7 +8,9 @@ expert; experts via Hugging Face ``grouped_mm``.  Shapes: prefill 1×256 and 1×
 (Inductor), Inductor with ``freezing=True`` (weights folded as constants, oneDNN-prepacked), and the
 Hugging Face ``batched_mm`` experts under Inductor; then ascend_passes with ``compiler="eager"`` and
 ``compiler="inductor"`` — median time per forward, the ratio against eager and against the best of
-all peers, and the compile time (first call).  All in one run.  Below the table, the limits measured
+all peers of that shape and dtype, and the compile time (first call).  Each (dtype, shape) cell runs
+in a process of its own (``--in-process``: all in this one), so that a full run fits 24 GiB; this
+process prints the one table.  Below the table, the limits measured
 in the same run: the model's matmul FLOPs (FlopCounterMode on the ``batched_mm`` model, which counts
 the experts' bmm), a dense ``torch.mm`` [2048,1024]x[1024,4096] in each dtype and the fraction of
 that roofline each prefill reaches; for decode, the bytes the forward must read (all weights but
@@ -22,7 +24,7 @@ iterations; shared-KV MQA, 8 heads of 128, q_lora_rank 256; layers sliding / CSA
 top-64) / HCA (rate 128) / sliding; swiglu_limit 10); same shapes, dtypes and peers.  Its routers stay
 ATen (sqrtsoftplus is no gating mode), its experts are the fused chain.
 
-    python tools/bench_model.py                 # everything (several minutes on 2 cores)
+    python tools/bench_model.py                 # everything, one process per (dtype, shape) (~20 min on 2 cores)
     python tools/bench_model.py --quick         # fp32 only, fewer repetitions
     python tools/bench_model.py --shapes decode --dtypes float32 --variants eager,ascend_eager
     python tools/bench_model.py --model deepseek_v4 --quick
@@ -31,12 +33,18 @@ ATen (sqrtsoftplus is no gating mode), its experts are the fused chain.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
+import json
 import os
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import _allocator  # tools/_allocator.py: this script's folder is on sys.path
@@ -225,6 +233,7 @@ def bench(
     reps: int,
     budget_s: float,
     model_name: str = "deepseek_v3",
+    on_row: Callable[[Row], None] | None = None,
 ) -> tuple[list[Row], dict[tuple[str, str], Facts]]:
     factory, config, _ = MODELS[model_name]
     rows: list[Row] = []
@@ -263,6 +272,8 @@ def bench(
                     ops = reports[0].rewritten_ops()
                     rewrites = f"{sum(ops.values())} fused ops, rel err {err:.1e}"
                 rows.append(Row(shape, dtype_name, variant, ms, compile_s if variant != "eager" else 0.0, rewrites))
+                if on_row is not None:
+                    on_row(rows[-1])
                 print(
                     f"  {shape:12s} {dtype_name:9s} {variant:20s} {ms:9.2f} ms  compile {compile_s:6.1f} s  {rewrites}",
                     flush=True,
@@ -298,7 +309,9 @@ def print_table(rows: list[Row], facts: dict[tuple[str, str], Facts], model_name
         return min(times) if times else None
 
     def of_limit(r: Row) -> str:
-        f = facts[(r.shape, r.dtype)]
+        f = facts.get((r.shape, r.dtype))
+        if f is None:  # the cell's process died before it measured the limits
+            return "-"
         if r.shape == "decode":  # bytes the forward must read over copy bandwidth
             return f"{100 * f.bytes_read / (r.median_ms / 1e3) / (f.copy_gbs * 1e9):.0f}% BW"
         return f"{100 * f.flops / (r.median_ms / 1e3) / (f.mm_gflops * 1e9):.0f}% mm"
@@ -342,6 +355,72 @@ def print_table(rows: list[Row], facts: dict[tuple[str, str], Facts], model_name
             console.print(f"  issue 18, {shape}: " + ", ".join(parts))
 
 
+def _write_cell(path: Path, rows: list[Row], facts: dict[tuple[str, str], Facts]) -> None:
+    """One JSON object per line: each row as it is measured (``on_row``), then the cell's limits."""
+    with path.open("a") as f:
+        for r in rows:
+            f.write(json.dumps({"row": dataclasses.asdict(r)}) + "\n")
+        for (shape, dtype), fact in facts.items():
+            f.write(json.dumps({"facts": [shape, dtype, dataclasses.asdict(fact)]}) + "\n")
+
+
+def _read_cell(path: Path) -> tuple[list[Row], dict[tuple[str, str], Facts]]:
+    rows: list[Row] = []
+    facts: dict[tuple[str, str], Facts] = {}
+    if path.exists():
+        for line in path.read_text().splitlines():
+            item = json.loads(line)
+            if "row" in item:
+                rows.append(Row(**item["row"]))
+            else:
+                shape, dtype, fact = item["facts"]
+                facts[(shape, dtype)] = Facts(**fact)
+    return rows, facts
+
+
+def run_cells(
+    shapes: list[str],
+    dtypes: list[str],
+    variants: list[str],
+    reps: int,
+    budget_s: float,
+    model_name: str,
+    allocator: str,
+) -> tuple[list[Row], dict[tuple[str, str], Facts]]:
+    """Each (dtype, shape) in a process of its own: a model, its ``batched_mm`` twin and the compiled
+    variants of one cell fit in memory where those of every cell in one process did not (24 GiB: the
+    fp32 + bf16 run was OOM-killed). A cell whose process dies keeps the rows it printed before."""
+    rows: list[Row] = []
+    facts: dict[tuple[str, str], Facts] = {}
+    with tempfile.TemporaryDirectory(prefix="bench_model_") as tmp:
+        for dtype in dtypes:
+            for shape in shapes:
+                out = Path(tmp) / f"{shape}_{dtype}.jsonl"
+                cmd = [
+                    sys.executable,
+                    str(Path(__file__).resolve()),
+                    f"--model={model_name}",
+                    f"--shapes={shape}",
+                    f"--dtypes={dtype}",
+                    f"--variants={','.join(variants)}",
+                    f"--reps={reps}",
+                    f"--budget={budget_s}",
+                    f"--allocator={allocator}",
+                    f"--cell-output={out}",
+                ]
+                returncode = subprocess.run(cmd, check=False).returncode
+                cell_rows, cell_facts = _read_cell(out)
+                if returncode != 0:
+                    print(
+                        f"  {shape:12s} {dtype:9s} the cell's process exited with {returncode} "
+                        f"(-9: killed, out of memory?); {len(cell_rows)} of its rows were measured",
+                        flush=True,
+                    )
+                rows += cell_rows
+                facts.update(cell_facts)
+    return rows, facts
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=sorted(MODELS), default="deepseek_v3")
@@ -357,17 +436,36 @@ def main() -> None:
         default="tcmalloc",
         help="memory allocator of the run (default: TCMalloc when installed; see tools/_allocator.py)",
     )
+    parser.add_argument(
+        "--in-process", action="store_true", help="measure every cell in this process (default: one process per cell)"
+    )
+    parser.add_argument("--cell-output", default="", help=argparse.SUPPRESS)  # a cell's process: rows go here
     args = parser.parse_args()
     allocator = _allocator.ensure(args.allocator)
     dtypes = ["float32"] if args.quick else args.dtypes.split(",")
     reps = 5 if args.quick else args.reps
+    shapes, variants = args.shapes.split(","), args.variants.split(",")
+    for name, given, known in (("--shapes", shapes, SHAPES), ("--variants", variants, VARIANTS)):
+        unknown = [v for v in given if v not in known]
+        if unknown:
+            parser.error(f"{name}: unknown {', '.join(unknown)} (known: {', '.join(known)})")
     torch.manual_seed(0)
+    if args.cell_output:  # one cell, in the process the parent started for it
+        out = Path(args.cell_output)
+        _, facts = bench(
+            shapes, dtypes, variants, reps, args.budget, args.model, on_row=lambda r: _write_cell(out, [r], {})
+        )
+        _write_cell(out, [], facts)
+        return
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, ascend kernels: "
         f"{__import__('ascend_passes.kernels', fromlist=['available']).available()}; {allocator}"
     )
     print(cpu_features_line())
-    rows, facts = bench(args.shapes.split(","), dtypes, args.variants.split(","), reps, args.budget, args.model)
+    if args.in_process:
+        rows, facts = bench(shapes, dtypes, variants, reps, args.budget, args.model)
+    else:
+        rows, facts = run_cells(shapes, dtypes, variants, reps, args.budget, args.model, args.allocator)
     print_table(rows, facts, args.model)
 
 

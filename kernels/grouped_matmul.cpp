@@ -146,11 +146,12 @@ void mm_f32(const at::Tensor& x, const at::Tensor& w, at::Tensor& y, const NextW
   }
 }
 
-// y[0:m, 0:n] (row stride ys) = x @ wt^T (+ bias, activation) with the streaming kernel: x fp32 rows
-// k apart, wt the rows of w^T (ws apart). fp32 without bias or activation is written in place; else
+// y[0:m, 0:n] (row stride ys) = x @ wt^T (+ bias, activation) with the streaming kernel: x rows (of the
+// weight's dtype: bf16 x bf16 runs AVX512_BF16 dot products where the CPU has them) k apart, wt the rows of
+// w^T (ws apart). fp32 without bias or activation is written in place; else
 // through `acc` (m * n floats, reused by the caller).
 template <typename T>
-void skinny_piece(const float* x, const T* wt, int64_t ws, const T* bias, int64_t act_type, T* y, int64_t ys, int64_t m,
+void skinny_piece(const T* x, const T* wt, int64_t ws, const T* bias, int64_t act_type, T* y, int64_t ys, int64_t m,
                   int64_t k, int64_t n, std::vector<float>& acc) {
   if (std::is_same_v<T, float> && bias == nullptr && act_type == 0) {
     skinny_nt(x, k, wt, ws, reinterpret_cast<float*>(y), ys, m, k, 0, n);
@@ -179,9 +180,9 @@ void matmul_piece(const at::Tensor& x, const at::Tensor& w, const T* bias, int64
   if (m == 0 || n == 0) return;
   if constexpr (!std::is_same_v<T, c10::Half>) {
     if (m <= kSkinnyRows && w.stride(0) == 1 && k > 0 && y.stride(1) == 1) {  // w^T is a row-major [N, K]
-      const auto xf = x.to(at::kFloat).contiguous();                          // no copy for fp32 rows
+      const auto xc = x.contiguous();                                         // no copy for contiguous rows
       std::vector<float> acc;
-      skinny_piece(xf.const_data_ptr<float>(), w.const_data_ptr<T>(), w.stride(1), bias, act_type, y.data_ptr<T>(),
+      skinny_piece(xc.const_data_ptr<T>(), w.const_data_ptr<T>(), w.stride(1), bias, act_type, y.data_ptr<T>(),
                    y.stride(0), m, k, n, acc);
       return;
     }
@@ -371,7 +372,6 @@ std::vector<at::Tensor> grouped_matmul(at::TensorList x, at::TensorList weight, 
         // item: a decode call has ~100 items of a few microseconds each)
         constexpr bool streamable = !std::is_same_v<scalar_t, c10::Half>;
         const bool raw = streamable && w.stride(1) == 1 && k > 0;
-        const auto xf = raw ? x0.to(at::kFloat).contiguous() : at::Tensor();  // no copy for fp32
         std::atomic<int64_t> next_item{0};
         at::parallel_for(0, std::min(threads, num_items), 1, [&](int64_t, int64_t) {
           std::vector<float> acc;
@@ -382,7 +382,7 @@ std::vector<at::Tensor> grouped_matmul(at::TensorList x, at::TensorList weight, 
             const scalar_t* bias_g = bp ? bp + g * n + c0 : nullptr;
             if (raw) {
               if constexpr (streamable) {
-                skinny_piece(xf.const_data_ptr<float>() + begin[g] * k,
+                skinny_piece(x0.const_data_ptr<scalar_t>() + begin[g] * k,
                              w.const_data_ptr<scalar_t>() + g * w.stride(0) + c0 * w.stride(2), w.stride(2), bias_g,
                              act_type, y.data_ptr<scalar_t>() + begin[g] * n + c0, n, counts[g], k, cols, acc);
               }

@@ -57,6 +57,7 @@ class PassResult:
     nodes_before: int = 0
     nodes_after: int = 0
     seconds: float = 0.0
+    cpu_seconds: float = 0.0  # CPU time of this process while the pass ran (benchmarks on shared machines)
     status: str = "ok"  # "ok" | "rolled_back"
     error: str | None = None
     notes: list[str] = field(default_factory=list)
@@ -432,7 +433,7 @@ class PassManager:
         nodes_before = len(gm.graph.nodes)
         for hook in hooks:
             hook(p.name, "before", gm, None)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         try:
             result = p.run(gm, ctx)
             if not isinstance(result, PassResult):
@@ -455,6 +456,7 @@ class PassManager:
             result = PassResult(p.name, status="rolled_back", error=f"{type(exc).__name__}: {exc}")
         result.name = p.name
         result.seconds = time.perf_counter() - t0
+        result.cpu_seconds = time.process_time() - c0
         result.nodes_before = nodes_before
         result.nodes_after = len(gm.graph.nodes)
         _log_result(result)

@@ -8,9 +8,12 @@ most 10% of tracing, warm and cold, and grows linearly with the node count).
     python tools/bench_passes.py --profile 61      # cProfile of one warm pipeline run, top functions
 
 Each size runs in its own process so that "cold" is a real first compile (every pattern of the
-pattern passes is traced once per process, in this run); "warm" is the best of ``--warm``
-further runs of a fresh PassManager over a fresh copy of the same ATen graph in that process (a
-second compile).  Times are CPU seconds of the process (``time.process_time``: the machine may
+pattern passes is traced once per process, in this run), with an empty on-disk pattern cache (a
+fresh temporary ``ASCEND_PASSES_PATTERN_CACHE_DIR``); then a second process compiles the same
+model with the cache that first one wrote ("disk": the first compile of a process on a machine
+that has compiled before, patterns loaded instead of traced); "warm" is the best of ``--warm``
+further runs of a fresh PassManager over a fresh copy of the same ATen graph in the first
+process (a second compile).  Times are CPU seconds of the process (``time.process_time``: the machine may
 be shared; wall seconds are in the JSON), Dynamo + AOT tracing included.  Prints both ratios
 to tracing, seconds per 1,000 graph nodes (per pass too, from the pass manager's own timing)
 and the targets: pipeline time grows at most linearly with the node count (largest ≤
@@ -22,9 +25,11 @@ from __future__ import annotations
 import argparse
 import cProfile
 import json
+import os
 import pstats
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -32,7 +37,7 @@ from typing import Any
 
 def measure(num_layers: int, warm_runs: int, profile: bool = False) -> dict[str, Any]:
     """One size, in this process: trace time, cold and warm pipeline times, per pass (the
-    pass manager's wall seconds per pass); with ``profile``, a cProfile of the last warm run
+    pass manager's CPU seconds per pass); with ``profile``, a cProfile of the last warm run
     goes to stderr."""
     import torch
     import torch.fx as fx
@@ -42,6 +47,7 @@ def measure(num_layers: int, warm_runs: int, profile: bool = False) -> dict[str,
     from ascend_passes.config import AscendPassConfig
     from ascend_passes.models import deepseek_v3
     from ascend_passes.pass_manager import PassContext, PassManager, copy_graph
+    from ascend_passes.passes import _pattern
 
     config = AscendPassConfig()
     model, inputs = deepseek_v3("grouped_mm", num_layers=num_layers)
@@ -70,12 +76,13 @@ def measure(num_layers: int, warm_runs: int, profile: bool = False) -> dict[str,
                 (
                     time.process_time() - t0,
                     time.perf_counter() - w0,
-                    {name: r.seconds for name, r in result.passes.items()},
+                    {name: r.cpu_seconds for name, r in result.passes.items()},
                     {name: r.status for name, r in result.passes.items()},
                     sum(r.num_matches for r in result.passes.values()),
                 )
             )
         out["cold_s"], out["cold_wall_s"], out["cold_pass_s"], out["status"], out["matches"] = runs[0]
+        out["pattern_stats"] = dict(_pattern.STATS)
         best = min(runs[1:], key=lambda r: r[0]) if warm_runs else runs[0]
         out["warm_s"], out["warm_wall_s"], out["warm_pass_s"] = best[0], best[1], best[2]
         return make_boxed_func(gm.forward)
@@ -88,9 +95,14 @@ def measure(num_layers: int, warm_runs: int, profile: bool = False) -> dict[str,
     return out
 
 
-def _child(num_layers: int, warm_runs: int) -> dict[str, Any]:
+def _child(num_layers: int, warm_runs: int, cache_dir: str) -> dict[str, Any]:
+    env = {**os.environ, "ASCEND_PASSES_PATTERN_CACHE_DIR": cache_dir}
+    env.pop("ASCEND_PASSES_PATTERN_CACHE", None)
     proc = subprocess.run(
-        [sys.executable, __file__, "--one", str(num_layers), "--warm", str(warm_runs)], capture_output=True, text=True
+        [sys.executable, __file__, "--one", str(num_layers), "--warm", str(warm_runs)],
+        capture_output=True,
+        text=True,
+        env=env,
     )
     if proc.returncode != 0:
         raise SystemExit(f"{num_layers} layers failed:\n{proc.stderr[-3000:]}")
@@ -102,25 +114,35 @@ TARGET = 0.10  # issue 18 goal 4: pipeline / (Dynamo + AOT tracing)
 
 def report(rows: list[dict[str, Any]]) -> list[str]:
     lines = [
-        "CPU seconds (time.process_time); ratios are pipeline / Dynamo+AOT tracing",
+        "CPU seconds (time.process_time); ratios are pipeline / Dynamo+AOT tracing of the same process;",
+        "cold: first compile of a process, empty pattern cache; disk: first compile of a second process,",
+        "patterns loaded from the on-disk cache; warm: a further compile in the first process",
         "",
         (
-            f"{'layers':>6} {'nodes':>6} {'dynamo+aot s':>12} {'cold s':>8} {'warm s':>8} "
-            f"{'cold/trace':>10} {'warm/trace':>10} {'cold s/1k':>9} {'warm s/1k':>9} {'rewrites':>8}"
+            f"{'layers':>6} {'nodes':>6} {'dynamo+aot s':>12} {'cold s':>8} {'disk s':>8} {'warm s':>8} "
+            f"{'cold/trace':>10} {'disk/trace':>10} {'warm/trace':>10} {'cold s/1k':>9} {'disk s/1k':>9} "
+            f"{'warm s/1k':>9} {'rewrites':>8}"
         ),
     ]
     for r in rows:
         k = r["nodes"] / 1000
+        disk = r.get("disk_s", float("nan"))
         lines.append(
-            f"{r['layers']:>6} {r['nodes']:>6} {r['trace_s']:>12.2f} {r['cold_s']:>8.2f} "
-            f"{r['warm_s']:>8.2f} {r['cold_s'] / r['trace_s']:>10.3f} "
-            f"{r['warm_s'] / r['trace_s']:>10.3f} {r['cold_s'] / k:>9.3f} "
+            f"{r['layers']:>6} {r['nodes']:>6} {r['trace_s']:>12.2f} {r['cold_s']:>8.2f} {disk:>8.2f} "
+            f"{r['warm_s']:>8.2f} {r['cold_s'] / r['trace_s']:>10.3f} {disk / r.get('disk_trace_s', 1.0):>10.3f} "
+            f"{r['warm_s'] / r['trace_s']:>10.3f} {r['cold_s'] / k:>9.3f} {disk / k:>9.3f} "
             f"{r['warm_s'] / k:>9.3f} {r['matches']:>8}"
         )
+    for r in rows:
+        lines.append(
+            f"patterns at {r['layers']} layers: cold {r.get('pattern_stats', {})}, disk {r.get('disk_stats', {})}"
+        )
     passes = [p for p in rows[0]["passes"] if any(p in r["warm_pass_s"] for r in rows)]
-    for kind in ("warm", "cold"):
+    for kind in ("warm", "disk", "cold"):
+        if not all(f"{kind}_pass_s" in r for r in rows):
+            continue
         lines.append("")
-        lines.append(f"{kind} milliseconds per pass (wall, the pass manager's timing) and per 1,000 nodes:")
+        lines.append(f"{kind} CPU milliseconds per pass (the pass manager's timing) and per 1,000 nodes:")
         lines.append(f"{'layers':>6} " + " ".join(f"{p[:11]:>11}" for p in passes))
         for r in rows:
             lines.append(
@@ -138,7 +160,9 @@ def report(rows: list[dict[str, Any]]) -> list[str]:
     if len(rows) >= 2:
         small, big = rows[0], rows[-1]
         ratio = big["nodes"] / small["nodes"]
-        for kind in ("warm", "cold"):
+        for kind in ("warm", "disk", "cold"):
+            if not all(f"{kind}_s" in r for r in (small, big)):
+                continue
             limit = ratio * small[f"{kind}_s"] * 1.3
             ok = big[f"{kind}_s"] <= limit
             lines.append(
@@ -146,8 +170,11 @@ def report(rows: list[dict[str, Any]]) -> list[str]:
                 f"{ratio:.2f} x {small[f'{kind}_s']:.2f} s x 1.3 = {limit:.2f} s: "
                 f"{'yes' if ok else 'NO'}"
             )
-    for kind in ("warm", "cold"):
-        worst = max(r[f"{kind}_s"] / r["trace_s"] for r in rows)
+    for kind in ("warm", "disk", "cold"):
+        if not all(f"{kind}_s" in r for r in rows):
+            continue
+        trace = "disk_trace_s" if kind == "disk" else "trace_s"
+        worst = max(r[f"{kind}_s"] / r[trace] for r in rows)
         lines.append(
             f"pipeline <= {TARGET:.0%} of Dynamo+AOT tracing ({kind}): worst {worst:.1%}: "
             f"{'yes' if worst <= TARGET else 'NO'}"
@@ -179,7 +206,17 @@ def main() -> int:
     rows = []
     for n in args.layers:
         print(f"measuring {n} layers …", file=sys.stderr, flush=True)
-        rows.append(_child(n, args.warm))
+        with tempfile.TemporaryDirectory(prefix="bench_passes_patterns_") as cache:
+            row = _child(n, args.warm, cache)  # empty pattern cache: cold, and warm
+            disk = _child(n, 0, cache)  # a second process: patterns from the disk cache
+        row.update(
+            disk_s=disk["cold_s"],
+            disk_wall_s=disk["cold_wall_s"],
+            disk_pass_s=disk["cold_pass_s"],
+            disk_trace_s=disk["trace_s"],
+            disk_stats=disk["pattern_stats"],
+        )
+        rows.append(row)
     print("\n".join(report(rows)))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))

@@ -8,6 +8,8 @@
 #include "common.h"
 
 #include <algorithm>
+#include <cstdlib>
+#include <string>
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #include <immintrin.h>
@@ -194,5 +196,26 @@ void gemm_nt(const float*, int64_t, const c10::BFloat16*, int64_t, float*, int64
              const NextWeight&) {}
 
 #endif
+
+GemmRoute fp32_gemm_route() {
+  const char* env = std::getenv("ASCEND_PASSES_GEMM");
+  if (env == nullptr || *env == '\0') return GemmRoute::kAuto;
+  const std::string choice(env);
+  TORCH_CHECK_VALUE(choice == "auto" || choice == "own" || choice == "blas",
+                    "ASCEND_PASSES_GEMM must be one of auto, own, blas; got '", choice, "'");
+  return choice == "own" ? GemmRoute::kOwn : choice == "blas" ? GemmRoute::kBlas : GemmRoute::kAuto;
+}
+
+bool fp32_piece_takes_own_gemm(GemmRoute route, int64_t k) {
+  if (!gemm_nt_available()) return false;
+  switch (route) {
+    case GemmRoute::kOwn:
+      return true;
+    case GemmRoute::kBlas:
+      return false;
+    default:
+      return k <= kOwnGemmMaxK;
+  }
+}
 
 }  // namespace ascend_kernels

@@ -1,6 +1,7 @@
 // fp32 GEMM for the prefill pieces of grouped_matmul: C[M, N] = A[M, K] @ W[N, K]^T with the rows of
 // W contiguous (Hugging Face's [E, N, K] expert storage), W in fp32 or bf16 (widened while packing),
-// AVX-512 only.
+// AVX-512 only. fp32 weights take it only for a short K (fp32_gemm_route below); bf16 weights always
+// (BLAS would need an fp32 copy of every expert weight first).
 //
 // Why not BLAS: each expert's piece is short (~192 rows at T = 2048, top-6 of 64) and its 1 MB weight
 // is cold. MKL packs that weight from DRAM before computing, with no overlap, and the down projection
@@ -24,6 +25,28 @@ struct NextWeight {
   int64_t rows = 0;        // rows of W (N), of which the first panel's are prefetched
   int64_t k = 0;
 };
+
+// Which fp32 GEMM an fp32 prefill piece with a K-contiguous weight runs: this file's kernel (kOwn) or
+// torch's BLAS (at::mm_out: MKL sgemm, which takes the transposed weight view as is).
+// The static rule (kAuto): the own kernel for K <= kOwnGemmMaxK, BLAS above. Measured on the 2-core
+// Emerald Rapids Xeon (AMX machine), single thread, CPU time, interleaved medians, E = 64 experts of
+// 192 rows, HF-layout weights, % of a dense mm of the same shape in the same run:
+//   K = 256, N = 1024: own 78-89%, BLAS 83-85%   K = 512, N = 1024: own 76%, BLAS 70%
+//   K = 1024, N = 512: own 64-71%, BLAS 85-86%   K = 2048, N = 512: own 63%, BLAS 82%
+// The own kernel re-reads A[M, K] from L2 for every 64-column panel (it blocks N outside K), so it
+// falls behind MKL as K grows; on the earlier AVX-512 machine (no AMX) it reached 81-85% for K = 256
+// and 1024 while MKL's down projection (K = 256) stayed at 75-77%. ASCEND_PASSES_GEMM=auto|own|blas
+// overrides the rule (read at every grouped_matmul call, so that tests and tools/bench_kernels.py
+// run both routes in one process); bf16 weights ignore it.
+enum class GemmRoute : int { kAuto = 0, kOwn = 1, kBlas = 2 };
+constexpr int64_t kOwnGemmMaxK = 512;
+
+// ASCEND_PASSES_GEMM read now (unset or empty: kAuto); any other value raises ValueError naming the
+// choices. Call it on the calling thread, before the worker threads start.
+GemmRoute fp32_gemm_route();
+
+// Whether an fp32 piece of depth k takes gemm_nt under `route` (and gemm_nt is available here).
+bool fp32_piece_takes_own_gemm(GemmRoute route, int64_t k);
 
 // Whether gemm_nt runs here (isa_level() is AVX-512 or above, see common.h); callers use BLAS otherwise.
 bool gemm_nt_available();

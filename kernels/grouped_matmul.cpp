@@ -13,7 +13,8 @@
 // tile units (brgemm, fp32 accumulation; single-threaded inside the worker, the weight's transposed
 // view read in place); otherwise one single-threaded fp32 GEMM: gemm.h's AVX-512 kernel, which widens
 // bf16 weights while packing and prefetches the next group's weight while it computes, when the
-// weight's K is contiguous; else BLAS (bf16/fp16 converted to fp32 first).
+// weight's K is contiguous (fp32 weights: only for K <= kOwnGemmMaxK, where it is at least as fast as
+// MKL; gemm.h has the measurements and ASCEND_PASSES_GEMM); else BLAS (bf16/fp16 converted first).
 #include "common.h"
 #include "gemm.h"
 #include "kernels.h"
@@ -128,8 +129,9 @@ void activate_inplace(at::Tensor& y, int64_t act_type) {
 
 // y = x @ w for fp32 x, y and w [K, N] in fp32, bf16 or fp16: the AVX-512 GEMM of gemm.h when w's K
 // is contiguous (w^T is a row-major [N, K]) and the CPU has it, prefetching `next` (the next group's
-// weight) under the compute; it widens bf16 while packing, fp16 is widened first; else BLAS.
-void mm_f32(const at::Tensor& x, const at::Tensor& w, at::Tensor& y, const NextWeight& next) {
+// weight) under the compute; it widens bf16 while packing, fp16 is widened first; an fp32 weight takes
+// it only where `route` says so (by default K <= kOwnGemmMaxK); else BLAS.
+void mm_f32(const at::Tensor& x, const at::Tensor& w, at::Tensor& y, const NextWeight& next, GemmRoute route) {
   const int64_t m = x.size(0), k = x.size(1), n = w.size(1);
   const bool gemm = m > 0 && k > 0 && w.stride(0) == 1 && x.stride(1) == 1 && y.stride(1) == 1 && gemm_nt_available();
   if (gemm && w.scalar_type() == at::kBFloat16) {
@@ -138,7 +140,7 @@ void mm_f32(const at::Tensor& x, const at::Tensor& w, at::Tensor& y, const NextW
     return;
   }
   const auto wf = w.to(at::kFloat);  // keeps w's strides; no copy for fp32
-  if (gemm) {
+  if (gemm && (w.scalar_type() != at::kFloat || fp32_piece_takes_own_gemm(route, k))) {
     gemm_nt(x.const_data_ptr<float>(), x.stride(0), wf.const_data_ptr<float>(), wf.stride(1), y.data_ptr<float>(),
             y.stride(0), m, n, k, next);
   } else {
@@ -172,7 +174,7 @@ NextWeight next_weight(const at::Tensor& w) {
 // y = x @ w (+ bias) for one piece of one group; x, y are row slices, w is [K, N] with any strides.
 template <typename T>
 void matmul_piece(const at::Tensor& x, const at::Tensor& w, const T* bias, int64_t act_type, at::Tensor y,
-                  const NextWeight& next = {}) {
+                  GemmRoute route, const NextWeight& next = {}) {
   // runs on worker threads, which do not inherit the caller's no-autograd state: the ATen calls
   // below (mm_out, …) must not see the weights' requires_grad
   at::AutoDispatchBelowADInplaceOrView below_autograd;
@@ -214,12 +216,12 @@ void matmul_piece(const at::Tensor& x, const at::Tensor& w, const T* bias, int64
     }
   }
   if constexpr (std::is_same_v<T, float>) {
-    mm_f32(x, w, y, next);
+    mm_f32(x, w, y, next, route);
     if (bias) y.add_(at::from_blob(const_cast<float*>(bias), {n}, y.options()));
     activate_inplace(y, act_type);
   } else {
     auto yf = at::empty({m, n}, x.options().dtype(at::kFloat));
-    mm_f32(x.to(at::kFloat).contiguous(), w, yf, next);
+    mm_f32(x.to(at::kFloat).contiguous(), w, yf, next, route);
     if (bias) yf.add_(at::from_blob(const_cast<T*>(bias), {n}, x.options()).to(at::kFloat));
     activate_inplace(yf, act_type);
     y.copy_(yf);
@@ -284,6 +286,7 @@ std::vector<at::Tensor> grouped_matmul(at::TensorList x, at::TensorList weight, 
   ASCEND_CHECK(!output_dtype.has_value() || *output_dtype == x[0].scalar_type(), kGmm,
                "output_dtype=", output_dtype.has_value() ? dtype_name(*output_dtype) : "None",
                " must be None or the dtype of x (", dtype_name(x[0].scalar_type()), ")");
+  const GemmRoute route = fp32_gemm_route();  // ASCEND_PASSES_GEMM, read (and checked) on this thread
 
   if (!group_list.has_value()) {  // independent matmuls, one per (x[i], weight[i])
     ASCEND_CHECK(!group_type.has_value() || *group_type == -1, kGmm, "group_type must be one of [None, -1], got ",
@@ -313,7 +316,8 @@ std::vector<at::Tensor> grouped_matmul(at::TensorList x, at::TensorList weight, 
       dispatch_float(xi.scalar_type(), [&](auto tag) {
         using scalar_t = decltype(tag);
         if constexpr (!std::is_same_v<scalar_t, double>) {
-          matmul_piece<scalar_t>(xi, weight[i], bc.defined() ? bc.const_data_ptr<scalar_t>() : nullptr, act_type, y);
+          matmul_piece<scalar_t>(xi, weight[i], bc.defined() ? bc.const_data_ptr<scalar_t>() : nullptr, act_type, y,
+                                 route);
         }
       });
       outs.push_back(y);
@@ -389,7 +393,7 @@ std::vector<at::Tensor> grouped_matmul(at::TensorList x, at::TensorList weight, 
               continue;
             }
             matmul_piece<scalar_t>(x0.narrow(0, begin[g], counts[g]), w.select(0, g).narrow(1, c0, cols), bias_g,
-                                   act_type, y.narrow(0, begin[g], counts[g]).narrow(1, c0, cols));
+                                   act_type, y.narrow(0, begin[g], counts[g]).narrow(1, c0, cols), route);
           }
         });
         return;
@@ -415,7 +419,7 @@ std::vector<at::Tensor> grouped_matmul(at::TensorList x, at::TensorList weight, 
           const bool other = after < num_items && items[after].g != it.g;  // same group: its weight is hot
           const NextWeight next = other ? next_weight(w.select(0, items[after].g)) : NextWeight{};
           matmul_piece<scalar_t>(x0.narrow(0, it.r0, it.r1 - it.r0), w.select(0, it.g), bp ? bp + it.g * n : nullptr,
-                                 act_type, y.narrow(0, it.r0, it.r1 - it.r0), next);
+                                 act_type, y.narrow(0, it.r0, it.r1 - it.r0), route, next);
           i = after;
         }
       });

@@ -827,7 +827,7 @@ def test_fp32_prefill_gemm_route_switches_to_blas_above_the_depth_threshold():
     own_gemm = own_gemm and os.environ.get("ASCEND_PASSES_ISA", "") in ("", "amx", "avx512")
     blas = {k: v > 0 for k, v in sgemm_calls.items()}
     if own_gemm:
-        # 3 pieces of > 8 rows each; the group of 9 rows is above the streaming kernel's 8
+        # pieces of 9 rows (the streaming kernel takes <= 8) and more go to the GEMM of the route
         assert blas == {
             "k=512 route=unset": False,
             "k=512 route=auto": False,
@@ -838,6 +838,5 @@ def test_fp32_prefill_gemm_route_switches_to_blas_above_the_depth_threshold():
             "k=513 route=own": False,
             "k=513 route=blas": True,
         }, sgemm_calls
-        assert sgemm_calls["k=513 route=blas"] == 3, sgemm_calls
     else:  # no AVX-512 GEMM here: every route is BLAS
         assert all(blas.values()), sgemm_calls

@@ -10,7 +10,10 @@ projection in the kernel's dtype (compute limit: on a CPU with AMX torch's bf16 
 units through oneDNN, ~7x its float32 rate, and so do the bf16 prefill pieces of grouped_matmul; issue
 18 target: bf16 prefill >= 60% of it) and a large tensor copy (memory limit, read + write bytes).
 The header prints the CPU's feature bits (AVX-512, avx512_bf16, AMX) and the kernels' level
-(``ASCEND_PASSES_ISA=avx512`` caps AMX off: compare both runs).
+(``ASCEND_PASSES_ISA=avx512`` caps AMX off: compare both runs).  fp32 prefill pieces take the
+AVX-512 GEMM for K <= 512 and MKL above (kernels/gemm.h); the fp32 prefill projections are also
+timed with each route forced (``ASCEND_PASSES_GEMM=own|blas``, read per call), each paired with the
+dense mm, so the rule can be checked on the machine at hand.
 
 Run: ``python tools/bench_kernels.py [--quick]``.  Timings are the minimum over repetitions,
 interleaved so that load from other processes affects kernels and limits alike.
@@ -19,7 +22,9 @@ interleaved so that load from other processes affects kernels and limits alike.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -63,6 +68,20 @@ def paired_best(fn: Callable[[], object], limit_fn: Callable[[], object], budget
         t2 = time.perf_counter()
         best, best_limit, reps = min(best, t1 - t0), min(best_limit, t2 - t1), reps + 1
     return best, best_limit
+
+
+@contextlib.contextmanager
+def gemm_route(route: str):
+    """ASCEND_PASSES_GEMM=route for the calls inside (the kernels read it at every grouped_matmul call)."""
+    old = os.environ.get("ASCEND_PASSES_GEMM")
+    os.environ["ASCEND_PASSES_GEMM"] = route
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["ASCEND_PASSES_GEMM"]
+        else:
+            os.environ["ASCEND_PASSES_GEMM"] = old
 
 
 @dataclass
@@ -250,6 +269,13 @@ def bench_case(tokens: int, dtype: torch.dtype, quick: bool) -> list[Row]:
         row("finalize_routing", t_fin),
     ]
     if slow and dtype == torch.float32:
+        # each fp32 GEMM route forced (the rows above: the default rule, K <= 512 -> own GEMM, else BLAS)
+        for route in ("own", "blas"):
+            for step, flops, weight, x in (("up", up_flops, L.w13, ex), ("down", down_flops, L.w2, act)):
+                with gemm_route(route):
+                    r = gemm(f"grouped_matmul {step}, ASCEND_PASSES_GEMM={route}", (0.0, 0.0), flops, weight, x)
+                r.ref_ms = None
+                rows.append(r)
         # the other weight layout, [E, K, N] row-major: MKL runs a slower path for these short-K
         # pieces when an expert has fewer than ~192 rows (measured: ~140 vs ~155 GFLOP/s per core)
         for step, flops, weight, x in (("up", up_flops, L.w13, ex), ("down", down_flops, L.w2, act)):

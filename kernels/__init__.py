@@ -63,6 +63,14 @@ def _load() -> bool:
             libs[0],
         )
         return False
+    missing = missing_kernels()
+    if missing:
+        log.warning(
+            "ascend_passes C++ kernels in %s are older than this package (no kernel for %s); those ops "
+            "use their reference implementations. Rebuild with `pip install --no-build-isolation -e .`.",
+            libs[0],
+            ", ".join(missing),
+        )
     torch.ops.ascend_kernels.register_cpu_impls()
     return True
 
@@ -93,6 +101,15 @@ def stale_schemas() -> list[str]:
         if built != expected:
             stale.append(f"{name}: library {built} != package {expected}")
     return stale
+
+
+def missing_kernels() -> list[str]:
+    """The ops whose record says the library implements them (``Op.cpp_kernel``) but the loaded
+    library does not (built before they were added); empty when none is missing."""
+    import ascend_passes.ops as ops  # (mid-import when ops/__init__ loads us: OPS is set, KERNEL_OPS not yet)
+
+    built = {n.split("::", 1)[1] for n in torch._C._dispatch_get_all_op_names() if n.startswith("ascend_kernels::")}
+    return [name for name, op in ops.OPS.items() if op.cpp_kernel and name not in built]
 
 
 def available() -> bool:

@@ -17,6 +17,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x1
 
 at::Tensor swiglu(const at::Tensor& self, int64_t dim);
 
+at::Tensor clipped_swiglu(const at::Tensor& self, const std::optional<at::Tensor>& group_index, int64_t dim,
+                          double alpha, double limit, double bias, bool interleaved);
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_gating_top_k_softmax(const at::Tensor& x,
                                                                         const std::optional<at::Tensor>& finished,
                                                                         int64_t k);

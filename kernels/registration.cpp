@@ -15,7 +15,7 @@
 #include "kernels.h"
 
 namespace {
-int64_t version() { return 6; }
+int64_t version() { return 7; }
 
 bool register_cpu_impls();
 }  // namespace
@@ -26,6 +26,9 @@ TORCH_LIBRARY(ascend_kernels, m) {
   m.def("rms_norm(Tensor self, Tensor gamma, float epsilon=1e-06) -> (Tensor, Tensor)");
   m.def("add_rms_norm(Tensor x1, Tensor x2, Tensor gamma, float epsilon=1e-06) -> (Tensor, Tensor, Tensor)");
   m.def("swiglu(Tensor self, int dim=-1) -> Tensor");
+  m.def(
+      "clipped_swiglu(Tensor x, *, Tensor? group_index=None, int dim=-1, float alpha=1.702, float limit=7.0, "
+      "float bias=1.0, bool interleaved=True) -> Tensor");
   m.def("moe_gating_top_k_softmax(Tensor x, Tensor? finished=None, int k=1) -> (Tensor, Tensor, Tensor)");
   m.def(
       "moe_gating_top_k(Tensor x, int k, *, Tensor? bias=None, Tensor? input_ids=None, Tensor? tid2eid=None, "
@@ -52,6 +55,7 @@ TORCH_LIBRARY(ascend_kernels, m) {
   m.impl("rms_norm", TORCH_FN(ascend_kernels::rms_norm));                                 \
   m.impl("add_rms_norm", TORCH_FN(ascend_kernels::add_rms_norm));                         \
   m.impl("swiglu", TORCH_FN(ascend_kernels::swiglu));                                     \
+  m.impl("clipped_swiglu", TORCH_FN(ascend_kernels::clipped_swiglu));                     \
   m.impl("moe_gating_top_k_softmax", TORCH_FN(ascend_kernels::moe_gating_top_k_softmax)); \
   m.impl("moe_gating_top_k", TORCH_FN(ascend_kernels::moe_gating_top_k));                 \
   m.impl("moe_init_routing_v2", TORCH_FN(ascend_kernels::moe_init_routing_v2));           \

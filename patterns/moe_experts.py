@@ -120,10 +120,12 @@ def fused_chain(
     gate_up_proj: torch.Tensor,
     down_proj: torch.Tensor,
     before_swiglu: Callable[[torch.Tensor], torch.Tensor] | None,
+    activation: Activation | None = None,
 ) -> torch.Tensor:
     """``fused_experts`` with ``before_swiglu``: an element-wise op on the gate·up rows before the
-    ``swiglu`` (DeepSeek-V4's clamp), or None.  (The replacement a pass traces must take exactly
-    the matched inputs, hence two functions.)"""
+    ``swiglu`` (DeepSeek-V4's clamp), or None; ``activation``: the op that replaces both (V4's
+    ``clipped_swiglu``), or None.  (The replacement a pass traces must take exactly the matched
+    inputs, hence two functions.)"""
     num_experts = gate_up_proj.shape[0]
     expert_idx = top_k_index.to(torch.int32)
     expanded_x, expanded_row_idx, tokens_per_expert, _ = ascend.moe_init_routing_v2(
@@ -145,7 +147,7 @@ def fused_chain(
     )[0]
     if before_swiglu is not None:
         gate_up = before_swiglu(gate_up)
-    act = ascend.swiglu(gate_up, -1)
+    act = activation(gate_up) if activation is not None else ascend.swiglu(gate_up, -1)
     out = ascend.grouped_matmul(
         [act],
         [down_proj.transpose(1, 2)],

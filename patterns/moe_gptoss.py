@@ -9,11 +9,14 @@ projections (``gate_up_proj_bias [E, 2I]``, ``down_proj_bias [E, H]``), and its 
     gate = gate.clamp(max=limit); up = up.clamp(-limit, limit)
     out = (up + 1) * gate * sigmoid(alpha * gate)
 
-``npu_swiglu`` (``silu(a) * b`` over the two halves) cannot compute that activation, but the heavy
-part fuses: the replacement is ::
+That is torch_npu's ``npu_clipped_swiglu(gate_up, alpha=alpha, limit=limit, bias=1.0,
+interleaved=True)`` (``ascend.clipped_swiglu``) when the three clamp bounds are one ``limit``
+(``gate <= limit``, ``-limit <= up <= limit``, as transformers builds them); the replacement is ::
 
-    init_routing_v2 → grouped_matmul(bias=[gate_up_bias]) → <the activation in ATen>
+    init_routing_v2 → grouped_matmul(bias=[gate_up_bias]) → clipped_swiglu
                     → grouped_matmul(bias=[down_bias]) → finalize_routing
+
+with the activation kept in ATen between the grouped matmuls where the bounds differ.
 
 ``grouped_matmul``'s ``bias`` (torch_npu: ``Tensor[]? bias``) with one ``x [M, K]``, one weight
 ``[E, K, N]`` and ``group_type=0`` is one ``[E, N]`` tensor: row block ``g`` gets ``bias[g]`` — the
@@ -50,6 +53,19 @@ class Activation:
     up_max: float
     alpha: float
     up_add: float
+
+    @property
+    def limit(self) -> float | None:
+        """The one ``limit`` of ``clipped_swiglu`` when the bounds are ``max=limit`` and
+        ``(-limit, limit)``; None when they differ (the activation then stays ATen)."""
+        return self.gate_max if self.gate_max == self.up_max == -self.up_min else None
+
+
+def activation(gate_up: torch.Tensor, c: Activation) -> torch.Tensor:
+    """The replacement's activation: one ``clipped_swiglu`` where the bounds allow it, else ATen."""
+    if c.limit is None:
+        return clamped_swiglu(gate_up, c)
+    return ascend.clipped_swiglu(gate_up, alpha=c.alpha, limit=c.limit, bias=c.up_add, interleaved=True)
 
 
 def clamped_swiglu(
@@ -155,7 +171,7 @@ def fused_experts(
     c: Activation,
 ) -> torch.Tensor:
     """The replacement: the fused chain over all ``E`` experts (dropless), biases in the grouped
-    matmuls, gpt-oss's activation in ATen between them."""
+    matmuls, gpt-oss's activation (``clipped_swiglu``, or ATen where the bounds differ) between them."""
     num_experts = gate_up_proj.shape[0]
     expert_idx = top_k_index.to(torch.int32)
     expanded_x, expanded_row_idx, tokens_per_expert, _ = ascend.moe_init_routing_v2(
@@ -176,7 +192,7 @@ def fused_experts(
         group_type=0,
         group_list_type=1,
     )[0]
-    act = clamped_swiglu(gate_up, c)
+    act = activation(gate_up, c)
     out = ascend.grouped_matmul(
         [act],
         [down_proj],
@@ -281,6 +297,7 @@ def read_activation(nodes: Sequence[fx.Node]) -> tuple[Activation | None, str | 
 __all__ = [
     "ARGNAMES",
     "Activation",
+    "activation",
     "batched_mm_experts",
     "check_shapes",
     "clamped_swiglu",

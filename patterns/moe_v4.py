@@ -1,15 +1,16 @@
 """DeepSeek-V4 MoE patterns (transformers ``deepseek_v4``): the experts' clamped SwiGLU and the routers
 that no other pattern knows.
 
-Experts: V4 clamps gate and up (``swiglu_limit``) before ``silu(gate) * up``.  Both experts
-implementations (``grouped_mm``, ``batched_mm``) are searched with that activation, and the
-replacement is the fused chain with the clamp kept as one ATen op between the first grouped matmul
-and the swiglu::
+Experts: V4 clamps gate and up (``swiglu_limit``) before ``silu(gate) * up``
+(``DeepseekV4Experts._apply_gate``: ``gate.clamp(max=limit)``, ``up.clamp(-limit, limit)`` over the
+halves).  Both experts implementations (``grouped_mm``, ``batched_mm``) are searched with that
+activation.  It is exactly torch_npu's ``npu_clipped_swiglu(alpha=1.0, limit=limit, bias=0.0,
+interleaved=False)`` (``silu(a) = a * sigmoid(1.0 * a)``), so the replacement is ::
 
-    init_routing_v2 → grouped_matmul → clamp → swiglu → grouped_matmul → finalize_routing
+    init_routing_v2 → grouped_matmul → clipped_swiglu → grouped_matmul → finalize_routing
 
-(torch_npu documents ``npu_clipped_swiglu(alpha=1, bias=0, interleaved=False)`` for clamp + swiglu in
-one kernel; no ``ascend`` op mirrors it yet.)
+and, where the matched bounds are not one ``limit`` (``max=l``, ``(-l, l)``), the clamp stays one
+ATen op before an ``ascend.swiglu``.
 
 Routers: ``DeepseekV4HashRouter`` (experts fixed by ``tid2eid[input_ids]``, the learned gate only
 weights them) is ``moe_gating_top_k``'s hash mode when its scores are a sigmoid; with V4's default
@@ -53,6 +54,11 @@ class ClampLimits:
     up_min: float
     up_max: float
 
+    @property
+    def limit(self) -> float | None:
+        """``clipped_swiglu``'s ``limit`` when the bounds are ``max=limit`` / ``(-limit, limit)``, else None."""
+        return self.gate_max if self.gate_max == self.up_max == -self.up_min else None
+
 
 def clamped_silu_mul(proj: torch.Tensor) -> torch.Tensor:
     """``DeepseekV4Experts._apply_gate`` (the numbers are wildcards to the matcher)."""
@@ -89,9 +95,21 @@ def fused_experts(
     *,
     limits: ClampLimits,
 ) -> torch.Tensor:
-    """The replacement: the fused chain with the clamp before the swiglu."""
+    """The replacement: the fused chain with ``clipped_swiglu`` (or the clamp before the swiglu)."""
+    if limits.limit is None:
+        return moe_experts.fused_chain(
+            hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, lambda gate_up: clamp_gate_up(gate_up, limits)
+        )
     return moe_experts.fused_chain(
-        hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, lambda gate_up: clamp_gate_up(gate_up, limits)
+        hidden,
+        top_k_index,
+        top_k_weights,
+        gate_up_proj,
+        down_proj,
+        None,
+        activation=lambda gate_up: ascend.clipped_swiglu(
+            gate_up, alpha=1.0, limit=limits.limit, bias=0.0, interleaved=False
+        ),
     )
 
 

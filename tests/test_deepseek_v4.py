@@ -1,5 +1,5 @@
-"""DeepSeek-V4 (transformers ``deepseek_v4``, issue 19): the experts of every MoE layer fused with V4's
-clamp of gate and up kept before the swiglu; the hash router in ``moe_gating_top_k``'s hash mode when
+"""DeepSeek-V4 (transformers ``deepseek_v4``, issue 19): the experts of every MoE layer fused, V4's
+clamped SwiGLU as one ``clipped_swiglu``; the hash router in ``moe_gating_top_k``'s hash mode when
 its scores are a sigmoid; V4's default sqrtsoftplus routers left in ATen with a near-miss that says
 why; EPLB over the fused layers; compiled equals uncompiled (fp32 ≤ 1e-4 relative).
 
@@ -87,14 +87,21 @@ def test_experts_fused_and_sqrtsoftplus_routers_explained(impl, compiler):
         ("model.layers.1", "v4_topk_router_sqrtsoftplus"),
     ]
     assert all(SQRTSOFTPLUS in nm.reason for nm in moe.near_misses)
-    # the clamp stays one ATen op between the grouped matmul and the swiglu, per layer
-    clamps = [n for n in report.graph.graph.nodes if n.target is torch.ops.aten.clamp.Tensor]
-    assert len(clamps) == 2
-    assert all(
-        n.args[0].target is torch.ops.ascend.grouped_matmul.default or n.args[0].target.__name__ == "getitem"
-        for n in clamps
-    )
-    assert all(any(u.target is torch.ops.ascend.swiglu.default for u in n.users) for n in clamps)
+    assert_one_clipped_swiglu_per_layer(report, 2)
+
+
+def assert_one_clipped_swiglu_per_layer(report, layers: int) -> None:
+    """V4's clamp + silu·mul is one ``clipped_swiglu(alpha=1, limit, bias=0, halves)`` per layer, fed
+    by the first grouped matmul; no per-column clamp (the fallback's form) is left in ATen."""
+    nodes = [n for n in report.graph.graph.nodes if n.target is torch.ops.ascend.clipped_swiglu.default]
+    assert len(nodes) == layers
+    for n in nodes:
+        defaults = dict(group_index=None, dim=-1, alpha=1.702, limit=7.0, bias=1.0, interleaved=True)  # the schema's
+        got = {**defaults, **n.kwargs}
+        assert got == {**defaults, "alpha": 1.0, "limit": LIMITS["up_max"], "bias": 0.0, "interleaved": False}, got
+        src = n.args[0].args[0] if n.args[0].target.__name__ == "getitem" else n.args[0]
+        assert src.target is torch.ops.ascend.grouped_matmul.default
+    assert not [n for n in report.graph.graph.nodes if n.target is torch.ops.aten.clamp.Tensor]
 
 
 @pytest.mark.parametrize("impl,compiler", [("grouped_mm", "eager"), ("batched_mm", "inductor")])
@@ -193,7 +200,9 @@ def test_bundled_model_compiles_whole_and_equals_eager():
         ("model.layers.1", "v4_topk_router_sqrtsoftplus"),
         ("model.layers.2", "v4_topk_router_sqrtsoftplus"),
     ]
-    assert report.count("ascend.rms_norm") > 0 and report.count("ascend.swiglu") == 6
+    # the shared experts' swiglu (activation pass) and the routed experts' clipped_swiglu, per layer
+    assert report.count("ascend.rms_norm") > 0 and report.count("ascend.swiglu") == 3
+    assert_one_clipped_swiglu_per_layer(report, 3)
 
 
 def test_eplb_over_v4_layers_equals_model_and_counts_router_load():

@@ -33,6 +33,7 @@ CASES = {
     "rms_norm": 150,
     "add_rms_norm": 120,
     "swiglu": 120,
+    "clipped_swiglu": 120,
     "linear": 120,
     "moe_gating_top_k_softmax": 150,
     "moe_gating_top_k": 200,
@@ -115,6 +116,27 @@ def gen_swiglu(q: Gen):
     else:
         shape[dim % rank] = q.pick(1, 3, 9)
     return (q.floats(shape, q.other_dtype(q.dtype(), 0.03)), dim), {}
+
+
+def gen_clipped_swiglu(q: Gen):
+    (x, dim), _ = gen_swiglu(q)
+    kwargs = dict(
+        dim=dim,
+        alpha=q.pick(1.702, 1.0, 0.5),
+        limit=q.pick(7.0, 0.5, 1e4),
+        bias=q.pick(1.0, 0.0, -0.5),
+        interleaved=q.pick(True, False),
+    )
+    if q.chance(0.4):
+        rows = max(1, x.shape[: dim % x.dim()].numel()) if -x.dim() <= dim < x.dim() else 1
+        counts = [q.pick(0, 1, rows // 2, rows + 3) for _ in range(q.pick(1, 3))]
+        shape, dtype = (
+            ([len(counts)], torch.int64)
+            if q.chance(0.9)
+            else q.pick(([1, len(counts)], torch.int64), ([len(counts)], torch.int32))
+        )
+        kwargs["group_index"] = torch.tensor(counts, dtype=dtype).reshape(shape)
+    return (x,), kwargs
 
 
 def gen_linear(q: Gen):

@@ -1,7 +1,8 @@
 """gpt-oss experts fused (issue 19): transformers 5.24's ``GptOssExperts`` (weights in × out,
 per-expert biases on both projections, interleaved gate/up columns, clamped
 ``(up + 1) * gate * sigmoid(alpha * gate)``) become ``moe_init_routing_v2 → grouped_matmul(bias) →
-<the activation in ATen> → grouped_matmul(bias) → moe_finalize_routing``.
+clipped_swiglu(alpha, limit, bias=1, interleaved) → grouped_matmul(bias) → moe_finalize_routing``
+(the activation stays ATen where the clamp bounds are not one limit).
 
 One tiny gpt-oss MoE block (router + experts) is compiled alone, both experts implementations under
 eager and ``grouped_mm`` under Inductor downstream, and compared with the uncompiled block in fp32.
@@ -10,6 +11,8 @@ values: a replacement with wrong (default) constants would not be exact.
 """
 
 from __future__ import annotations
+
+import functools
 
 import pytest
 import torch
@@ -88,6 +91,15 @@ def test_gpt_oss_experts_fused_exact(experts, compiler):
     assert report.count("ascend.moe_finalize_routing") == 1
     assert report.count("ascend.moe_gating_top_k_softmax") == 1  # the router too: the whole block fused
     assert report.count("ascend.swiglu") == 0  # no swiglu mode computes gpt-oss's activation
+    # ... torch_npu's clipped swiglu does: one per layer, between the grouped matmuls, nothing left in ATen
+    (act,) = [n for n in report.graph.graph.nodes if n.target is torch.ops.ascend.clipped_swiglu.default]
+    defaults = dict(group_index=None, dim=-1, alpha=1.702, limit=7.0, bias=1.0, interleaved=True)  # the schema's
+    assert {**defaults, **act.kwargs} == {**defaults, "alpha": ALPHA, "limit": LIMIT}
+    assert not [
+        n
+        for n in report.graph.graph.nodes
+        if n.target in (torch.ops.aten.sigmoid.default, torch.ops.aten.clamp.default)
+    ]
     assert not [nm for nm in moe.near_misses if "experts" in nm.reason]
 
 
@@ -103,3 +115,21 @@ def test_gpt_oss_grouped_matmul_bias_is_per_expert():
     for fn in (torch.ops.ascend.grouped_matmul, ops_moe.grouped_matmul):
         (y,) = fn([x], [w], bias=[b], group_list=counts, split_item=2, group_type=0, group_list_type=1)
         torch.testing.assert_close(y, want)
+
+
+def test_gpt_oss_activation_with_unequal_bounds_stays_aten():
+    """``clipped_swiglu`` has one limit: a gate max that is not the up clamp's bound keeps the
+    replacement's activation in ATen, with the same values as the searched form."""
+    from ascend_passes.patterns import moe_gptoss
+
+    import ascend_passes.ops  # noqa: F401  (registers torch.ops.ascend)
+
+    gate_up = torch.randn(6, 16, generator=torch.Generator().manual_seed(0)) * 3
+    one = moe_gptoss.Activation(gate_max=0.5, up_min=-0.5, up_max=0.5, alpha=1.3, up_add=1.0)
+    two = moe_gptoss.Activation(gate_max=0.7, up_min=-0.5, up_max=0.5, alpha=1.3, up_add=1.0)
+    assert one.limit == 0.5 and two.limit is None
+    for c in (one, two):
+        gm = torch.fx.experimental.proxy_tensor.make_fx(functools.partial(moe_gptoss.activation, c=c))(gate_up)
+        fused = [n for n in gm.graph.nodes if n.target is torch.ops.ascend.clipped_swiglu.default]
+        assert len(fused) == (1 if c is one else 0)
+        torch.testing.assert_close(gm(gate_up), moe_gptoss.clamped_swiglu(gate_up, c), atol=1e-6, rtol=1e-5)

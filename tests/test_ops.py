@@ -117,6 +117,53 @@ def test_swiglu_halves(backend, dtype, dim):
     assert out.dtype == dtype
 
 
+def clipped_formula(x: torch.Tensor, dim: int, alpha: float, limit: float, bias: float, interleaved: bool, rows=None):
+    """torch_npu's npu_clipped_swiglu formula, element by element in float64: fold x to
+    [pre, cut * after], split each row (even/odd columns or halves), clamp, gate, reshape."""
+    dim = dim % x.dim()
+    pre = math.prod(x.shape[:dim])
+    folded = x.double().reshape(pre, -1).tolist()
+    out = []
+    for r, row in enumerate(folded):
+        h = len(row) // 2
+        pairs = [(row[2 * j], row[2 * j + 1]) if interleaved else (row[j], row[h + j]) for j in range(h)]
+        values = []
+        for a, b in pairs:
+            a, b = min(a, limit), min(max(b, -limit), limit)
+            values.append(a / (1 + math.exp(-alpha * a)) * (b + bias))
+        out.append(values if rows is None or r < rows else [0.0] * h)
+    shape = list(x.shape)
+    shape[dim] //= 2
+    return torch.tensor(out, dtype=torch.float64).reshape(shape)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("dim", [-1, 1, 0])
+def test_clipped_swiglu_matches_npu_formula(backend, dtype, interleaved, dim):
+    x = (torch.randn(4, 6, 10) * 6).to(dtype)  # wide enough that both clamps bite
+    out = A.clipped_swiglu(x, dim=dim, alpha=1.702, limit=7.0, bias=1.0, interleaved=interleaved)
+    assert out.dtype == dtype and out.is_contiguous()
+    torch.testing.assert_close(out.double(), clipped_formula(x, dim, 1.702, 7.0, 1.0, interleaved), **tol(dtype))
+    # DeepSeek-V4's form: silu(gate.clamp(max=l)) * up.clamp(-l, l) over the halves
+    v4 = A.clipped_swiglu(x, dim=dim, alpha=1.0, limit=3.0, bias=0.0, interleaved=False)
+    gate, up = x.double().chunk(2, dim=dim)
+    want = torch.nn.functional.silu(gate.clamp(max=3.0)) * up.clamp(-3.0, 3.0)
+    torch.testing.assert_close(v4.double(), want, **tol(dtype))
+
+
+@pytest.mark.parametrize("interleaved", [True, False])
+def test_clipped_swiglu_group_index_computes_the_first_rows_only(backend, interleaved):
+    x = torch.randn(2, 5, 8) * 5  # folded around dim -1: 10 rows
+    group_index = torch.tensor([3, 0, 4])  # 7 rows computed, the last 3 zero
+    out = A.clipped_swiglu(x, group_index=group_index, limit=4.0, bias=0.5, interleaved=interleaved)
+    want = clipped_formula(x, -1, 1.702, 4.0, 0.5, interleaved, rows=7)
+    torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
+    assert (out.reshape(10, 4)[7:] == 0).all() and (out.reshape(10, 4)[:7] != 0).any()
+    everything = A.clipped_swiglu(x, group_index=torch.tensor([20]), limit=4.0, bias=0.5, interleaved=interleaved)
+    torch.testing.assert_close(everything, A.clipped_swiglu(x, limit=4.0, bias=0.5, interleaved=interleaved))
+
+
 # ---------------------------------------------------------------- routers
 
 
@@ -597,6 +644,22 @@ BAD_INPUTS = [
         r"x2 dtype torch.float16 does not match x1 dtype torch.float32",
     ),
     ("swiglu odd", lambda: A.swiglu(torch.randn(2, 7)), r"x.shape\[1\]=7 must be even"),
+    ("clipped_swiglu odd", lambda: A.clipped_swiglu(torch.randn(2, 7)), r"clipped_swiglu: x.shape\[1\]=7 must be even"),
+    (
+        "clipped_swiglu dtype",
+        lambda: A.clipped_swiglu(torch.ones(2, 8, dtype=torch.int32)),
+        r"clipped_swiglu: x must be float32, bfloat16 or float16, got torch.int32",
+    ),
+    (
+        "clipped_swiglu group_index rank",
+        lambda: A.clipped_swiglu(torch.randn(4, 8), group_index=torch.ones(2, 2, dtype=torch.int64)),
+        r"clipped_swiglu: group_index must be 1-D \(tokens per group\), got 2-D",
+    ),
+    (
+        "clipped_swiglu group_index dtype",
+        lambda: A.clipped_swiglu(torch.randn(4, 8), group_index=torch.ones(2, dtype=torch.int32)),
+        r"clipped_swiglu: group_index must be int64, got torch.int32",
+    ),
     (
         "gmm weight dtype",
         lambda: A.grouped_matmul(
@@ -766,6 +829,8 @@ def sample_calls():
         ("rms_norm", (x, torch.randn(16), 1e-6), {}),
         ("add_rms_norm", (x, torch.randn(6, 16), torch.randn(16), 1e-6), {}),
         ("swiglu", (x, -1), {}),
+        ("clipped_swiglu", (x * 4,), dict(limit=3.0)),
+        ("clipped_swiglu", (x * 4,), dict(group_index=torch.tensor([2, 3]), alpha=1.0, bias=0.0, interleaved=False)),
         ("moe_gating_top_k_softmax", (torch.randn(6, 8), None, 2), {}),
         (
             "moe_gating_top_k",
@@ -825,8 +890,12 @@ def sample_calls():
 
 
 def call_ids(calls) -> list[str]:
-    """Test ids of ``sample_calls()``: the op name, ``-hash`` for moe_gating_top_k's hash mode."""
-    return [name + ("-hash" if "tid2eid" in kwargs else "") for name, _, kwargs in calls]
+    """Test ids of ``sample_calls()``: the op name, ``-hash`` for moe_gating_top_k's hash mode,
+    ``-group_index`` for clipped_swiglu's grouped rows."""
+    return [
+        name + ("-hash" if "tid2eid" in kwargs else "") + ("-group_index" if "group_index" in kwargs else "")
+        for name, _, kwargs in calls
+    ]
 
 
 @pytest.mark.parametrize("name,args,kwargs", sample_calls(), ids=call_ids(sample_calls()))

@@ -450,7 +450,9 @@ class MoePass(Pass):
         entry.router, entry.num_experts, entry.top_k = name, num_experts, top_k
         if reason is not None:
             entry.unsupported = reason
-            result.near_miss(name, f"router not fused into {op}: {reason}", layer=layer, node=final_topk)
+            if not any(nm.pattern == name and nm.node == final_topk.name for nm in result.near_misses):
+                # (another traced form of this router, e.g. one group kept, matched the same nodes)
+                result.near_miss(name, f"router not fused into {op}: {reason}", layer=layer, node=final_topk)
             return
         new = _replace(match, _as_fn(replacement, len(call_args)), call_args, trace, result, name, layer)
         if new is None:

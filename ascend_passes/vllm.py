@@ -53,7 +53,8 @@ ENABLE_ENV = "ASCEND_PASSES_VLLM"  # "1": the platform plugin routes vLLM's comp
 OPTIONS_ENV = "ASCEND_PASSES_OPTIONS"  # JSON options of the string-named ``ascend_passes.vllm_pass``
 ADDITIONAL_CONFIG_KEY = "ascend_passes"  # LLM(additional_config={"ascend_passes": {...}})
 
-# what AscendCompiler did in this process (tests and tools read it: a warm start compiles nothing)
+# what AscendCompiler did in this process: artifacts compiled, artifacts loaded by their cache handle
+# (tests and tools read it: a warm start compiles nothing)
 STATS: dict[str, int] = {"compiles": 0, "loads": 0}
 
 
@@ -285,14 +286,17 @@ def _compiler_class() -> type:
             compile_range: Any,
             key: str | None = None,
         ) -> tuple[Any, Any]:
-            STATS["compiles"] += 1
             from . import inductor_fixes
 
             inductor_fixes.install()  # Inductor bugs that give wrong results on these graphs
-            piece = (key or "").rpartition("_subgraph_")[2] or str(STATS["compiles"] - 1)
+            piece = (key or "").rpartition("_subgraph_")[2] or str(STATS["compiles"])
             name = f"{self.prefix or 'model'}.piece{piece}.range{compile_range.start}-{compile_range.end}"
             with graph_id(name):
-                return super().compile(graph, example_inputs, self._with_pass(compiler_config), compile_range, key)
+                # vLLM stops a compile whose piece equals one it already has (a BaseException
+                # through here): only an artifact made counts
+                out = super().compile(graph, example_inputs, self._with_pass(compiler_config), compile_range, key)
+            STATS["compiles"] += 1
+            return out
 
         def load(
             self, handle: Any, graph: fx.GraphModule, example_inputs: list[Any], graph_index: int, compile_range: Any

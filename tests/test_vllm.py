@@ -5,7 +5,10 @@ vLLM's eager mode (issue 17).
 
 Each ``LLM`` runs in its own Python process (``VLLM_ENABLE_V1_MULTIPROCESSING=0`` inside it): vLLM
 keeps process-wide state (compilation counters, the Dynamo cache, the platform) that a second
-``LLM`` in one process would inherit.  The eager reference is computed once per module.
+``LLM`` in one process would inherit.  The checkpoint and the reference run (vLLM's own Inductor
+route) are made once per pytest process and shared with tests/test_vllm_plugin.py
+(``shared_checkpoint``, ``reference_run``); every run gets fresh vLLM and Inductor caches (a cache hit
+would skip the passes).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import math
 import os
 import subprocess
 import sys
+import tempfile
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -102,9 +106,12 @@ _RUNNER = textwrap.dedent("""
     with ap.capture() as reports:
         llm = LLM(model=spec["model"], skip_tokenizer_init=True, dtype="bfloat16", max_model_len=128,
                   seed=0, **kwargs)
-        outs = llm.generate([{"prompt_token_ids": p} for p in spec["prompts"]],
-                            SamplingParams(max_tokens=spec["max_tokens"], temperature=0.0, logprobs=2))
-    result = {"tokens": [], "top2": [], "reports": []}
+        params = SamplingParams(max_tokens=spec["max_tokens"], temperature=0.0, logprobs=2)
+        rounds = [llm.generate([{"prompt_token_ids": p} for p in spec["prompts"]], params)
+                  for _ in range(spec.get("rounds", 1))]  # each round runs the compiled graph anew
+    outs = rounds[0]
+    result = {"tokens": [], "top2": [], "reports": [],
+              "rounds": [[list(o.outputs[0].token_ids) for o in r] for r in rounds]}
     for o in outs:
         c = o.outputs[0]
         result["tokens"].append(list(c.token_ids))
@@ -119,10 +126,28 @@ _RUNNER = textwrap.dedent("""
 """)
 
 
+def fresh_caches(name: str) -> dict[str, str]:
+    """Environment of a run with vLLM and Inductor caches of its own (under this pytest process's
+    temporary folder): a cache hit would skip the passes; runs given one ``name`` share them."""
+    root = Path(_shared_tmp()) / "caches" / name
+    return {"VLLM_CACHE_ROOT": str(root / "vllm"), "TORCHINDUCTOR_CACHE_DIR": str(root / "inductor")}
+
+
 def _generate(
-    model: Path, llm: dict[str, Any], post_grad: dict[str, Any] | None = None, env: dict[str, str] | None = None
+    model: Path,
+    llm: dict[str, Any],
+    post_grad: dict[str, Any] | None = None,
+    env: dict[str, str] | None = None,
+    rounds: int = 1,
 ) -> dict[str, Any]:
-    spec = {"model": str(model), "llm": llm, "post_grad": post_grad, "prompts": PROMPTS, "max_tokens": MAX_TOKENS}
+    spec = {
+        "model": str(model),
+        "llm": llm,
+        "post_grad": post_grad,
+        "prompts": PROMPTS,
+        "max_tokens": MAX_TOKENS,
+        "rounds": rounds,
+    }
     child_env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", **(env or {})}
     proc = subprocess.run(
         [sys.executable, "-c", _RUNNER, json.dumps(spec)],
@@ -153,34 +178,53 @@ def _assert_same_tokens(result: dict[str, Any], eager: dict[str, Any]) -> None:
                 break  # after a legitimate flip the continuations differ
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("tiny_deepseek_v3")
-    _write_checkpoint(path)
-    return path
+_SHARED: dict[str, Any] = {}  # this pytest process's checkpoint, reference run and temporary folder
 
 
-@pytest.fixture(scope="module")
-def vllm_inductor(checkpoint: Path) -> dict[str, Any]:
-    """vLLM's own Inductor route (mode 2, no ascend_passes): the reference of the post-grad route.
+def _shared_tmp() -> str:
+    if "tmp" not in _SHARED:
+        _SHARED["tmp_handle"] = tempfile.TemporaryDirectory(prefix="ascend_passes_vllm_")
+        _SHARED["tmp"] = _SHARED["tmp_handle"].name
+    return _SHARED["tmp"]
+
+
+def shared_checkpoint() -> Path:
+    """The tiny DeepSeek-V3 checkpoint, written once per pytest process (both vLLM test modules)."""
+    if "checkpoint" not in _SHARED:
+        path = Path(_shared_tmp()) / "tiny_deepseek_v3"
+        path.mkdir()
+        _write_checkpoint(path)
+        _SHARED["checkpoint"] = path
+    return _SHARED["checkpoint"]
+
+
+def reference_run() -> dict[str, Any]:
+    """vLLM's own Inductor route (mode 2, ``custom_ops=["none"]`` — its default there — no
+    ascend_passes), run once per pytest process: the reference of every route.
 
     Not vLLM's eager mode: on this random model eager and vLLM's compiled graph already pick
     different greedy tokens (measured: first tokens 173 vs 234 with a 2-nat gap), because a bf16
     rounding difference flips the sigmoid router's expert choice; the compiled route without our
-    pass is the same graph minus the rewrites."""
-    result = _generate(checkpoint, {"compilation_config": {"mode": 2}})
-    assert not any(math.isnan(v) for top2 in result["top2"] for pair in top2 for v in pair)
-    return result
+    passes is the same graph minus the rewrites."""
+    if "reference" not in _SHARED:
+        result = _generate(
+            shared_checkpoint(),
+            {"compilation_config": {"mode": 2, "custom_ops": ["none"]}},
+            env=fresh_caches("reference"),
+        )
+        assert not any(math.isnan(v) for top2 in result["top2"] for pair in top2 for v in pair)
+        _SHARED["reference"] = result
+    return _SHARED["reference"]
 
 
-def test_post_grad_route_cleanup_matches_vllm_inductor(checkpoint: Path, vllm_inductor: dict[str, Any]) -> None:
-    """The post-grad route with ``cleanup`` only: same tokens as vLLM's Inductor route."""
-    result = _generate(
-        checkpoint, {"compilation_config": {"mode": 2}}, post_grad={"compiler": "inductor", "passes": "cleanup"}
-    )
-    assert result["reports"], "the post-grad pass never ran (no report captured)"
-    assert not any(r["rolled_back"] for r in result["reports"]), result["reports"]
-    _assert_same_tokens(result, vllm_inductor)
+@pytest.fixture(scope="module")
+def checkpoint() -> Path:
+    return shared_checkpoint()
+
+
+@pytest.fixture(scope="module")
+def vllm_inductor(checkpoint: Path) -> dict[str, Any]:
+    return reference_run()
 
 
 def test_post_grad_route_norm_matches_vllm_inductor(checkpoint: Path, vllm_inductor: dict[str, Any]) -> None:
@@ -188,12 +232,19 @@ def test_post_grad_route_norm_matches_vllm_inductor(checkpoint: Path, vllm_induc
     NaN logits (issue 17: an Inductor scheduler bug the rewrite exposed, the router read its gate's
     ``empty`` output before the in-place linear wrote it; ``ascend_passes.inductor_fixes``).  The
     wrong schedule is made at compile time, the NaN only depended on what the uninitialised memory
-    held: token equality catches it in every run.  Several prompts and decode steps in one LLM: each
-    step runs the compiled graph."""
+    held: token equality catches it in every run.  Several prompts and decode steps per ``generate``,
+    and three ``generate`` rounds in one LLM: every step runs the compiled graph on whatever the
+    buffers hold by then.  (``cleanup`` alone, once a test of its own, runs inside this pipeline.)"""
     result = _generate(
-        checkpoint, {"compilation_config": {"mode": 2}}, post_grad={"compiler": "inductor", "passes": "cleanup,norm"}
+        checkpoint,
+        {"compilation_config": {"mode": 2}},
+        post_grad={"compiler": "inductor", "passes": "cleanup,norm"},
+        env=fresh_caches("post_grad_norm"),
+        rounds=3,
     )
+    assert result["reports"], "the post-grad pass never ran (no report captured)"
     assert not any(r["rolled_back"] for r in result["reports"]), result["reports"]
     ops = {k: v for r in result["reports"] for k, v in r["ops"].items()}
     assert ops.get("ascend.rms_norm", 0) >= 4 and ops.get("ascend.add_rms_norm", 0) >= 3, result["reports"]
     _assert_same_tokens(result, vllm_inductor)
+    assert len(result["rounds"]) == 3 and all(r == result["tokens"] for r in result["rounds"]), result["rounds"]

@@ -408,6 +408,10 @@ class MoePass(Pass):
             (n for n in topks if _val(n.args[0]).dim() == 2 and _val(n.args[0]).shape[-1] == num_experts), topks[-1]
         )
         top_k = const_int(final_topk.args[1])
+        if any(nm.node == final_topk.name and nm.pattern in _ROUTERS for nm in result.near_misses):
+            # a router refused at this top-k already (a ``_no_renorm`` variant matches the renormalising
+            # router it is part of): one router, one near-miss
+            return
         scale = None  # the routed scaling factor when it is a graph input
         details: dict[str, Any] = {}
         sigmoid = name.startswith(("deepseek", "sigmoid"))

@@ -130,6 +130,7 @@ class Candidate:
     num_experts: int | None
     sinks: list[fx.Node] = field(default_factory=list)  # expert matmuls / fused init_routing reached
     leaves_graph: bool = False  # the ids are a graph output (the experts run in another graph)
+    # | "input" (expert ids that are a graph input: the router is in another graph)
     paths: dict[fx.Node, list[fx.Node]] = field(default_factory=dict)  # ids → sink, per sink
 
     @property
@@ -141,7 +142,9 @@ class Candidate:
         return any(op_name(s) in _FUSED_EXPERTS for s in self.sinks)
 
     def unfused_parts(self) -> set[str]:
-        """``{"router", "experts"}`` minus what the moe pass fused."""
+        """``{"router", "experts"}`` minus what the moe pass fused (an "input" block has no router here)."""
+        if self.kind == "input":
+            return set() if self.experts_fused else {"experts"}
         return ({"router"} - ({"router"} if self.router_fused else set())) | (
             set() if self.experts_fused else {"experts"}
         )
@@ -156,7 +159,11 @@ def find(graph: fx.Graph) -> list[Candidate]:
     _walk(sources)
     found: dict[Any, Candidate] = {}
     for cand in sources:
-        if not cand.sinks:
+        if cand.kind == "input":  # experts after a graph break: placed at their first expert matmul
+            if not cand.sinks:
+                continue
+            cand.layer = where(cand.sinks[0])
+        elif not cand.sinks:
             if cand.kind == "topk" and not _router_linear(cand.source):
                 continue  # a top-k that is no router (an attention indexer, a sampler)
             cand.leaves_graph = _leaves_graph(cand.ids)
@@ -174,6 +181,8 @@ def _source(node: fx.Node) -> Candidate | None:
         # max(dim=-1): a top-1 per call (PhiMoE's sparsemixer takes its experts one max at a time)
         x = _val(node.args[0])
         dim_pos = 2 if name == "aten.topk" else 1
+    if node.op == "placeholder" and _dispatches(node):
+        return Candidate(None, "input", node, node, None)
         dim = node.args[dim_pos] if len(node.args) > dim_pos else node.kwargs.get("dim", -1)
         if not isinstance(x, torch.Tensor) or x.dim() < 2 or not x.is_floating_point():
             return None
@@ -208,6 +217,28 @@ def _getitem(node: fx.Node, index: int) -> fx.Node | None:
 
 
 def _walk(sources: list[Candidate]) -> None:
+def _dispatches(ids: fx.Node) -> bool:
+    """An integer graph input that sorts or indexes by id within a few layout ops (expert ids handed
+    over a graph break: ``gate_up[ids]``, ``sort(ids)``); not token ids (``embedding``)."""
+    v = _val(ids)
+    if not isinstance(v, torch.Tensor) or v.dim() < 1 or v.dtype not in (torch.int32, torch.int64):
+        return False
+    frontier = [ids]
+    for _ in range(3):
+        nxt = []
+        for node in frontier:
+            for user in node.users:
+                name = op_name(user)
+                if name in ("aten.sort", "aten.argsort", "aten.one_hot", "aten.bincount", "aten.histc"):
+                    return True
+                if name == "aten.index" and len(user.args) > 1 and node in (user.args[1] or ()):
+                    return True
+                if name in _VIEWISH:
+                    nxt.append(user)
+        frontier = nxt
+    return False
+
+
     """One breadth-first walk from every source's ids at once; a node belongs to the source that
     reaches it first.  Matmuls end a path (an expert matmul is recorded as a sink), so do fused
     experts, the graph output and another layer's nodes."""
@@ -225,13 +256,15 @@ def _walk(sources: list[Candidate]) -> None:
         for user in node.users:
             if user in owner or user.op == "output":
                 continue
-            owner[user], parent[user] = i, node
             name = op_name(user)
             if name in _FUSED_EXPERTS or (name in _MATMULS and _expert_weight(user, cand.num_experts)):
                 cand.sinks.append(user)
                 cand.paths[user] = _path(user, parent)
                 continue
             if name in _MATMULS or depth + 1 >= MAX_DEPTH:
+            if cand.kind == "input" and name == "aten.embedding":
+                continue  # token ids (a hash router's input_ids) become hidden states, not expert ids
+            owner[user], parent[user] = i, node
                 continue
             layer = layer_of(user)
             if layer is not None and home[i] is not None and layer != home[i]:
@@ -330,6 +363,12 @@ def explain(cand: Candidate, parts: Iterable[str]) -> str:
         return (
             "MoE block not fused: the router's expert ids leave this graph, so the experts run in "
             "another graph (a Dynamo graph break, e.g. Hugging Face's default 'eager' experts loop); "
+    if cand.kind == "input":
+        return (
+            f"MoE experts not fused: their expert ids are a graph input ({cand.source.name}): the router "
+            "is in another graph (a Dynamo graph break between router and experts; the router's graph "
+            f"explains it); experts not fused: {_experts_reason(cand)}"
+        )
             "set config._experts_implementation = 'grouped_mm' or 'batched_mm' to get one graph" + router
         )
     said = []

@@ -125,12 +125,12 @@ class Candidate:
 
     layer: str | None
     kind: str  # "topk" | "lookup" (a fixed id table, hash routing) | "gating" (a fused router)
+    # | "input" (expert ids that are a graph input: the router is in another graph)
     source: fx.Node  # the topk / table lookup / gating node
     ids: fx.Node  # the expert-id tensor
     num_experts: int | None
     sinks: list[fx.Node] = field(default_factory=list)  # expert matmuls / fused init_routing reached
     leaves_graph: bool = False  # the ids are a graph output (the experts run in another graph)
-    # | "input" (expert ids that are a graph input: the router is in another graph)
     paths: dict[fx.Node, list[fx.Node]] = field(default_factory=dict)  # ids → sink, per sink
 
     @property
@@ -176,13 +176,13 @@ def find(graph: fx.Graph) -> list[Candidate]:
 
 def _source(node: fx.Node) -> Candidate | None:
     """A candidate router at ``node``: its kind, the expert-id node and the number of experts."""
+    if node.op == "placeholder" and _dispatches(node):
+        return Candidate(None, "input", node, node, None)
     name = op_name(node)
     if name == "aten.topk" or (name == "aten.max" and node.target is aten.max.dim):
         # max(dim=-1): a top-1 per call (PhiMoE's sparsemixer takes its experts one max at a time)
         x = _val(node.args[0])
         dim_pos = 2 if name == "aten.topk" else 1
-    if node.op == "placeholder" and _dispatches(node):
-        return Candidate(None, "input", node, node, None)
         dim = node.args[dim_pos] if len(node.args) > dim_pos else node.kwargs.get("dim", -1)
         if not isinstance(x, torch.Tensor) or x.dim() < 2 or not x.is_floating_point():
             return None
@@ -212,11 +212,6 @@ def _source(node: fx.Node) -> Candidate | None:
     return None
 
 
-def _getitem(node: fx.Node, index: int) -> fx.Node | None:
-    return next((u for u in node.users if u.target is operator.getitem and u.args[1] == index), None)
-
-
-def _walk(sources: list[Candidate]) -> None:
 def _dispatches(ids: fx.Node) -> bool:
     """An integer graph input that sorts or indexes by id within a few layout ops (expert ids handed
     over a graph break: ``gate_up[ids]``, ``sort(ids)``); not token ids (``embedding``)."""
@@ -239,6 +234,11 @@ def _dispatches(ids: fx.Node) -> bool:
     return False
 
 
+def _getitem(node: fx.Node, index: int) -> fx.Node | None:
+    return next((u for u in node.users if u.target is operator.getitem and u.args[1] == index), None)
+
+
+def _walk(sources: list[Candidate]) -> None:
     """One breadth-first walk from every source's ids at once; a node belongs to the source that
     reaches it first.  Matmuls end a path (an expert matmul is recorded as a sink), so do fused
     experts, the graph output and another layer's nodes."""
@@ -257,14 +257,14 @@ def _dispatches(ids: fx.Node) -> bool:
             if user in owner or user.op == "output":
                 continue
             name = op_name(user)
+            if cand.kind == "input" and name == "aten.embedding":
+                continue  # token ids (a hash router's input_ids) become hidden states, not expert ids
+            owner[user], parent[user] = i, node
             if name in _FUSED_EXPERTS or (name in _MATMULS and _expert_weight(user, cand.num_experts)):
                 cand.sinks.append(user)
                 cand.paths[user] = _path(user, parent)
                 continue
             if name in _MATMULS or depth + 1 >= MAX_DEPTH:
-            if cand.kind == "input" and name == "aten.embedding":
-                continue  # token ids (a hash router's input_ids) become hidden states, not expert ids
-            owner[user], parent[user] = i, node
                 continue
             layer = layer_of(user)
             if layer is not None and home[i] is not None and layer != home[i]:
@@ -358,17 +358,17 @@ def _leaves_graph(ids: fx.Node) -> bool:
 def explain(cand: Candidate, parts: Iterable[str]) -> str:
     """The near-miss reason for the ``parts`` ("router", "experts") of ``cand`` left unfused."""
     parts = set(parts)
-    if cand.leaves_graph and not cand.sinks:
-        router = "" if "router" not in parts else f"; router: {_router_reason(cand)}"
-        return (
-            "MoE block not fused: the router's expert ids leave this graph, so the experts run in "
-            "another graph (a Dynamo graph break, e.g. Hugging Face's default 'eager' experts loop); "
     if cand.kind == "input":
         return (
             f"MoE experts not fused: their expert ids are a graph input ({cand.source.name}): the router "
             "is in another graph (a Dynamo graph break between router and experts; the router's graph "
             f"explains it); experts not fused: {_experts_reason(cand)}"
         )
+    if cand.leaves_graph and not cand.sinks:
+        router = "" if "router" not in parts else f"; router: {_router_reason(cand)}"
+        return (
+            "MoE block not fused: the router's expert ids leave this graph, so the experts run in "
+            "another graph (a Dynamo graph break, e.g. Hugging Face's default 'eager' experts loop); "
             "set config._experts_implementation = 'grouped_mm' or 'batched_mm' to get one graph" + router
         )
     said = []

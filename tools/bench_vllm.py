@@ -10,9 +10,12 @@ compile route, in one run (issue 17):
 Each route runs in its own process with fresh caches: one warm-up ``generate`` (compiles), then
 ``--repeats`` timed ``generate`` calls of ``--prompts`` prompts x ``--max-tokens`` tokens; the best
 is reported.  All routes use ``custom_ops=["none"]`` (vLLM's norms / SiLU-and-mul in plain torch,
-where the passes can see them) and the passes ``--passes``.
+where the passes can see them) and the passes ``--passes``.  The table gives output tokens/s, the
+ratio to vLLM eager and to the best peer (the faster of vLLM eager and vLLM's Inductor), and whether
+the route's greedy tokens equal vLLM's Inductor route's (``same tokens``); the header the machine's
+CPU feature bits.
 
-    python tools/bench_vllm.py [--routes eager,inductor,backend,post_grad,piecewise]
+    python tools/bench_vllm.py [--routes eager,inductor,backend,post_grad,piecewise] [--quick]
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from _machine import cpu_features_line  # noqa: E402
 
 ROUTES = ("eager", "inductor", "backend", "post_grad", "piecewise")
+PEERS = ("eager", "inductor")  # vLLM without ascend_passes
+TIMEOUT_S = 1800  # one route (start, compile, runs); minutes on a loaded 2-core machine
 
 _CHILD = textwrap.dedent("""
     import json, sys, time
@@ -45,7 +50,7 @@ _CHILD = textwrap.dedent("""
         prompts = [{"prompt_token_ids": [3 + i, 17, 42 + i, 5, 99, 7 + 3 * i] * 4}
                    for i in range(spec["prompts"])]
         params = SamplingParams(max_tokens=spec["max_tokens"], temperature=0.0, ignore_eos=True)
-        llm.generate(prompts, params, use_tqdm=False)
+        first = llm.generate(prompts, params, use_tqdm=False)
     startup = time.perf_counter() - t0
     best = None
     for _ in range(spec["repeats"]):
@@ -56,7 +61,8 @@ _CHILD = textwrap.dedent("""
         best = max(best or 0.0, n / dt)
     rewrites = sum(r.num_matches for r in reports)
     print("RESULT " + json.dumps({"tok_s": best, "startup_s": startup, "graphs": len(reports),
-                                  "rewrites": rewrites}))
+                                  "rewrites": rewrites,
+                                  "tokens": [list(o.outputs[0].token_ids) for o in first]}))
 """)
 
 
@@ -84,6 +90,40 @@ def _route(name: str, passes: str) -> tuple[dict, dict[str, str]]:
     return llm, env
 
 
+def _run_route(name: str, args: argparse.Namespace, model: Path, tmp: str) -> tuple[dict | None, str | None]:
+    llm, env = _route(name, args.passes)
+    spec = {
+        "model": str(model),
+        "llm": llm,
+        "prompts": args.prompts,
+        "max_tokens": args.max_tokens,
+        "repeats": args.repeats,
+    }
+    child_env = {
+        **os.environ,
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_CACHE_ROOT": f"{tmp}/{name}/vllm",
+        "TORCHINDUCTOR_CACHE_DIR": f"{tmp}/{name}/ind",
+        **env,
+    }
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-c", _CHILD, json.dumps(spec)],
+            env=child_env,
+            capture_output=True,
+            text=True,
+            timeout=TIMEOUT_S,
+        )
+    except subprocess.TimeoutExpired:
+        return None, f"timed out after {TIMEOUT_S} s"
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    if proc.returncode or not lines:
+        print(f"{name}: failed\n{proc.stderr[-2000:]}", file=sys.stderr)
+        return None, (proc.stderr.strip().splitlines() or ["failed"])[-1]
+    return json.loads(lines[-1].removeprefix("RESULT ")), None
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--routes", default=",".join(ROUTES))
@@ -91,55 +131,57 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--quick", action="store_true", help="2 prompts x 8 tokens, one timed run (a smoke run)")
     args = ap.parse_args()
+    if args.quick:
+        args.prompts, args.max_tokens, args.repeats = 2, 8, 1
+    routes = args.routes.split(",")
+    unknown = [r for r in routes if r not in ROUTES]
+    if unknown:
+        raise SystemExit(f"unknown route(s) {', '.join(unknown)}; choose from {', '.join(ROUTES)}")
 
     from test_vllm import _write_checkpoint
 
+    rows: list[tuple[str, dict | None, str | None]] = []
     with tempfile.TemporaryDirectory(prefix="bench_vllm_") as tmp:
         model = Path(tmp) / "model"
         model.mkdir()
         _write_checkpoint(model)
-        rows = []
-        for name in args.routes.split(","):
-            llm, env = _route(name, args.passes)
-            spec = {
-                "model": str(model),
-                "llm": llm,
-                "prompts": args.prompts,
-                "max_tokens": args.max_tokens,
-                "repeats": args.repeats,
-            }
-            child_env = {
-                **os.environ,
-                "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-                "VLLM_CPU_KVCACHE_SPACE": "1",
-                "VLLM_CACHE_ROOT": f"{tmp}/{name}/vllm",
-                "TORCHINDUCTOR_CACHE_DIR": f"{tmp}/{name}/ind",
-                **env,
-            }
-            proc = subprocess.run(
-                [sys.executable, "-c", _CHILD, json.dumps(spec)], env=child_env, capture_output=True, text=True
-            )
-            lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-            if proc.returncode or not lines:
-                rows.append((name, None, proc.stderr.strip().splitlines()[-1:] or ["failed"]))
-                print(f"{name}: failed\n{proc.stderr[-2000:]}", file=sys.stderr)
-                continue
-            rows.append((name, json.loads(lines[-1][7:]), None))
+        for name in routes:
+            result, err = _run_route(name, args, model, tmp)
+            rows.append((name, result, err))
 
     print(cpu_features_line())
     print(
         f"tiny DeepSeek-V3 (3 layers, bf16), {args.prompts} prompts x {args.max_tokens} tokens, "
         f"best of {args.repeats}; passes {args.passes}"
     )
-    eager = next((r["tok_s"] for n, r, _ in rows if n == "eager" and r), None)
-    print(f"{'route':<10} {'tokens/s':>9} {'vs eager':>9} {'startup s':>10} {'graphs':>7} {'rewrites':>9}")
+    done = {n: r for n, r, _ in rows if r}
+    eager = done.get("eager", {}).get("tok_s")
+    peers = [done[n]["tok_s"] for n in PEERS if n in done]
+    best_peer = max(peers) if peers else None
+    reference = done.get("inductor", {}).get("tokens")
+    header = ("route", "tokens/s", "vs eager", "vs best peer", "startup s", "graphs", "rewrites", "same tokens")
+    print(
+        f"{header[0]:<10} {header[1]:>9} {header[2]:>9} {header[3]:>13} {header[4]:>10} {header[5]:>7} "
+        f"{header[6]:>9} {header[7]:>12}"
+    )
     for name, r, err in rows:
         if r is None:
-            print(f"{name:<10} failed: {err[0][:100]}")
+            print(f"{name:<10} failed: {str(err)[:100]}")
             continue
-        ratio = f"{r['tok_s'] / eager:.2f}x" if eager else "-"
-        print(f"{name:<10} {r['tok_s']:>9.1f} {ratio:>9} {r['startup_s']:>10.1f} {r['graphs']:>7} {r['rewrites']:>9}")
+        vs_eager = f"{r['tok_s'] / eager:.2f}x" if eager else "-"
+        vs_peer = f"{r['tok_s'] / best_peer:.2f}x" if best_peer else "-"
+        same = "-" if reference is None or name in PEERS else ("yes" if r["tokens"] == reference else "NO")
+        print(
+            f"{name:<10} {r['tok_s']:>9.1f} {vs_eager:>9} {vs_peer:>13} {r['startup_s']:>10.1f} {r['graphs']:>7} "
+            f"{r['rewrites']:>9} {same:>12}"
+        )
+    print(
+        "'vs best peer': against the faster of vLLM eager and vLLM's Inductor (routes without ascend_passes); "
+        "'same tokens': greedy tokens equal vLLM's Inductor route's (eager may differ on this random model: "
+        "tests/test_vllm.py)"
+    )
 
 
 if __name__ == "__main__":

@@ -31,8 +31,8 @@ struct NextWeight {
 // The static rule (kAuto): the own kernel for K <= kOwnGemmMaxK, BLAS above. Measured on the 2-core
 // Emerald Rapids Xeon (AMX machine), single thread, CPU time, interleaved medians, E = 64 experts of
 // 192 rows, HF-layout weights, % of a dense mm of the same shape in the same run:
-//   K = 256, N = 1024: own 78-89%, BLAS 83-85%   K = 512, N = 1024: own 76%, BLAS 70%
-//   K = 1024, N = 512: own 64-71%, BLAS 85-86%   K = 2048, N = 512: own 63%, BLAS 82%
+//   K = 256, N = 1024: own 78-90%, BLAS 76-85%   K = 512, N = 1024: own 76%, BLAS 70%
+//   K = 1024, N = 512: own 64-77%, BLAS 81-86%   K = 2048, N = 512: own 63%, BLAS 82%
 // The own kernel re-reads A[M, K] from L2 for every 64-column panel (it blocks N outside K), so it
 // falls behind MKL as K grows; on the earlier AVX-512 machine (no AMX) it reached 81-85% for K = 256
 // and 1024 while MKL's down projection (K = 256) stayed at 75-77%. ASCEND_PASSES_GEMM=auto|own|blas

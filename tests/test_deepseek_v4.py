@@ -11,6 +11,7 @@ compile; one test compiles the whole bundled model.
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -313,3 +314,22 @@ def test_inductor_post_grad_route_fuses_the_experts():
         assert rel_diff(o, r) <= 1e-4
     assert report.count("ascend.moe_init_routing_v2") == 2
     assert sorted(_experts_matches(report.passes["moe"])) == LAYERS
+
+
+def test_clamp_with_one_limit_is_clipped_swiglu_and_other_bounds_stay_aten():
+    """``clipped_swiglu`` takes one limit: V4's bounds (``max=l``, ``(-l, l)``) become it, with the
+    values of the clamp + swiglu form; other bounds keep that form."""
+    from ascend_passes.patterns import moe_experts, moe_v4
+
+    import ascend_passes.ops  # noqa: F401  (registers torch.ops.ascend)
+
+    gen = torch.Generator().manual_seed(0)
+    hidden, weights = torch.randn(6, 16, generator=gen), torch.rand(6, 2, generator=gen)
+    index = torch.stack([torch.randperm(4, generator=gen)[:2] for _ in range(6)])
+    gate_up, down = torch.randn(4, 16, 16, generator=gen), torch.randn(4, 16, 8, generator=gen)
+    args = (hidden, index, weights, gate_up, down)
+    for limits, fused in ((moe_v4.ClampLimits(1.5, -1.5, 1.5), 1), (moe_v4.ClampLimits(1.5, -1.0, 2.0), 0)):
+        gm = torch.fx.experimental.proxy_tensor.make_fx(functools.partial(moe_v4.fused_experts, limits=limits))(*args)
+        assert sum(n.target is torch.ops.ascend.clipped_swiglu.default for n in gm.graph.nodes) == fused
+        clamp_then_swiglu = moe_experts.fused_chain(*args, lambda g, c=limits: moe_v4.clamp_gate_up(g, c))
+        torch.testing.assert_close(gm(*args), clamp_then_swiglu, atol=1e-5, rtol=1e-5)

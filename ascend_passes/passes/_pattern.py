@@ -18,7 +18,8 @@ args)``, which returns the new nodes.
 
 What is cached, per process, and keyed by everything that changes the trace (function objects,
 example-input makers, dtypes, decompositions, scalar stand-ins; never ``id``s):
-- ``traced_pattern``: the initial trace (ints, floats, dtypes, devices ignored);
+- ``traced_pattern``: the initial trace (ints, floats, dtypes, devices ignored), also kept on
+  disk across processes (``cache_dir()``; ``ASCEND_PASSES_PATTERN_CACHE=0`` off): see "on disk";
 - the re-trace of a search function on a match's shapes (torch's ``register_replacement``
   re-check that shapes baked into a pattern fit) — static shapes only;
 - ``replacement_graph``: a replacement traced on a match's shapes, static shapes only, kept

@@ -998,3 +998,36 @@ def test_init_routing_active_num_under_dynamic_compile(backend):
         assert got[0].shape == (min(10, tokens * 2), 4)
         for g, e in zip(got, expected):
             assert torch.equal(g, e)
+
+
+def test_clipped_swiglu_lowers_to_npu_clipped_swiglu_inside_its_limits():
+    """The NPU row: a contiguous x lowers to ``npu.npu_clipped_swiglu`` with every argument by its
+    name; a non-contiguous x (the NPU takes contiguous x only) is decomposed with a near-miss."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from ascend_passes import npu, npu_schemas
+    from ascend_passes.config import AscendPassConfig
+    from ascend_passes.pass_manager import PassContext
+    from ascend_passes.passes.lower import LowerPass
+
+    skip_unless(npu_schemas.wheel_path() is not None, "no torch_npu wheel (tools/setup.sh)")
+    assert npu.npu_overload("clipped_swiglu") is None  # nothing defined before: unload afterwards
+    npu_schemas.load()
+    try:
+
+        def lower(fn, x):
+            gm = make_fx(fn, tracing_mode="fake")(x)
+            result = LowerPass(AscendPassConfig()).run(gm, PassContext(AscendPassConfig(), target="npu"))
+            return gm, result
+
+        kw = dict(alpha=1.0, limit=3.0, bias=0.0, interleaved=False)
+        gm, result = lower(lambda x: A.clipped_swiglu(x, **kw), torch.randn(4, 8))
+        (call,) = [n for n in gm.graph.nodes if str(n.target).startswith("npu.")]
+        assert call.target is torch.ops.npu.npu_clipped_swiglu.default and not result.near_misses
+        assert {k: call.kwargs[k] for k in kw} == kw
+        gm, result = lower(lambda x: A.clipped_swiglu(x.t(), **kw), torch.randn(8, 4))
+        assert not [n for n in gm.graph.nodes if str(n.target).startswith(("npu.", "ascend."))]
+        (nm,) = result.near_misses
+        assert "non-contiguous x (npu_clipped_swiglu takes contiguous x only)" in nm.reason
+    finally:
+        npu_schemas.unload()

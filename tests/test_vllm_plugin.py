@@ -4,18 +4,20 @@
 (a) mode 2 with ``backend="ascend_passes"`` under vLLM's default ahead-of-time compile;
 (c) the piecewise route: ``ASCEND_PASSES_VLLM=1`` makes the platform plugin keep mode 3 and compile
     every piece through ``ascend_passes.vllm.AscendCompiler``; a second process with the same cache
-    directory loads the pieces without compiling.
+    directory compiles nothing: under vLLM's default (its mega AOT artifact restores every piece)
+    and with ``VLLM_USE_AOT_COMPILE=0`` (no AOT artifact: Dynamo traces anew and vLLM's compiler
+    manager calls ``AscendCompiler.load`` with each piece's cache handle).
 
 Tokens are compared with vLLM's own Inductor route (the reference tests/test_vllm.py documents:
-on this random model vLLM's eager mode already picks other tokens than its compiled graph).
-Each ``LLM`` runs in its own process; the module starts vLLM four times (reference, (a), (c) cold,
-(c) warm) plus two cheap processes for the hashes.
+on this random model vLLM's eager mode already picks other tokens than its compiled graph); the
+checkpoint and the reference run are shared with tests/test_vllm.py.  Each ``LLM`` runs in its own
+process; this module starts vLLM five times ((a), (c) cold and warm under vLLM's default, cold and
+warm without the mega artifact) plus two cheap processes for the hashes.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
 import subprocess
 import sys
@@ -35,7 +37,14 @@ except (ImportError, ValueError):
 
 skip_unless(_HAVE_VLLM, "vLLM is not installed (bash tools/setup.sh --vllm)", allow_module_level=True)
 
-from test_vllm import MAX_TOKENS, PROMPTS, _assert_same_tokens, _write_checkpoint  # noqa: E402
+from test_vllm import (  # noqa: E402
+    MAX_TOKENS,
+    PROMPTS,
+    _assert_same_tokens,
+    fresh_caches,
+    reference_run,
+    shared_checkpoint,
+)
 
 pytestmark = pytest.mark.xdist_group("vllm")  # one LLM at a time: each wants both cores
 
@@ -126,34 +135,17 @@ def _assert_rewrites_and_near_misses(result: dict[str, Any]) -> None:
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("tiny_deepseek_v3_plugin")
-    _write_checkpoint(path)
-    return path
+def checkpoint() -> Path:
+    return shared_checkpoint()
 
 
 @pytest.fixture(scope="module")
-def fresh_caches(tmp_path_factory: pytest.TempPathFactory):
-    """A fresh vLLM + Inductor cache per run name: a cache hit would skip the passes (no report)."""
-    root = tmp_path_factory.mktemp("caches")
-
-    def env(name: str) -> dict[str, str]:
-        return {"VLLM_CACHE_ROOT": str(root / name / "vllm"), "TORCHINDUCTOR_CACHE_DIR": str(root / name / "inductor")}
-
-    return env
+def vllm_inductor(checkpoint: Path) -> dict[str, Any]:
+    """vLLM's own Inductor route (mode 2, custom_ops=["none"], no ascend_passes): the reference."""
+    return reference_run()
 
 
-@pytest.fixture(scope="module")
-def vllm_inductor(checkpoint: Path, fresh_caches) -> dict[str, Any]:
-    """vLLM's own Inductor route (mode 2, no ascend_passes), same custom_ops: the reference."""
-    result = _generate(
-        checkpoint, {"compilation_config": {"mode": 2, "custom_ops": ["none"]}}, fresh_caches("reference")
-    )
-    assert not any(math.isnan(v) for top2 in result["top2"] for pair in top2 for v in pair)
-    return result
-
-
-def test_mode2_backend_under_default_aot_compile(checkpoint: Path, vllm_inductor: dict[str, Any], fresh_caches) -> None:
+def test_mode2_backend_under_default_aot_compile(checkpoint: Path, vllm_inductor: dict[str, Any]) -> None:
     """(a) ``compilation_config={"mode": 2, "backend": "ascend_passes"}`` with vLLM's defaults (its
     ahead-of-time compile on): was ``AssertionError: expected OutputCode, got function``."""
     env = {k: v for k, v in os.environ.items() if k == "VLLM_USE_AOT_COMPILE"}
@@ -168,9 +160,7 @@ def test_mode2_backend_under_default_aot_compile(checkpoint: Path, vllm_inductor
     _assert_same_tokens(result, vllm_inductor)
 
 
-def test_piecewise_route_compiles_then_loads_from_cache(
-    checkpoint: Path, vllm_inductor: dict[str, Any], fresh_caches
-) -> None:
+def test_piecewise_route_compiles_then_loads_from_cache(checkpoint: Path, vllm_inductor: dict[str, Any]) -> None:
     """(c) The platform plugin keeps mode 3 and vLLM's piecewise backend compiles every piece with
     AscendCompiler (one report per piece, distinct ids); a second process on the same cache
     directory compiles nothing and gives the same tokens."""
@@ -189,6 +179,40 @@ def test_piecewise_route_compiles_then_loads_from_cache(
     warm = _generate(checkpoint, llm, env)
     assert warm["stats"]["compiles"] == 0, warm["stats"]  # loaded, not compiled
     assert warm["reports"] == [], warm["reports"]  # no pass ran: nothing was compiled
+    assert warm["tokens"] == cold["tokens"]
+
+
+def test_piecewise_route_loads_every_piece_by_its_cache_handle(
+    checkpoint: Path, vllm_inductor: dict[str, Any], tmp_path: Path
+) -> None:
+    """(c) without vLLM's ahead-of-time artifacts (``VLLM_USE_AOT_COMPILE=0``, hence no mega
+    artifact): vLLM's compiler manager stores each piece's handle from ``AscendCompiler.compile``
+    and, in a new process on the same cache directory, calls ``AscendCompiler.load`` with it for
+    every piece.  (With the AOT compile on but ``VLLM_USE_MEGA_AOT_ARTIFACT=0``, vLLM 0.32's warm
+    start restores the Dynamo graph from its AOT artifact and computes another compile-cache
+    directory than the cold start — measured: ``code_hash`` (vLLM's traced files) and
+    ``compiler_hash`` differ in the two ``cache_key_factors.json`` — so every piece compiles again.)  Measured: the
+    second process loads every piece the first compiled, compiles none, runs the pipeline 0 times
+    (no report), writes no dump, and gives the first run's tokens.  The first run's ``dump_dir``
+    holds one folder per piece, named by its report id (pieces never overwrite each other)."""
+    dumps = tmp_path / "dumps"
+    env = {**fresh_caches("piecewise_handles"), "ASCEND_PASSES_VLLM": "1", "VLLM_USE_AOT_COMPILE": "0"}
+    options = {**OPTIONS, "dump_dir": str(dumps)}
+    llm = {"compilation_config": {"mode": 3, "custom_ops": ["none"]}, "additional_config": {"ascend_passes": options}}
+    cold = _generate(checkpoint, llm, env)
+    assert cold["stats"]["compiles"] >= 2 and cold["stats"]["loads"] == 0, cold["stats"]
+    ids = [r["graph_id"] for r in cold["reports"]]
+    assert len(ids) == cold["stats"]["compiles"] and len(set(ids)) == len(ids), ids
+    folders = sorted(p.name for p in dumps.iterdir())
+    assert len(folders) == len(ids), (folders, ids)  # one dump folder per piece
+    assert all((dumps / f / "summary.txt").is_file() for f in folders), folders
+    _assert_rewrites_and_near_misses(cold)
+    _assert_same_tokens(cold, vllm_inductor)
+
+    warm = _generate(checkpoint, llm, env)
+    assert warm["stats"] == {"compiles": 0, "loads": cold["stats"]["compiles"]}, (warm["stats"], cold["stats"])
+    assert warm["reports"] == [], warm["reports"]  # the pipeline ran 0 times
+    assert sorted(p.name for p in dumps.iterdir()) == folders
     assert warm["tokens"] == cold["tokens"]
 
 

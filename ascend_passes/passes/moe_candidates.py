@@ -369,7 +369,8 @@ def explain(cand: Candidate, parts: Iterable[str]) -> str:
         return (
             "MoE block not fused: the router's expert ids leave this graph, so the experts run in "
             "another graph (a Dynamo graph break, e.g. Hugging Face's default 'eager' experts loop); "
-            "set config._experts_implementation = 'grouped_mm' or 'batched_mm' to get one graph" + router
+            "where the model supports it, set config._experts_implementation = 'grouped_mm' or 'batched_mm' "
+            "to get one graph" + router
         )
     said = []
     if "router" in parts:

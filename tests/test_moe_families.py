@@ -209,6 +209,63 @@ FAMILIES: dict[str, Family] = {
         ("the weights are not renormalised (norm_topk_prob=False)", "experts not fused: left unfused with this"),
     ),
     # more (deepseek-style and others)
+    "hy_v4_vl": Family(
+        "HYV4VLTextModel",
+        1,
+        1,
+        1,
+        fields=dict(
+            rope_parameters={"rope_theta": 10000.0, "rope_type": "default", "mrope_section": [2, 1, 1]}, **SPARSE
+        ),
+    ),
+    "kimi_linear": Family("KimiLinearForCausalLM", 1, 1, 1, fields=TWO_LAYERS),
+    "lfm2_moe": Family(
+        "Lfm2MoeForCausalLM",
+        1,
+        0,
+        1,
+        (NO_ROUTER + "sigmoid → top-2 + a per-expert correction bias",),
+        dict(layer_types=["full_attention"], num_dense_layers=0),
+    ),
+    "mistral4": Family("Mistral4ForCausalLM", 1, 0, 1, (NO_ROUTER + "_softmax → masked_fill → top-2",)),
+    "mistral_large4": Family("MistralLarge4TextModel", 1, 0, 1, (NO_ROUTER + "_softmax → masked_fill → top-2",)),
+    "unlimited_ocr": Family("UnlimitedOcrTextModel", 1, 0, 1, (NO_ROUTER + "_softmax → top-2",), TWO_LAYERS),
+    "zaya": Family(
+        "ZayaForCausalLM",
+        1,
+        0,
+        1,
+        (NO_ROUTER + "_unsafe_view → _softmax → detach → top-1 + a per-expert correction bias",),
+        dict(num_experts_per_tok=1),
+    ),
+    "openai_privacy_filter": Family(
+        "OpenAIPrivacyFilterModel",
+        1,
+        1,
+        0,
+        ("experts not fused: the activation is `(up + 1) * gate * sigmoid(1.702 * gate)` with gate/up clamped",),
+    ),
+    # no experts implementation: the experts loop breaks the graph (the router's graph explains it)
+    "step3p7": Family(
+        "Step3p7TextModel",
+        1,
+        1,
+        0,
+        ("the experts run in another graph",),
+        dict(sliding_window=8, **SPARSE),
+        implementation=None,
+        graphs=12,
+    ),
+    "longcat_flash": Family(
+        "LongcatFlashForCausalLM",
+        1,
+        0,
+        0,
+        ("the experts run in another graph", "; router: no router pattern matched its scores"),
+        dict(head_dim=8, qk_head_dim=16, expert_ffn_hidden_size=16, zero_expert_num=2),
+        implementation=None,
+        graphs=12,
+    ),
     "glm_moe_dsa": Family("GlmMoeDsaForCausalLM", 1, 1, 1),
     "hy_v4": Family("HYV4ForCausalLM", 1, 1, 1, fields=TWO_LAYERS),
     "inkling2_loop": Family(
@@ -298,11 +355,10 @@ FAMILIES: dict[str, Family] = {
     ),
 }
 
-# Tiny configs that build, not in the test yet (-1: counts not settled).  Measured once (issue 19 sweep,
-# session 6) but out of time: glm5_next (10 graphs: its linear-attention layers break the graph; both
-# blocks fused, yet the report's MoE layers count 2 with 1 router / 1 experts fused: a block's entry is
-# split across graphs), jetmoe (14 graphs; its attention experts (MoA) and MLP experts; the router's
-# near-miss has no layer, like dbrx's); the others were not reached.
+# Tiny configs that build, not in the test: each shows a bug (-1: counts not settled).  glm5_next (10
+# graphs: its linear-attention layers break the graph; both blocks fused, yet the report's MoE layers
+# count 2 with 1 router / 1 experts fused: a block's entry is split across graphs); jetmoe (14 graphs;
+# attention experts (MoA) and MLP experts; the router's near-miss has no layer, like dbrx's).
 PENDING: dict[str, Family] = {
     "glm5_next": Family(
         "Glm5NextTextModel",
@@ -322,34 +378,7 @@ PENDING: dict[str, Family] = {
             **TWO_LAYERS,
         ),
     ),
-    "hy_v4_vl": Family(
-        "HYV4VLTextModel",
-        -1,
-        -1,
-        -1,
-        fields=dict(
-            rope_parameters={"rope_theta": 10000.0, "rope_type": "default", "mrope_section": [2, 1, 1]}, **SPARSE
-        ),
-    ),
     "jetmoe": Family("JetMoeForCausalLM", -1, -1, -1, implementation=None),
-    "kimi_linear": Family("KimiLinearForCausalLM", -1, -1, -1, fields=TWO_LAYERS),
-    "lfm2_moe": Family(
-        "Lfm2MoeForCausalLM", -1, -1, -1, fields=dict(layer_types=["full_attention"], num_dense_layers=0)
-    ),
-    "longcat_flash": Family(
-        "LongcatFlashForCausalLM",
-        -1,
-        -1,
-        -1,
-        fields=dict(head_dim=8, qk_head_dim=16, expert_ffn_hidden_size=16, zero_expert_num=2),
-        implementation=None,
-    ),
-    "mistral4": Family("Mistral4ForCausalLM", -1, -1, -1),
-    "mistral_large4": Family("MistralLarge4TextModel", -1, -1, -1),
-    "openai_privacy_filter": Family("OpenAIPrivacyFilterModel", -1, -1, -1),
-    "step3p7": Family("Step3p7TextModel", -1, -1, -1, fields=dict(sliding_window=8, **SPARSE), implementation=None),
-    "unlimited_ocr": Family("UnlimitedOcrTextModel", -1, -1, -1, fields=TWO_LAYERS),
-    "zaya": Family("ZayaForCausalLM", -1, -1, -1, fields=dict(num_experts_per_tok=1)),
 }
 
 

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import ascend_passes.ops  # noqa: F401  (registers torch.ops.ascend.*)
-from ascend_passes.passes._pattern import Rewrite
+from ascend_passes.passes._pattern import Bindings, Rewrite
 
 ascend = torch.ops.ascend
 
@@ -35,6 +35,16 @@ def linear_bias_replacement(x, weight, bias):
     return ascend.linear(x, weight, bias)
 
 
+def _bias_is_a_vector(v: Bindings) -> str | None:
+    """``addmm`` takes any bias that broadcasts to [rows, N] (Inductor's post-grad graphs fold a
+    full-sized add into it); ``npu_linear``'s bias is a vector over the N output features."""
+    weight, bias = v["weight"], v["bias"]
+    if not isinstance(bias, torch.Tensor) or bias.dim() != 1 or bias.shape[0] != weight.shape[0]:
+        shape = tuple(bias.shape) if isinstance(bias, torch.Tensor) else type(bias).__name__
+        return f"bias of shape {shape} is not a vector over the {weight.shape[0]} output features"
+    return None
+
+
 # ------------------------------------------------------------------------------ examples
 def _plain(dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
     return torch.empty(4, 8, dtype=dtype), torch.empty(16, 8, dtype=dtype)
@@ -46,6 +56,6 @@ def _with_bias(dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
 
 # ------------------------------------------------------------------------------ the table
 REWRITES: list[Rewrite] = [
-    Rewrite("linear", linear_bias_pattern, linear_bias_replacement, _with_bias),
+    Rewrite("linear", linear_bias_pattern, linear_bias_replacement, _with_bias, check=_bias_is_a_vector),
     Rewrite("linear", linear_pattern, linear_replacement, _plain),
 ]

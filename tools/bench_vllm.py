@@ -127,7 +127,7 @@ def _run_route(name: str, args: argparse.Namespace, model: Path, tmp: str) -> tu
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--routes", default=",".join(ROUTES))
-    ap.add_argument("--passes", default="cleanup,vllm_opaque,norm,activation")
+    ap.add_argument("--passes", default="cleanup,vllm_opaque,norm,moe,activation")
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)

@@ -650,8 +650,9 @@ class MoePass(Pass):
         match: pm.Match,
         kwargs: dict[str, Any],
     ) -> None:
-        """gpt-oss's experts: biases go into the grouped matmuls, the activation (interleaved gate/up,
-        clamped, ``(up + 1) * gate * sigmoid(alpha * gate)``: no swiglu mode) stays ATen between them."""
+        """gpt-oss's experts: biases go into the grouped matmuls; the activation (interleaved gate/up,
+        clamped, ``(up + 1) * gate * sigmoid(alpha * gate)``) becomes ``clipped_swiglu`` where its
+        clamp bounds are one limit, and stays ATen between them otherwise."""
         layer = _match_layer(match)
         args = [kwargs[a] for a in moe_gptoss.ARGNAMES]
         x, _, _, gu, gub, dn, dnb = map(_val, args)

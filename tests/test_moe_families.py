@@ -96,6 +96,8 @@ SAID = {
 }
 NO_ROUTER = "router not fused: no router pattern matched its scores: linear → "
 SPARSE = {"mlp_layer_types": ["sparse"]}
+# a block split by a graph break in a model without config._experts_implementation: nothing to set
+NO_SETTING = "own experts code: it has no config._experts_implementation, so no setting keeps router and experts"
 FAMILIES: dict[str, Family] = {
     # fused whole
     "mixtral": Family("MixtralForCausalLM", 1, 1, 1, compiler="inductor"),
@@ -251,7 +253,7 @@ FAMILIES: dict[str, Family] = {
         1,
         1,
         0,
-        ("the experts run in another graph",),
+        ("the experts run in another graph", NO_SETTING),
         dict(sliding_window=8, **SPARSE),
         implementation=None,
         graphs=12,
@@ -261,7 +263,7 @@ FAMILIES: dict[str, Family] = {
         1,
         0,
         0,
-        ("the experts run in another graph", "; router: no router pattern matched its scores"),
+        ("the experts run in another graph", NO_SETTING, "; router: no router pattern matched its scores"),
         dict(head_dim=8, qk_head_dim=16, expert_ffn_hidden_size=16, zero_expert_num=2),
         implementation=None,
         graphs=12,
@@ -297,7 +299,7 @@ FAMILIES: dict[str, Family] = {
         1,
         1,
         0,
-        ("the experts run in another graph",),
+        ("the experts run in another graph (a Dynamo graph break in DbrxForCausalLM's own experts code", NO_SETTING),
         fields=dict(
             d_model=32,
             n_heads=4,
@@ -353,18 +355,11 @@ FAMILIES: dict[str, Family] = {
             }
         ),
     ),
-}
-
-# Tiny configs that build, not in the test: each shows a bug (-1: counts not settled).  glm5_next (10
-# graphs: its linear-attention layers break the graph; both blocks fused, yet the report's MoE layers
-# count 2 with 1 router / 1 experts fused: a block's entry is split across graphs); jetmoe (14 graphs;
-# attention experts (MoA) and MLP experts; the router's near-miss has no layer, like dbrx's).
-PENDING: dict[str, Family] = {
     "glm5_next": Family(
         "Glm5NextTextModel",
-        -1,
-        -1,
-        -1,
+        2,
+        2,
+        2,
         fields=dict(
             qk_rope_head_dim=0,
             qk_nope_head_dim=8,
@@ -377,9 +372,27 @@ PENDING: dict[str, Family] = {
             layer_types=["linear_attention", "indexed_attention"],
             **TWO_LAYERS,
         ),
+        graphs=10,  # its linear-attention layers break the graph: one block per graph
     ),
-    "jetmoe": Family("JetMoeForCausalLM", -1, -1, -1, implementation=None),
+    # JetMoE: attention experts (MoA) and MLP experts in each layer, both routed by JetMoeTopKGating, whose
+    # expert_size.tolist() breaks the graph: one router graph (compiled once, run by both routers) and the
+    # experts' graphs (MoA map, MoA reduce, MLP), each explained on its layer
+    "jetmoe": Family(
+        "JetMoeForCausalLM",
+        1,
+        1,
+        0,
+        (
+            "the experts run in another graph (a Dynamo graph break in JetMoeForCausalLM's own experts code",
+            NO_SETTING,
+            "MoE experts not fused: their expert ids are a graph input",
+        ),
+        implementation=None,
+        graphs=14,
+    ),
 }
+
+PENDING: dict[str, Family] = {}  # tiny configs that build but whose counts are not settled
 
 
 def _model_class(name: str, family: Family) -> type:
@@ -438,13 +451,7 @@ def _parts(reports: list) -> tuple[dict[str, dict[str, bool]], dict[str, str]]:
 
 
 # a family with a known bug: its test asserts the right behaviour and must fail until the bug is fixed
-KNOWN_BUGS: dict[str, str] = {
-    "dbrx": (
-        "the near-miss of its block (router fused, experts in another graph: the experts loop breaks "
-        "the graph) has no layer: the graph starts inside DbrxFFN.forward, whose own ops carry no "
-        "nn_module_stack, and layers.layer_of knows only '...layers.N', not DBRX's 'transformer.blocks.N'"
-    ),
-}
+KNOWN_BUGS: dict[str, str] = {}
 PARAMS = [
     pytest.param(name, marks=pytest.mark.xfail(strict=True, reason=KNOWN_BUGS[name])) if name in KNOWN_BUGS else name
     for name in FAMILIES
@@ -476,3 +483,10 @@ def test_moe_family_runs_equal_and_fused_or_explained(name):
             assert done or any(words in said.get(layer, "") for words in SAID[part]), (name, layer, part, said)
         for fragment in family.why:
             assert fragment in said.get(layer, ""), (name, layer, fragment, said)
+    # once: nothing said twice on a layer, and a refused router's reason only in the router's near-miss
+    reasons = [(nm.layer, nm.reason) for r in reports for nm in r.passes["moe"].near_misses]
+    assert len(reasons) == len(set(reasons)), (name, reasons)
+    for layer, reason in reasons:
+        if reason.startswith("router not fused into "):
+            why = reason.split(": ", 1)[1]
+            assert not [r for at, r in reasons if at == layer and r != reason and why in r], (name, layer, reasons)

@@ -343,6 +343,13 @@ def _match_layer(match: pm.Match) -> str | None:
     return next((w for w in map(where, match.nodes) if w is not None), None)
 
 
+# the experts' near-miss in a layer whose router was refused (the router's near-miss gives the reason, once)
+_WITH_ROUTER = (
+    "left unfused with this layer's router (a layer's MoE block is fused whole or not at all: the "
+    "router's near-miss says why it is not fused)"
+)
+
+
 # ----------------------------------------------------------------------------- the pass
 class MoePass(Pass):
     name = "moe"
@@ -570,7 +577,7 @@ class MoePass(Pass):
         if reason is None:
             top_k, reason = moe_llama4.read_top_k(match.nodes, int(gu.shape[0]))
         if reason is not None:
-            result.near_miss(name, f"experts not fused: {reason}", layer=layer)
+            _experts_near_miss(result, name, reason, layer)
             return
         output = match.output_node()
         fused = lambda h, lg, a, b: moe_llama4.fused_moe(h, lg, a, b, top_k=top_k)  # noqa: E731
@@ -630,10 +637,10 @@ class MoePass(Pass):
         if reason is None and router_problem is not None:
             # all or nothing per layer: a layer is either one fused MoE block or untouched, so
             # later passes (EPLB, SP) never meet a half-fused block
-            reason = f"left unfused with this layer's router ({router_problem})"
+            reason = _WITH_ROUTER
         if reason is not None:
             layer_entry(layer).unsupported = reason
-            result.near_miss(name, f"experts not fused: {reason}", layer=layer)
+            _experts_near_miss(result, name, reason, layer)
             return
         output = match.output_node()
         new = _replace(match, fused, [hidden, index, weights, gate_up, down], trace, result, name, layer)
@@ -665,10 +672,10 @@ class MoePass(Pass):
         if reason is None:
             c, reason = moe_gptoss.read_activation(match.nodes)
         if reason is None and layer_entry(layer).unsupported is not None:
-            reason = f"left unfused with this layer's router ({layer_entry(layer).unsupported})"
+            reason = _WITH_ROUTER
         if reason is not None:
             layer_entry(layer).unsupported = reason
-            result.near_miss(name, f"experts not fused: {reason}", layer=layer)
+            _experts_near_miss(result, name, reason, layer)
             return
         output = match.output_node()
         fused = lambda h, i, w, a, b, d, e: moe_gptoss.fused_experts(h, i, w, a, b, d, e, c=c)  # noqa: E731
@@ -731,9 +738,7 @@ class MoePass(Pass):
             # the experts_implementation advice only where the experts are in another graph: in
             # this graph they are in a form the expert patterns do not know, whatever it is set to
             why = (
-                "its router outputs leave this graph, so the experts run in another graph "
-                "(a Dynamo graph break, e.g. Hugging Face's default 'eager' experts loop); set "
-                "config._experts_implementation = 'grouped_mm' or 'batched_mm' to get one graph"
+                moe_candidates.split_block()
                 if reaches_output or gating is None
                 else "the experts are in this graph but no expert pattern matched them (was part of "
                 "them rewritten by a pass before moe, or are they in a form the patterns do not know?)"
@@ -762,6 +767,14 @@ class MoePass(Pass):
             entry = layers.setdefault(found.layer, MoeLayer(found.layer))
             entry.unsupported = entry.unsupported or reason
             entry.num_experts = entry.num_experts or found.num_experts
+
+
+def _experts_near_miss(result: PassResult, name: str, reason: str, layer: str | None) -> None:
+    """``experts not fused: <reason>`` on ``layer``, once: two expert patterns matching the same
+    experts (two traced forms of one computation) do not say it twice."""
+    said = f"experts not fused: {reason}"
+    if not any(nm.layer == layer and nm.reason == said for nm in result.near_misses):
+        result.near_miss(name, said, layer=layer)
 
 
 def _replace(

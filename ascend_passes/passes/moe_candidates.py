@@ -21,7 +21,7 @@ import torch
 import torch.fx as fx
 
 from ._nodes import const_float, const_int
-from .layers import layer_of, where
+from .layers import called_model, layer_of, where
 
 aten = torch.ops.aten
 
@@ -366,12 +366,7 @@ def explain(cand: Candidate, parts: Iterable[str]) -> str:
         )
     if cand.leaves_graph and not cand.sinks:
         router = "" if "router" not in parts else f"; router: {_router_reason(cand)}"
-        return (
-            "MoE block not fused: the router's expert ids leave this graph, so the experts run in "
-            "another graph (a Dynamo graph break, e.g. Hugging Face's default 'eager' experts loop); "
-            "where the model supports it, set config._experts_implementation = 'grouped_mm' or 'batched_mm' "
-            "to get one graph" + router
-        )
+        return f"MoE block not fused: {split_block()}{router}"
     said = []
     if "router" in parts:
         said.append(f"router not fused: {_router_reason(cand)}")
@@ -383,6 +378,53 @@ def explain(cand: Candidate, parts: Iterable[str]) -> str:
         said.append("experts fused")
     head = "partly fused" if cand.router_fused or cand.experts_fused else "not fused"
     return f"MoE block {head}: " + "; ".join(said)
+
+
+def split_block() -> str:
+    """Why a block whose router's expert ids leave the graph is not fused, and what would keep router
+    and experts in one graph for the model being compiled (a Hugging Face model's
+    ``config._experts_implementation`` where the model has one; nothing to set where it has none or
+    already uses a one-graph implementation)."""
+    head = "the router's expert ids leave this graph, so the experts run in another graph (a Dynamo graph break"
+    setting = _experts_implementation()
+    if setting is None:
+        return (
+            f"{head}); where the model supports it, set config._experts_implementation = 'grouped_mm' "
+            "or 'batched_mm' to get one graph"
+        )
+    model, supported, impl = setting
+    if not supported:
+        return (
+            f"{head} in {model}'s own experts code: it has no config._experts_implementation, so no "
+            "setting keeps router and experts in one graph; TORCH_LOGS=graph_breaks shows where it breaks)"
+        )
+    if impl in ("grouped_mm", "batched_mm"):
+        return (
+            f"{head} in {model}'s code although its config._experts_implementation is already {impl!r}; "
+            "TORCH_LOGS=graph_breaks shows where it breaks)"
+        )
+    return (
+        f"{head}: {model}'s config._experts_implementation is {impl!r}, whose experts loop breaks the "
+        "graph); set it to 'grouped_mm' or 'batched_mm' to get one graph"
+    )
+
+
+def _experts_implementation() -> tuple[str, bool, str | None] | None:
+    """``(class name, supports config._experts_implementation, its value)`` of the Hugging Face model
+    being compiled; None outside a Dynamo compile or for a model that is not a Hugging Face one."""
+    model = called_model()
+    if model is None:
+        return None
+    for module in model.modules():
+        can_set = getattr(type(module), "_can_set_experts_implementation", None)
+        config = getattr(module, "config", None)
+        if callable(can_set) and config is not None:
+            try:
+                supported = bool(can_set())
+            except Exception:  # a heuristic that reads source files: unknown, not an error
+                return None
+            return type(module).__name__, supported, getattr(config, "_experts_implementation", None)
+    return None
 
 
 def _scores_chain(topk: fx.Node) -> tuple[list[str], bool]:

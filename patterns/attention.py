@@ -10,8 +10,8 @@ becomes ``flash_attention_for_cpu(q, k, pad(v), mask, scale=s)[..., :Dv]``: zero
 to ``v`` give zero columns in the output and change nothing else.  bf16/fp16 inputs, which the math
 path upcasts to float32, go to the kernel as they are: it accumulates q·kᵀ, the softmax and p·v in
 float32 itself (p rounded to the input dtype for p·v), 3-5x faster than on float32 copies (256-1024
-tokens, bf16, one thread: AMX/AVX512_BF16 dot products).  Invariants: q, k, v are ``[B, N, ·, D]`` with equal ``B, N`` (no
-broadcasting, no GQA), the mask is 2-D or 4-D in the computation dtype, the tensors are on the
+tokens, bf16, one thread: AMX/AVX512_BF16 dot products).  Invariants: q, k, v are ``[B, N, ·, D]``
+with equal ``B, N`` (no broadcasting, no GQA), the mask is 2-D or 4-D in the computation dtype, the tensors are on the
 CPU; a fully masked row gives zeros in both forms.  The output is made contiguous, as the
 ``bmm`` it replaces was.
 """

@@ -5,8 +5,11 @@ them never recompiles.
 ``attach(model, config)`` rewrites every MoE block of ``model`` in place (before
 ``torch.compile``): the experts' ``gate_up_proj [E, 2I, H]`` / ``down_proj [E, H, I]``
 parameters become ``eplb_gate_up_proj [P, 2I, H]`` / ``eplb_down_proj [P, H, I]`` (slot ``p``
-holds logical expert ``phy2log[p]``; memory grows by the redundant slots only), and the experts
-module gets the buffers
+holds logical expert ``phy2log[p]``; memory grows by the redundant slots only) — only the first
+dimension, the expert, is indexed, so weights stored in × out (``[E, H, 2I]`` / ``[E, I, H]``:
+gpt-oss, Llama 4) are laid out the same way, and so are per-expert biases
+(``gate_up_proj_bias [E, 2I]`` / ``down_proj_bias [E, H]``: gpt-oss → ``eplb_gate_up_proj_bias
+[P, 2I]`` / ``eplb_down_proj_bias [P, H]``) — and the experts module gets the buffers
 
     eplb_log2phy [E, R + 1] int64   physical slots of each logical expert, -1 padded
     eplb_replica_count [E] int64    replicas of each logical expert
@@ -82,6 +85,9 @@ _STATE_ATTR = "_ascend_eplb_state"
 _TABLE_MARK = "_ascend_eplb_table"
 _STATE_REF = "_ascend_eplb_state_ref"  # on each layer's eplb_load: a weakref to its EplbState
 _WEIGHTS = (("gate_up_proj", "eplb_gate_up_proj"), ("down_proj", "eplb_down_proj"))
+# per-expert biases (gpt-oss), laid out with their weights when the experts have them
+_BIASES = (("gate_up_proj_bias", "eplb_gate_up_proj_bias"), ("down_proj_bias", "eplb_down_proj_bias"))
+_ROUTERS = ("gate", "router")  # the router module's name: DeepSeek / Qwen3 / V4, and gpt-oss / Llama 4
 
 
 # --------------------------------------------------------------------------------- discovery
@@ -90,20 +96,38 @@ def _is_experts(module: nn.Module) -> bool:
     return all(isinstance(params.get(name), torch.Tensor) and params[name].dim() == 3 for name, _ in _WEIGHTS)
 
 
+def _biases(module: nn.Module) -> tuple[tuple[str, str], ...]:
+    """The ``_BIASES`` pairs ``module`` holds (all of them or none: ``attach`` checks)."""
+    return tuple(pair for pair in _BIASES if isinstance(module._parameters.get(pair[0]), torch.Tensor))
+
+
 def find_moe_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """``(path, experts module)`` of every MoE block of ``model`` in module order: a module with a
-    ``gate`` (router) and ``experts`` holding 3-D ``gate_up_proj`` and ``down_proj``
-    (Hugging Face's fused-experts layout: DeepseekV3, Qwen3-MoE, their MTP layers)."""
+    router (``gate``: DeepseekV3/V4, Qwen3-MoE, their MTP layers; ``router``: gpt-oss, Llama 4) and
+    ``experts`` holding one fused 3-D ``gate_up_proj`` and ``down_proj`` (Hugging Face's
+    fused-experts layout, out × in or in × out) and, optionally, per-expert biases."""
     found = []
     for path, module in model.named_modules():
         experts = getattr(module, "experts", None)
         if (
             isinstance(experts, nn.Module)
-            and hasattr(module, "gate")
+            and any(isinstance(getattr(module, name, None), nn.Module) for name in _ROUTERS)
             and (_is_experts(experts) or isinstance(getattr(experts, _STATE_ATTR, None), EplbLayer))
         ):
             found.append((f"{path}.experts" if path else "experts", experts))
     return found
+
+
+def _unfused_blocks(model: nn.Module, found: set[str]) -> list[str]:
+    """Paths of the ``experts`` of router + experts blocks that ``find_moe_blocks`` did not take
+    (experts as a list of per-expert modules, or weights of another shape)."""
+    return [
+        f"{path}.experts" if path else "experts"
+        for path, module in model.named_modules()
+        if isinstance(getattr(module, "experts", None), nn.Module)
+        and any(isinstance(getattr(module, name, None), nn.Module) for name in _ROUTERS)
+        and (f"{path}.experts" if path else "experts") not in found
+    ]
 
 
 # --------------------------------------------------------------------------------- the layer
@@ -138,8 +162,10 @@ class EplbLayer:
         return self._get("eplb_record")
 
     def weights(self) -> Iterator[torch.Tensor]:
-        for _, phy in _WEIGHTS:
-            yield self._get(phy)
+        """The physical ``[P or L, ...]`` tensors a placement moves: weights, then any biases."""
+        for _, phy in _WEIGHTS + _BIASES:
+            if phy in self.experts._parameters:
+                yield self._get(phy)
 
 
 def _eplb_logical(self: nn.Module, phy_name: str) -> torch.Tensor:
@@ -151,14 +177,15 @@ def _eplb_logical(self: nn.Module, phy_name: str) -> torch.Tensor:
 
 
 @functools.cache
-def _attached_class(cls: type) -> type:
-    """``cls`` with ``gate_up_proj`` / ``down_proj`` read through the physical layout."""
+def _attached_class(cls: type, pairs: tuple[tuple[str, str], ...] = _WEIGHTS) -> type:
+    """``cls`` with ``gate_up_proj`` / ``down_proj`` (and the biases in ``pairs``) read through the
+    physical layout."""
     namespace = {
         logical: property(
             functools.partial(lambda self, phy: _eplb_logical(self, phy), phy=phy),
             doc=f"[E, ...] logical view of ``{phy}`` (first replica of each expert)",
         )
-        for logical, phy in _WEIGHTS
+        for logical, phy in pairs
     }
     namespace["__module__"] = cls.__module__
     return type(f"Eplb{cls.__name__}", (cls,), namespace)
@@ -515,10 +542,18 @@ def attach(
             "(ascend_passes.eplb.state_of(model)) instead of attaching again"
         )
     blocks = find_moe_blocks(model)
+    unfused = _unfused_blocks(model, {path for path, _ in blocks})
+    if blocks and unfused:  # never some layers attached and others silently not
+        raise ConfigError(
+            f"MoE blocks {unfused} do not hold their experts as one fused [num_experts, ...] "
+            f"gate_up_proj/down_proj pair like {blocks[0][0]}, so EPLB cannot cover them and would "
+            "cover only some layers; attach a model whose every MoE layer has fused expert weights"
+        )
     if not blocks:
         raise ConfigError(
             f"{type(model).__name__} has no MoE block with fused expert weights "
-            "(a module with `gate` and `experts.gate_up_proj/down_proj`); nothing to attach"
+            "(a module with a router `gate` or `router` and `experts.gate_up_proj/down_proj`, 3-D "
+            "[num_experts, ...]); nothing to attach"
         )
     num_redundant, ep_size = cfg.num_redundant_experts, cfg.ep_size
     first_layer = 0
@@ -545,8 +580,7 @@ def attach(
         )
     check_redundancy(num_logical, num_redundant, ep_size)
     for path, experts in blocks:
-        if getattr(experts, "has_bias", False):
-            raise ConfigError(f"{path}: experts with biases are not supported by EPLB yet")
+        _check_experts(path, experts, num_logical)
     total = first_layer + len(blocks) + num_mtp_layers
     if main is not None:
         total = max(total, main.total_layers)
@@ -587,6 +621,27 @@ def attach(
     return state
 
 
+def _check_experts(path: str, experts: nn.Module, num_logical: int) -> None:
+    """``ConfigError`` (before anything changes) for experts whose every expert tensor is not
+    indexed by the expert on its first dimension: biases of another layout, or only one of the
+    two, or biases the module says it has but does not hold under the names EPLB moves."""
+    biases = _biases(experts)
+    if getattr(experts, "has_bias", False) and len(biases) != len(_BIASES):
+        held = sorted(n for n, p in experts.named_parameters(recurse=False) if n.endswith("bias"))
+        raise ConfigError(
+            f"{path}: experts with biases, but not as {' and '.join(n for n, _ in _BIASES)} "
+            f"(it holds {held or 'none'}); EPLB moves a slot's weights and biases together and "
+            "knows only those names"
+        )
+    for name, _ in biases:
+        shape = tuple(experts._parameters[name].shape)
+        if len(shape) != 2 or shape[0] != num_logical:
+            raise ConfigError(
+                f"{path}.{name} has shape {list(shape)}; EPLB needs per-expert biases "
+                f"[num_experts={num_logical}, features] to move them with their expert's weights"
+            )
+
+
 def _convert(
     experts: nn.Module,
     phy2log: torch.Tensor,
@@ -598,7 +653,8 @@ def _convert(
     """Replace the logical expert weights by physical ones (only the ``local`` slots) and add the
     tables (in place)."""
     device = experts.gate_up_proj.device
-    for logical, phy in _WEIGHTS:
+    pairs = _WEIGHTS + _biases(experts)
+    for logical, phy in pairs:
         weight = experts._parameters.pop(logical)
         physical = weight.detach().index_select(0, phy2log[local].to(weight.device))
         new = nn.Parameter(physical, requires_grad=weight.requires_grad)
@@ -614,4 +670,4 @@ def _convert(
     experts.register_buffer("eplb_record", torch.tensor(bool(record), device=device), persistent=False)
     for name in ("eplb_log2phy", "eplb_replica_count", "eplb_phy2log", "eplb_load", "eplb_record"):
         setattr(getattr(experts, name), _TABLE_MARK, True)  # lets the eplb pass see it is attached
-    experts.__class__ = _attached_class(type(experts))
+    experts.__class__ = _attached_class(type(experts), pairs)

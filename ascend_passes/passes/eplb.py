@@ -42,6 +42,7 @@ from ..errors import ConfigError
 from ..pass_manager import Pass, PassContext, PassResult
 from ..process_group import resolve_group
 from ._nodes import copy_location, set_val
+from .layers import layer_of, where
 
 log = logging.getLogger("ascend_passes.passes.eplb")
 aten = torch.ops.aten
@@ -66,15 +67,72 @@ ATTACH_HINT = (
 
 def _anchor(node: Any) -> fx.Node | None:
     """The ``eplb_logical_weight`` node a grouped-matmul weight comes from (through views)."""
-    for _ in range(4):
+    return _trace(node)[0]
+
+
+def _trace(node: Any) -> tuple[fx.Node | None, list[fx.Node]]:
+    """``(eplb_logical_weight node, the views from it to node, innermost first)`` of a grouped
+    matmul's weight or bias; ``(None, [])`` when it does not come from one."""
+    chain: list[fx.Node] = []
+    for _ in range(5):
         if not isinstance(node, fx.Node):
-            return None
+            return None, []
         if node.target is torch.ops.ascend.eplb_logical_weight.default:
-            return node
+            return node, chain[::-1]
         if node.target not in _WALK:
-            return None
+            return None, []
+        chain.append(node)
         node = node.args[0]
+    return None, []
+
+
+def _replay_reason(chain: list[fx.Node], num_logical: int) -> str | None:
+    """Why the views ``chain`` (from an ``[E, ...]`` logical weight to what a grouped matmul reads)
+    cannot be applied to the ``[P, ...]`` physical weight as they are, or None: every view must
+    keep the expert as its first dimension (a transpose/permute of the other dimensions, a view
+    or reshape whose first size is E)."""
+    for node in chain:
+        src = node.args[0].meta.get("val") if isinstance(node.args[0], fx.Node) else None
+        rank = src.dim() if isinstance(src, torch.Tensor) else None
+        if node.target is aten.transpose.int and rank is not None:
+            ok = all(isinstance(d, int) and d % rank != 0 for d in node.args[1:3])
+        elif node.target is aten.permute.default:
+            ok = isinstance(node.args[1][0], int) and node.args[1][0] == 0
+        elif node.target in (aten.view.default, aten.reshape.default, aten._unsafe_view.default):
+            size = node.args[1]
+            ok = bool(size) and isinstance(size[0], int) and size[0] == num_logical
+        else:
+            ok = node.target in (aten.clone.default, aten.alias.default)
+        if not ok:
+            return f"{node.format_node()} does not keep the expert as the first dimension"
     return None
+
+
+def _replay(graph: fx.Graph, physical: fx.Node, chain: list[fx.Node], before: fx.Node) -> fx.Node:
+    """The views of ``chain`` applied to ``physical`` (``_replay_reason`` said they can be), the
+    expert dimension sized by ``physical``; clones and aliases are dropped."""
+    out = physical
+    slots = int(physical.meta["val"].shape[0])
+    for node in chain:
+        if node.target in (aten.clone.default, aten.alias.default):
+            continue
+        args = list(node.args)
+        if node.target is aten.transpose.int:
+            # permute, not transpose.int: post-grad Inductor (inductor_pass) has no lowering for it
+            rank = node.args[0].meta["val"].dim()
+            perm = list(range(rank))
+            a, b = (d % rank for d in node.args[1:3])
+            perm[a], perm[b] = perm[b], perm[a]
+            target, args = aten.permute.default, [out, perm]
+        else:
+            target, args[0] = node.target, out
+            if node.target is not aten.permute.default:
+                args[1] = [slots, *args[1][1:]]
+        with graph.inserting_before(before):
+            out = graph.call_function(target, tuple(args))
+        copy_location(before, out)
+        set_val(out)
+    return out
 
 
 @dataclass
@@ -87,6 +145,8 @@ class _Layer:
     fin: fx.Node | None  # moe_finalize_routing
     gmms: list[fx.Node]  # the grouped matmuls of its experts
     anchors: list[fx.Node]  # the eplb_logical_weight node of each (args: weights and tables)
+    chains: list[list[fx.Node]]  # the views from each anchor to its grouped matmul's weight
+    biases: list[tuple[fx.Node, list[fx.Node]] | None]  # each bias's anchor and views (gpt-oss), or None
     num_physical: int
     active: list[int]  # this rank's slots, [start, end)
     rank: int
@@ -161,11 +221,16 @@ class EplbPass(Pass):
         by_name = {n.name: n for n in graph.nodes}
         facts = []
         collectives = 0
-        for entry in ctx.facts.get("moe_layers", []):
-            init = by_name.get(entry.init_routing) if entry.init_routing else None
-            if init is None:
-                continue
-            layer = self._find(entry, init, by_name)
+        entries = ctx.facts.get("moe_layers", [])
+        # every layer read off the graph (and refused, if it must be) before anything changes
+        layers = [
+            self._find(entry, by_name[entry.init_routing], by_name)
+            for entry in entries
+            if entry.init_routing and entry.init_routing in by_name
+        ]
+        self._check_row_scores(layers)
+        unrouted = self._unrouted(graph, layers, entries)
+        for layer in layers:
             gathered, map_ids = self._gather_tokens(graph, layer)
             phys, recorded = self._indirect(graph, layer, map_ids)
             reduced: tuple[fx.Node, ...] = ()
@@ -175,10 +240,53 @@ class EplbPass(Pass):
             self._physical_weights(graph, layer)
             facts.append(self._report(result, layer, gathered, phys, recorded, reduced))
         graph.eliminate_dead_code()
+        for name, reason in unrouted:
+            result.near_miss("eplb_indirection", reason, layer=name)
+            log.warning("eplb: MoE layer %s not indirected: %s", name, reason)
         ctx.facts["eplb_layers"] = facts
         if collectives:
             result.match("ep_collectives", count=collectives)
         return result
+
+    @staticmethod
+    def _unrouted(graph: fx.Graph, layers: list[_Layer], entries: list[Any]) -> list[tuple[str | None, str]]:
+        """``(layer, reason)`` of every attached MoE layer the rewrite does not reach: its experts
+        read their weights through ``eplb_logical_weight`` but are not a fused chain the moe pass
+        built (the moe pass's near-miss says why).  In one process such a layer still computes
+        exactly (the first replica of each expert) but counts no load and uses no redundant slot:
+        a near-miss.  Under expert parallelism its weights are not all on this rank:
+        ``ConfigError`` naming every such layer, before anything changes."""
+        claimed = {a for layer in layers for a in layer.anchors}
+        claimed |= {b[0] for layer in layers for b in layer.biases if b is not None}
+        by_tables: dict[fx.Node, list[fx.Node]] = {}
+        for node in graph.nodes:
+            if node.target is torch.ops.ascend.eplb_logical_weight.default and node.users and node not in claimed:
+                by_tables.setdefault(node.args[3], []).append(node)
+        why = {e.layer: e.unsupported for e in entries if e.unsupported}
+        out, split = [], []
+        for load, nodes in by_tables.items():
+            name = layer_of(nodes[0]) or where(nodes[0])
+            moe = why.get(name)
+            out.append(
+                (
+                    name,
+                    "its experts read their weights through eplb_logical_weight but are not the fused "
+                    "chain (init_routing → grouped_matmul) EPLB routes over physical slots"
+                    + (f" (the moe pass: {moe})" if moe else " (the moe pass did not fuse them)")
+                    + "; this layer computes with the first replica of each expert, records no load "
+                    "and uses no redundant slot",
+                )
+            )
+            if int(nodes[0].args[0].meta["val"].shape[0]) != int(load.meta["val"].shape[0]):
+                split.append(name)
+        if split:
+            raise ConfigError(
+                f"MoE layers {split}: attached for expert parallelism (this rank holds only its "
+                "slots' weights) but their experts are not fused by the moe pass, so they cannot "
+                "run here; enable the moe pass for them (see its near-misses), or attach with "
+                "eplb.ep_size=1"
+            )
+        return out
 
     # ------------------------------------------------------------------ one layer, by phase
     def _find(self, entry: Any, init: fx.Node, by_name: dict[str, fx.Node]) -> _Layer:
@@ -187,12 +295,25 @@ class EplbPass(Pass):
         ops = torch.ops.ascend
         tokens = next((u for u in init.users if u.target is operator.getitem and u.args[1] == 2), None)
         gmms = [u for u in (tokens.users if tokens is not None else ()) if u.target is ops.grouped_matmul.default]
-        anchors = [_anchor(g.args[1][0]) if len(g.args) > 1 and len(g.args[1]) == 1 else None for g in gmms]
+        traced = [_trace(g.args[1][0]) if len(g.args) > 1 and len(g.args[1]) == 1 else (None, []) for g in gmms]
+        anchors = [a for a, _ in traced]
         if not gmms or any(a is None for a in anchors):
             raise ConfigError(
                 f"MoE layer {entry.layer}: its expert weights are not in EPLB physical layout "
                 f"(no ascend.eplb_logical_weight feeds its grouped matmuls); {ATTACH_HINT}"
             )
+        biases = [self._bias(entry.layer, g, anchors[0]) for g in gmms]
+        for anchor, chain in traced + [b for b in biases if b is not None]:
+            reason = (
+                _replay_reason(chain, entry.num_experts)
+                if anchor.args[1] is anchors[0].args[1]
+                else f"{anchor.name} carries the tables of another layer than {anchors[0].name}"
+            )
+            if reason is not None:
+                raise ConfigError(
+                    f"MoE layer {entry.layer}: EPLB cannot point its grouped matmul at the physical "
+                    f"expert weights: {reason}"
+                )
         phy_weight, log2phy, _, expert_load, _ = anchors[0].args
         num_physical = int(expert_load.meta["val"].shape[0])
         # the shapes tell the redundancy even without real inputs (inductor_pass)
@@ -214,6 +335,8 @@ class EplbPass(Pass):
             fin,
             gmms,
             anchors,
+            [c for _, c in traced],
+            biases,
             num_physical,
             [rank * per_rank, (rank + 1) * per_rank],
             rank,
@@ -272,16 +395,55 @@ class EplbPass(Pass):
         return phys, recorded
 
     @staticmethod
+    def _bias(layer: str | None, gmm: fx.Node, tables: fx.Node) -> tuple[fx.Node, list[fx.Node]] | None:
+        """The ``eplb_logical_weight`` node and views of ``gmm``'s per-expert bias (gpt-oss), None
+        without a bias; ``ConfigError`` for a bias EPLB did not lay out with the weights (it is
+        indexed by the group, which is now a physical slot)."""
+        bias = gmm.kwargs.get("bias")
+        if not bias:
+            return None
+        anchor, chain = _trace(bias[0]) if len(bias) == 1 else (None, [])
+        if anchor is None:
+            raise ConfigError(
+                f"MoE layer {layer}: its grouped matmul adds a per-expert bias that is not in EPLB "
+                f"physical layout (no ascend.eplb_logical_weight feeds it, while its weights come "
+                f"from {tables.name}); attach() lays out biases named gate_up_proj_bias / "
+                "down_proj_bias on the experts module: name them so"
+            )
+        return anchor, chain
+
+    @staticmethod
+    def _check_row_scores(layers: list[_Layer]) -> None:
+        """Expert parallelism needs every reader of ``expanded_row_idx`` to accept the -1 that
+        init_routing writes for the rows of other ranks' slots: finalize does; a router whose
+        scores scale the dispatched rows through it (Llama 4: scores applied to the experts'
+        input) does not.  One ``ConfigError`` naming every such layer."""
+        refused = []
+        for layer in layers:
+            rows = next((u for u in layer.init.users if u.target is operator.getitem and u.args[1] == 1), None)
+            others = [u for u in (rows.users if rows is not None else ()) if u is not layer.fin]
+            if layer.group_name is not None and others:
+                refused.append(layer.name)
+        if refused:
+            names = sorted(str(name) for name in refused)
+            raise ConfigError(
+                f"MoE layers {names}: their router scores scale the dispatched rows through "
+                "init_routing's expanded_row_idx (Llama 4 applies the scores to the experts' "
+                "input); under expert parallelism that index is -1 for the rows of other ranks' "
+                "slots, so these layers take EPLB in one process only: attach and compile with "
+                "eplb.ep_size=1"
+            )
+
+    @staticmethod
     def _physical_weights(graph: fx.Graph, layer: _Layer) -> None:
-        """Each grouped matmul reads the physical weights (``[P, N, K]`` → ``[P, K, N]``)
-        instead of the logical view; the ``eplb_logical_weight`` nodes become dead."""
-        for gmm, anchor in zip(layer.gmms, layer.anchors):
-            with graph.inserting_before(gmm):
-                # permute, not transpose.int: post-grad Inductor (inductor_pass) has no lowering for it
-                weight = graph.call_function(aten.permute.default, (anchor.args[0], [0, 2, 1]))
-            copy_location(gmm, weight)
-            set_val(weight)
-            gmm.update_arg(1, [weight])
+        """Each grouped matmul reads the physical weights through the views it read the logical
+        ones through (V3: ``[P, N, K]`` → ``[P, K, N]``; weights stored in × out, Llama 4 and
+        gpt-oss: as they are), and the physical biases where it has any; the
+        ``eplb_logical_weight`` nodes become dead."""
+        for gmm, anchor, chain, bias in zip(layer.gmms, layer.anchors, layer.chains, layer.biases):
+            gmm.update_arg(1, [_replay(graph, anchor.args[0], chain, gmm)])
+            if bias is not None:
+                gmm.update_kwarg("bias", [_replay(graph, bias[0].args[0], bias[1], gmm)])
 
     def _report(
         self,

@@ -5,6 +5,7 @@
 // overlap the compute. K blocks after the first accumulate into C.
 #include "gemm.h"
 
+#include "amx_gemm.h"
 #include "common.h"
 
 #include <algorithm>
@@ -208,6 +209,18 @@ GemmRoute fp32_gemm_route() {
 
 bool fp32_piece_takes_own_gemm(GemmRoute route, int64_t k) {
   if (!gemm_nt_available()) return false;
+  switch (route) {
+    case GemmRoute::kOwn:
+      return true;
+    case GemmRoute::kBlas:
+      return false;
+    default:
+      return k <= kOwnGemmMaxK;
+  }
+}
+
+bool bf16_piece_takes_amx_gemm(GemmRoute route, int64_t k) {
+  if (!amx_gemm_available()) return false;
   switch (route) {
     case GemmRoute::kOwn:
       return true;

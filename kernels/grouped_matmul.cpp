@@ -9,12 +9,14 @@
 // Per (item, group) piece: up to kSkinnyRows rows with the weight's K contiguous (Hugging Face's
 // [E, N, K] storage passed as its transpose) -> the weight-streaming kernel of skinny.h (fp32, bf16);
 // other few-row bf16/fp16 pieces -> a streaming kernel that converts on the fly; the rest: bf16 on a
-// CPU with AMX (isa_level() kAmx) -> torch's bf16 mm into the output rows, which oneDNN runs on the
-// tile units (brgemm, fp32 accumulation; single-threaded inside the worker, the weight's transposed
-// view read in place); otherwise one single-threaded fp32 GEMM: gemm.h's AVX-512 kernel, which widens
+// CPU with AMX (isa_level() kAmx) -> with the weight's K contiguous and K <= kOwnGemmMaxK, amx_gemm.h's
+// tile kernel (the weight packed once per call into the tiles' VNNI layout, fp32 accumulation, the next
+// group's weight prefetched), else torch's bf16 mm into the output rows, which oneDNN runs on the tile
+// units (brgemm; single-threaded inside the worker; ASCEND_PASSES_GEMM=own|blas forces either); otherwise one single-threaded fp32 GEMM: gemm.h's AVX-512 kernel, which widens
 // bf16 weights while packing and prefetches the next group's weight while it computes, when the
 // weight's K is contiguous (fp32 weights: only for K <= kOwnGemmMaxK, where it is at least as fast as
 // MKL; gemm.h has the measurements and ASCEND_PASSES_GEMM); else BLAS (bf16/fp16 converted first).
+#include "amx_gemm.h"
 #include "common.h"
 #include "gemm.h"
 #include "kernels.h"
@@ -205,6 +207,13 @@ void matmul_piece(const at::Tensor& x, const at::Tensor& w, const T* bias, int64
   }
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
     if (amx_bf16_mm()) {
+      // HF-layout weight (K contiguous): amx_gemm.h's kernel, which packs it once per call, where the
+      // route takes it (by default K <= kOwnGemmMaxK, gemm.h); else oneDNN, which reorders it per call
+      if (w.stride(0) == 1 && x.stride(1) == 1 && y.stride(1) == 1 && k > 0 && bf16_piece_takes_amx_gemm(route, k)) {
+        amx_gemm_nt(x.const_data_ptr<T>(), x.stride(0), w.const_data_ptr<T>(), w.stride(1), bias, act_type,
+                    y.data_ptr<T>(), y.stride(0), m, n, k, &store, next);
+        return;
+      }
       at::mm_out(y, x, w);
       if (bias != nullptr || act_type != 0) {  // in fp32, rounded once more
         auto yf = y.to(at::kFloat);

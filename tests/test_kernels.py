@@ -653,7 +653,8 @@ def test_bf16_prefill_runs_on_amx_where_the_cpu_has_it(isa):
         capture_output=True,
         text=True,
         timeout=300,
-        env={**os.environ, "ASCEND_PASSES_ISA": isa, "ONEDNN_VERBOSE": "1"},
+        # blas: torch's bf16 mm (oneDNN) rather than the own tile kernel (test_bf16_amx_tile_kernel_*)
+        env={**os.environ, "ASCEND_PASSES_ISA": isa, "ONEDNN_VERBOSE": "1", "ASCEND_PASSES_GEMM": "blas"},
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "amx-case-ok" in run.stdout
@@ -663,6 +664,103 @@ def test_bf16_prefill_runs_on_amx_where_the_cpu_has_it(isa):
         assert bf16_calls and all("amx" in line for line in bf16_calls), kernels_out[-3000:]
     else:
         assert bf16_calls == [], bf16_calls[:3]
+
+
+# The own AMX tile kernel (kernels/amx_gemm.cpp) for bf16 prefill pieces with the weight's K contiguous:
+# its edge cases against fp32 products rounded once to bf16 (what it computes: fp32 accumulation, one
+# rounding) and the reference. Groups of 8 rows (streaming kernel) and 9 (tile kernel) straddle the row
+# threshold; 32, 33 and 70 rows end in a full, a 1-row and a 6-row block of 32; K = 34, 290 (2 x odd),
+# 33 (odd) and 2080 are not multiples of the 32-deep tile step (zero-padded copies), and 2080 x 200 packs
+# in three chunks of N; N = 50, 130, 200 end in partial 32-column blocks; the weight rows sit ldw > K
+# apart (odd ldw: the pair-by-pair packing); bias + SiLU / ReLU are applied in fp32 before the rounding.
+# ASCEND_PASSES_GEMM (read per call) forces the tile kernel (own) or oneDNN (blas); the phases are
+# marked so that the test can check with ONEDNN_VERBOSE which one ran. Which unit ran shows in a
+# denormal probe: the tile units read a denormal bf16 as zero, the AVX-512 FMA path keeps it.
+AMX_TILE_SCRIPT = textwrap.dedent(
+    """
+    import os, torch, ascend_passes.ops
+    from ascend_passes.ops import reference
+    K = torch.ops.ascend_kernels
+    torch.manual_seed(11)
+    counts = [8, 9, 0, 32, 33, 70]
+    def check(k, n, pad, act, with_bias):
+        rows = sum(counts) + 3  # 3 rows no group owns: zeros
+        x = torch.randn(rows, k).bfloat16()
+        store = (torch.randn(len(counts), n, k + pad) / k**0.5).bfloat16()
+        w = store[:, :, :k].transpose(1, 2)  # HF [E, N, K] rows, k + pad apart, as [E, K, N] views
+        bias = torch.randn(len(counts), n).bfloat16() if with_bias else None
+        kw = dict(bias=[bias] if with_bias else None, group_list=torch.tensor(counts), group_type=0,
+                  group_list_type=1, act_type=act)
+        got = K.grouped_matmul([x], [w], **kw)[0]
+        want = reference.grouped_matmul([x], [w], **kw)[0]
+        torch.testing.assert_close(got.float(), want.float(), atol=1e-2, rtol=1e-2)
+        exact, r0 = torch.zeros(rows, n), 0
+        for g, c in enumerate(counts):
+            v = x[r0:r0 + c].float() @ w[g].float() + (bias[g].float() if with_bias else 0)
+            exact[r0:r0 + c] = {0: v, 1: torch.relu(v), 5: torch.nn.functional.silu(v)}[act]
+            r0 += c
+        if os.environ["ASCEND_PASSES_GEMM"] == "own":  # (oneDNN rounds the product before bias/act)
+            # one bf16 rounding of the fp32 result (summation order: at most one ulp more)
+            torch.testing.assert_close(got.float(), exact.bfloat16().float(), atol=1e-4, rtol=2 ** -7)
+        assert torch.equal(got[-3:], torch.zeros(3, n, dtype=torch.bfloat16))
+    def probe():
+        tiny = torch.full((9, 64), 1e-39).bfloat16()  # denormal bf16; 64 of them times 1e30: 6.4e-8
+        big = torch.full((1, 16, 64), 1e30).bfloat16().transpose(1, 2)  # HF layout
+        return K.grouped_matmul([tiny], [big], group_list=torch.tensor([9]), group_type=0,
+                                group_list_type=1)[0][0, 0].float().item()
+    for route in ("own", "blas"):
+        os.environ["ASCEND_PASSES_GEMM"] = route
+        print(f"MARK-BEGIN-{route}", flush=True)
+        for k, n, pad, act, with_bias in ((64, 96, 0, 0, False), (34, 50, 6, 5, True), (33, 40, 4, 0, False),
+                                          (290, 130, 0, 1, True), (2080, 200, 2, 0, False)):
+            check(k, n, pad, act, with_bias)
+        x, w = torch.randn(40, 70).bfloat16(), torch.randn(33, 70).bfloat16().t()  # no group_list
+        torch.testing.assert_close(K.grouped_matmul([x], [w])[0].float(), (x.float() @ w.float()).bfloat16().float(),
+                                   atol=1e-4, rtol=2 ** -7)
+        value = probe()
+        print(f"MARK-END-{route} probe {value:.3e}", flush=True)
+    print("amx-tile-ok", flush=True)
+    """
+)
+
+
+@pytest.mark.parametrize("isa", ["amx", "avx512"])
+def test_bf16_amx_tile_kernel_edge_cases_equal_the_reference(isa):
+    """Issue 18 goal 1: bf16 prefill pieces on the own AMX tile kernel (weight packed once per call into the
+    tiles' VNNI layout) equal fp32 products rounded once, on every edge of its blocking, and the
+    reference; ASCEND_PASSES_GEMM=own runs it, blas runs oneDNN instead; capped at avx512 neither runs (the
+    AVX-512 GEMM: no oneDNN bf16 call, denormals kept)."""
+    if isa == "amx" and not cpu_has_amx_bf16():
+        pytest.skip("this CPU lacks amx_bf16/amx_tile/avx512_bf16 (/proc/cpuinfo): no AMX path to run")
+    flags = set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").exists() else set()
+    if isa == "avx512" and not {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags:
+        pytest.skip("this CPU lacks AVX-512: the capped path under test is the AVX-512 GEMM")
+    run = subprocess.run(
+        [sys.executable, "-c", AMX_TILE_SCRIPT],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "ASCEND_PASSES_ISA": isa, "ONEDNN_VERBOSE": "1"},
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "amx-tile-ok" in run.stdout
+    for route in ("own", "blas"):
+        phase = run.stdout.split(f"MARK-BEGIN-{route}")[1].split(f"MARK-END-{route}")[0]
+        # oneDNN bf16 calls of the phase: the reference makes the same ones in both phases
+        calls = [line for line in phase.splitlines() if ",exec," in line and "src:bf16" in line]
+        probe = float(run.stdout.split(f"MARK-END-{route} probe ")[1].split()[0])
+        if route == "own":
+            own_calls = len(calls)
+        else:
+            blas_calls = len(calls)
+        if isa == "amx":
+            assert probe == 0.0, (route, probe)  # the tile units read the denormal as zero
+        else:
+            assert probe > 0.0, (route, probe)  # the AVX-512 FMA path keeps it
+    if isa == "amx":
+        assert blas_calls > own_calls, (own_calls, blas_calls)  # blas: the kernel's pieces go to oneDNN
+    else:
+        assert blas_calls == own_calls, (own_calls, blas_calls)  # capped: the route setting changes nothing
 
 
 STALE_SCRIPT = textwrap.dedent("""

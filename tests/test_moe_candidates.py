@@ -195,7 +195,7 @@ GPT_OSS_EXPERTS = [
     "gate and up are interleaved columns (::2 and 1::2), not the two halves of gate_up",
     "the activation is `(up + 1) * gate * sigmoid(1.702 * gate)` with gate/up clamped to [-inf, 7.0] and "
     "[-7.0, 7.0] (a swiglu_limit), not SwiGLU `up * silu(gate)`",
-    "the expert matmuls add per-expert biases",
+    "the expert matmuls add per-expert biases (the fused chain takes them in gpt-oss's form only)",
 ]
 V4_EXPERTS = (
     "experts not fused: the SwiGLU's inputs are clamped first: gate/up clamped to [-inf, 10.0] and "

@@ -534,7 +534,7 @@ def _experts_reason(cand: Candidate) -> str:
     if second is not None:
         said.extend(_activation_differences(first, second, cand.num_experts))
         if _adds_bias(first) or _adds_bias(second):
-            said.append("the expert matmuls add per-expert biases (the fused chain has none)")
+            said.append("the expert matmuls add per-expert biases (the fused chain takes them in gpt-oss's form only)")
     if said:
         return "; ".join(said)
     ops = sorted({op_name(n).split(".", 1)[1] for n in _between(first, second) if op_name(n)}) if second else []

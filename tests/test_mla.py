@@ -224,3 +224,16 @@ def test_bad_arguments_raise():
     args[5] = None  # gamma_cq without weight_dq
     with pytest.raises(ValueError, match="together"):
         OP(*args, head_num=N)
+
+
+@pytest.mark.parametrize("q_lora,absorb,interleave", [(True, False, True), (False, True, False)])
+def test_bf16_op_matches_float32(q_lora, absorb, interleave):
+    """bf16 inputs: every output within bf16 rounding of the float32 op on the same values (norms
+    and the RoPE sum in float32, rounded once; matmuls accumulate in float32)."""
+    args = _args(torch.bfloat16, q_lora, absorb, seed=1)
+    kw = {"head_num": N, "rmsnorm_epsilon_cq": 1e-6, "rope_interleave": interleave}
+    got = OP(*args, **kw)
+    want = OP(*[a.float() if a is not None else None for a in args], **kw)
+    for g, w in zip(got, want):
+        assert g.dtype == torch.bfloat16 and g.shape == w.shape and g.is_contiguous()
+        assert rel_diff(g.float(), w) <= 1e-2

@@ -28,8 +28,8 @@ dim, Dr rope dim, Hcq q latent, Hckv kv latent; weights are ``in × out``, i.e. 
                  v' = v, or with rope_interleave the pairs de-interleaved: cat(v[0::2], v[1::2])
                  (npu_interleave_rope); cos/sin are (*, Dr) and broadcast over the heads.
 
-RMSNorms compute in float32 and return x's dtype (as ``ascend.rms_norm``); matmuls and RoPE run in
-x's dtype.
+RMSNorms compute in float32 and return x's dtype (they are ``ascend.rms_norm``); matmuls and RoPE run
+in x's dtype (RoPE's ``v' * cos`` rounded, then its sum with ``rotate_half(v') * sin`` rounded once).
 
 The subset, and why:
 - **No kv cache writes.** ``npu_mla_prolog_v3`` scatters ``kv``/``k_rope`` into ``kv_cache``/
@@ -56,10 +56,13 @@ The subset, and why:
 - **head_num** (keyword, not in torch_npu, where N is ``weight_uk.size(0)``): needed because
   ``weight_uk`` may be None.
 
-CPU path: the reference implementation below (``ascend.linear`` for the three projections, ``bmm``,
-elementwise) is registered for every backend (``CompositeExplicitAutograd``); there is no C++
-kernel — the op is a chain of GEMMs whose cost the matmuls dominate, so a fused CPU kernel would
-gain little beyond what ``ascend.linear``'s decode kernel gives.
+CPU path: the reference implementation below (``ascend.linear`` for the three projections,
+``ascend.rms_norm`` for the two norms, ``bmm``, a few elementwise calls) is registered for every
+backend (``CompositeExplicitAutograd``); there is no C++ kernel.  Under ``compiler="eager"`` its
+cost outside the matmuls is Python's per-call overhead: at decode 8x1 bf16 (DeepSeek-V3 sizes of
+tools/bench_model.py, one thread) the rest of the op still costs about as much as its three matmuls
+(it cost 2.3x before the norms became ``ascend.rms_norm`` and RoPE one ``addcmul``); a C++ kernel
+would remove that.  Under Inductor the op is decomposed and fused, and this overhead is gone.
 
 torch_npu mapping for the ``lower`` pass (``torch.ops.npu.npu_mla_prolog_v3(...)``)::
 
@@ -179,24 +182,30 @@ def _sizes(
 
 
 # ------------------------------------------------------------------------------------ reference
+# The reference is also the CPU path, where each ATen call from Python costs microseconds (at
+# decode 8x1 bf16 the prolog's non-matmul calls cost 2.3x its three matmuls): it makes few calls,
+# and calls the overloads directly.
 def _rms_norm(x: torch.Tensor, gamma: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * gamma.float()).to(x.dtype)
+    """``ascend.rms_norm`` (float32 math, rounded once to x's dtype; its C++ kernel on the CPU)."""
+    return torch.ops.ascend.rms_norm.default(x, gamma, eps)[0]
 
 
-def _rope(v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor:
-    if interleave:
-        v = torch.cat([v[..., 0::2], v[..., 1::2]], dim=-1)
-    half = v.shape[-1] // 2
-    rotated = torch.cat([-v[..., half:], v[..., :half]], dim=-1)
-    return v * cos + rotated * sin
+def _rope(v: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, interleave: bool) -> torch.Tensor:
+    """``v' * cos + rotate_half(v') * sin`` with ``sin_signed = cat(-sin[:Dr/2], sin[Dr/2:])``, so that
+    ``rotate_half(v') * sin == cat(v'[Dr/2:], v'[:Dr/2]) * sin_signed``; one rounding for the sum."""
+    if interleave:  # v' = cat(v[0::2], v[1::2]); rotate_half(v') = cat(-v[1::2], v[0::2])
+        first, second = v[..., 0::2], v[..., 1::2]
+    else:
+        half = v.shape[-1] // 2
+        first, second = v[..., :half], v[..., half:]
+    return torch.addcmul(torch.cat([first, second], -1) * cos, torch.cat([second, first], -1), sin_signed)
 
 
 def _mm(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``a @ w`` for an ``in × out`` weight, as ``ascend.linear(a, w.T)``: the weights are
     transposed views of ``nn.Linear`` ``[out, in]`` weights, whose CPU kernel streams them at
     decode (plain ``F.linear`` on other devices)."""
-    return torch.ops.ascend.linear(a, w.t())
+    return torch.ops.ascend.linear.default(a, w.t())
 
 
 def mla_prolog(
@@ -232,6 +241,7 @@ def mla_prolog(
     x = token_x.reshape(-1, token_x.shape[-1])
     cos = rope_cos.reshape(-1, 1, dr)
     sin = rope_sin.reshape(-1, 1, dr)
+    sin = torch.cat([-sin[..., : dr // 2], sin[..., dr // 2 :]], -1)  # rotate_half's sign, for q and k
     cq = x if weight_dq is None else _rms_norm(_mm(x, weight_dq), rmsnorm_gamma_cq, rmsnorm_epsilon_cq)
     q = _mm(cq, weight_uq_qr).view(-1, n, d + dr)
     q_nope, q_pe = q[..., :d], q[..., d:]

@@ -101,6 +101,7 @@ SAID = {
     "experts": ("experts not fused", "the experts run in another graph"),
 }
 NO_ROUTER = "router not fused: no router pattern matched its scores: linear → "
+ROUTER = "router not fused into moe_gating_top_k or moe_gating_top_k_softmax: "
 SPARSE = {"mlp_layer_types": ["sparse"]}
 # a block split by a graph break in a model without config._experts_implementation: nothing to set
 NO_SETTING = "own experts code: it has no config._experts_implementation, so no setting keeps router and experts"
@@ -177,27 +178,25 @@ FAMILIES: dict[str, Family] = {
         0,
         ("experts not fused: the activation is `(up + 1) * gate * sigmoid(1.702 * gate)` with gate/up clamped",),
     ),
-    # experts fused, routers not
-    "afmoe": Family(
-        "AfmoeForCausalLM", 1, 0, 1, (NO_ROUTER + "sigmoid → top-2 + a per-expert correction bias",), TWO_LAYERS
-    ),
-    "ernie4_5_moe": Family("Ernie4_5_MoeForCausalLM", 1, 0, 1, (NO_ROUTER + "_softmax → add → top-2",), TWO_LAYERS),
-    "flint": Family("FlintForCausalLM", 1, 0, 1, (NO_ROUTER + "sigmoid → top-2",), implementation="batched_mm"),
-    "kolibri1": Family("Kolibri1ForCausalLM", 1, 0, 1, (NO_ROUTER + "top-2 of the raw logits + a per-expert",)),
-    "laguna": Family(
-        "LagunaForCausalLM",
+    # routers equal to a gating mode (issue 19: recognised by what they compute), experts fused
+    "afmoe": Family("AfmoeForCausalLM", 1, 1, 1, fields=TWO_LAYERS),  # sigmoid + bias, top-k on dim 1
+    "ernie4_5_moe": Family("Ernie4_5_MoeForCausalLM", 1, 1, 1, fields=TWO_LAYERS),  # softmax + bias: norm_type 0
+    "flint": Family("FlintForCausalLM", 1, 1, 1, implementation="batched_mm"),  # top-k of sigmoid, renormalised
+    "laguna": Family("LagunaForCausalLM", 1, 1, 1, fields=TWO_LAYERS),  # sigmoid + bias, plain-sum renorm
+    # experts fused, routers not (no gating mode computes them: the near-miss names the difference)
+    "kolibri1": Family(
+        "Kolibri1ForCausalLM",
         1,
         0,
         1,
-        (NO_ROUTER + "sigmoid → top-2 + a per-expert correction bias",),
-        fields=TWO_LAYERS,
+        (ROUTER + "it chooses the experts by top-k of the raw logits + the correction bias",),
     ),
     "inkling": Family(
         "InklingForCausalLM",
         1,
         0,
         1,
-        (NO_ROUTER + "sigmoid → slice → top-2 + a per-expert correction bias",),
+        (ROUTER + "its weights are the k routed sigmoid scores divided by their sum plus the shared experts'",),
         implementation="batched_mm",
     ),
     "phimoe": Family(  # sparsemixer: a max per expert choice, no top-k (was silent)
@@ -227,25 +226,13 @@ FAMILIES: dict[str, Family] = {
         ),
     ),
     "kimi_linear": Family("KimiLinearForCausalLM", 1, 1, 1, fields=TWO_LAYERS),
-    "lfm2_moe": Family(
-        "Lfm2MoeForCausalLM",
-        1,
-        0,
-        1,
-        (NO_ROUTER + "sigmoid → top-2 + a per-expert correction bias",),
-        dict(layer_types=["full_attention"], num_dense_layers=0),
+    "lfm2_moe": Family(  # sigmoid + bias, sum + 1e-6
+        "Lfm2MoeForCausalLM", 1, 1, 1, fields=dict(layer_types=["full_attention"], num_dense_layers=0)
     ),
-    "mistral4": Family("Mistral4ForCausalLM", 1, 0, 1, (NO_ROUTER + "_softmax → masked_fill → top-2",)),
-    "mistral_large4": Family("MistralLarge4TextModel", 1, 0, 1, (NO_ROUTER + "_softmax → masked_fill → top-2",)),
-    "unlimited_ocr": Family("UnlimitedOcrTextModel", 1, 0, 1, (NO_ROUTER + "_softmax → top-2",), TWO_LAYERS),
-    "zaya": Family(
-        "ZayaForCausalLM",
-        1,
-        0,
-        1,
-        (NO_ROUTER + "_unsafe_view → _softmax → detach → top-1 + a per-expert correction bias",),
-        dict(num_experts_per_tok=1),
-    ),
+    "mistral4": Family("Mistral4ForCausalLM", 1, 1, 1),  # grouped softmax (top-2 sum): norm_type 0
+    "mistral_large4": Family("MistralLarge4TextModel", 1, 1, 1),
+    "unlimited_ocr": Family("UnlimitedOcrTextModel", 1, 1, 1, fields=TWO_LAYERS),  # softmax top-k, not renormalised
+    "zaya": Family("ZayaForCausalLM", 1, 1, 1, fields=dict(num_experts_per_tok=1)),  # softmax + bias, a skip expert
     "openai_privacy_filter": Family(
         "OpenAIPrivacyFilterModel",
         1,
@@ -292,14 +279,7 @@ FAMILIES: dict[str, Family] = {
         fields=TWO_LAYERS,
     ),
     "bailing_hybrid": Family("BailingHybridForCausalLM", 1, 1, 1),
-    "beam": Family(
-        "BeamForCausalLM",
-        1,
-        0,
-        1,
-        (NO_ROUTER + "sigmoid → masked_fill → top-2 + a per-expert correction bias",),
-        fields=SPARSE,
-    ),
+    "beam": Family("BeamForCausalLM", 1, 1, 1, fields=SPARSE),  # DeepSeek-V3's router, top-ks sorted
     "dbrx": Family(
         "DbrxForCausalLM",
         1,
@@ -316,8 +296,8 @@ FAMILIES: dict[str, Family] = {
         ),
         implementation=None,
     ),
-    "deepseek_ocr2": Family("DeepseekOcr2TextModel", 1, 0, 1, (NO_ROUTER + "_softmax → top-2",), fields=SPARSE),
-    "deepseek_v2": Family("DeepseekV2ForCausalLM", 1, 0, 1, (NO_ROUTER + "_softmax → top-2",)),
+    "deepseek_ocr2": Family("DeepseekOcr2TextModel", 1, 1, 1, fields=SPARSE),
+    "deepseek_v2": Family("DeepseekV2ForCausalLM", 1, 1, 1),  # greedy: moe_gating_top_k_softmax
     "deepseek_v32": Family("DeepseekV32ForCausalLM", 1, 1, 1),
     "diffusion_gemma": Family(
         "DiffusionGemmaEncoderTextModel",
@@ -331,9 +311,8 @@ FAMILIES: dict[str, Family] = {
     "ernie4_5_vl_moe": Family(
         "Ernie4_5_VLMoeTextModel",
         1,
-        0,
         1,
-        (NO_ROUTER + "_softmax → add → top-2",),
+        1,
         fields=dict(
             moe_intermediate_size=[16, 16], num_attention_heads=1, num_key_value_heads=1, head_dim=128, **TWO_LAYERS
         ),

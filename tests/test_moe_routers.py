@@ -11,10 +11,20 @@ implementations) and compared with the uncompiled block in fp32; the matched rou
 Also: a router whose top-k takes the smallest scores, or whose softmax runs over another dimension
 (ints the pattern matcher ignores), is a near-miss, never a wrong fusion; the DeepSeek router read
 after Inductor's ``view_to_reshape`` (``inductor_pass``) gets its real group count.
+
+More families, each MoE block built alone from a tiny config with random correction biases (a zero
+bias would not test that the bias only chooses): AFMoE, Laguna, LFM2-MoE (with and without expert
+bias), Flint, Beam (sigmoid → ``moe_gating_top_k`` norm_type 1, in the top-k forms they call),
+DeepSeek-V2 greedy (``moe_gating_top_k_softmax``) and group-limited greedy (norm_type 0, groups by max),
+Mistral 4 (norm_type 0, groups by top-2 sum), ERNIE 4.5 and Zaya (softmax + bias: norm_type 0, their
+renormalisation / skip-expert masking after it in ATen); Kolibri and Inkling are near-misses that
+name how they differ, with their experts fused.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
 from collections.abc import Callable
 from typing import Any
 
@@ -232,3 +242,182 @@ def test_deepseek_router_through_inductor_pass_reads_its_group_count():
     assert torch.equal(ids.sort(-1).values, ref_ids.sort(-1).values)
     by_expert = weights.gather(1, ids.argsort(-1)), ref_weights.gather(1, ref_ids.argsort(-1))  # top-k order may differ
     assert rel_diff(*by_expert) <= 1e-6
+
+
+# ------------------------------------------------------------------------------ more families, block by block
+BLOCK_SIZES: dict[str, Any] = dict(  # each set where the family's config has the field
+    hidden_size=64,
+    intermediate_size=32,
+    moe_intermediate_size=16,
+    shared_expert_intermediate_size=16,
+    router_hidden_size=32,
+    num_experts=8,
+    num_local_experts=8,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    n_shared_experts=1,
+    num_shared_experts=1,
+    moe_num_shared_experts=0,
+    vocab_size=64,
+    num_hidden_layers=1,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    head_dim=16,
+)
+
+
+def _family_block(family: str, block: str, experts: str, **fields: Any) -> torch.nn.Module:
+    """The MoE block ``block`` of ``transformers.models.<family>`` from a tiny config, unit-scale weights
+    and random correction biases (``models._init_weights`` leaves ``nn.Buffer`` biases at zero but
+    DeepSeek's name)."""
+    module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    cls = getattr(module, block)
+    config_cls = transformers.CONFIG_MAPPING[family]
+    names = {f.name for f in dataclasses.fields(config_cls)}
+    config = config_cls(**{**{k: v for k, v in BLOCK_SIZES.items() if k in names}, **fields})
+    config._experts_implementation = experts
+    torch.manual_seed(0)
+    moe = (cls(config, 0) if family == "zaya" else cls(config)).eval()
+    with torch.no_grad():
+        models._init_weights(moe)
+        for name, buffer in moe.named_buffers():
+            if name.endswith(("expert_bias", "balancing_biases")):
+                buffer.normal_(0.0, 0.1)
+    return moe
+
+
+# family -> (block class, config fields, router pattern, fused gating op, what the match read)
+BLOCKS: dict[str, tuple[str, str, dict[str, Any], str, str, dict[str, Any]]] = {
+    "afmoe": (
+        "afmoe",
+        "AfmoeSparseMoeBlock",
+        {"route_scale": 2.0},
+        "sigmoid_router",
+        "ascend.moe_gating_top_k",
+        {"norm_type": 1, "num_groups": 1, "eps": 1e-20, "top_k": 2},
+    ),
+    "laguna": (
+        "laguna",
+        "LagunaSparseMoeBlock",
+        {},
+        "sigmoid_router",
+        "ascend.moe_gating_top_k",
+        {"norm_type": 1, "num_groups": 1, "eps": 0.0},
+    ),
+    "lfm2_moe": (
+        "lfm2_moe",
+        "Lfm2MoeSparseMoeBlock",
+        {"routed_scaling_factor": 1.5},
+        "sigmoid_router",
+        "ascend.moe_gating_top_k",
+        {"norm_type": 1, "eps": 1e-6},
+    ),
+    "lfm2_moe_no_bias": (
+        "lfm2_moe",
+        "Lfm2MoeSparseMoeBlock",
+        {"use_expert_bias": False},
+        "sigmoid_topk_router",
+        "ascend.moe_gating_top_k",
+        {"norm_type": 1, "eps": 1e-6},
+    ),
+    "flint": (
+        "flint",
+        "FlintSparseMoeBlock",
+        {},
+        "sigmoid_topk_router",
+        "ascend.moe_gating_top_k",
+        {"norm_type": 1, "eps": 0.0},
+    ),
+    "beam": (
+        "beam",
+        "BeamMoE",
+        {"n_group": 2, "topk_group": 1, "routed_scaling_factor": 2.5},
+        "deepseek_router",
+        "ascend.moe_gating_top_k",
+        {"norm_type": 1, "num_groups": 2, "topk_groups": 1, "group_select_mode": 1},
+    ),
+    "deepseek_v2": (
+        "deepseek_v2",
+        "DeepseekV2Moe",
+        {"routed_scaling_factor": 2.0},
+        "softmax_router_no_renorm",
+        "ascend.moe_gating_top_k_softmax",
+        {"top_k": 2, "renormalize": False},
+    ),
+    "deepseek_v2_grouped": (
+        "deepseek_v2",
+        "DeepseekV2Moe",
+        {"topk_method": "group_limited_greedy", "n_group": 2, "topk_group": 1},
+        "softmax_grouped_router",
+        "ascend.moe_gating_top_k",
+        {"norm_type": 0, "num_groups": 2, "topk_groups": 1, "group_select_mode": 0},
+    ),
+    "mistral4": (
+        "mistral4",
+        "Mistral4MoE",
+        {"n_group": 4, "topk_group": 2, "routed_scaling_factor": 1.5, "num_local_experts": 16},
+        "softmax_grouped_router",
+        "ascend.moe_gating_top_k",
+        {"norm_type": 0, "num_groups": 4, "topk_groups": 2, "group_select_mode": 1},
+    ),
+    "ernie4_5_moe": (
+        "ernie4_5_moe",
+        "Ernie4_5_MoeSparseMoeBlock",
+        {},
+        "softmax_bias_router",
+        "ascend.moe_gating_top_k",
+        {"norm_type": 0, "num_groups": 1},
+    ),
+    "zaya": (
+        "zaya",
+        "ZayaSparseMoeBlock",
+        {"num_experts_per_tok": 1},
+        "softmax_bias_router",
+        "ascend.moe_gating_top_k",
+        {"norm_type": 0, "num_experts": 9, "top_k": 1},
+    ),
+}
+BLOCK_CASES = [(name, "grouped_mm", "eager") for name in BLOCKS] + [
+    ("deepseek_v2_grouped", "batched_mm", "inductor"),
+    ("mistral4", "grouped_mm", "inductor"),
+    ("zaya", "grouped_mm", "inductor"),
+]
+
+
+@pytest.mark.parametrize("name, experts, compiler", BLOCK_CASES)
+def test_family_router_equal_to_a_gating_mode_is_fused(name, experts, compiler):
+    family, block, fields, pattern, op, constants = BLOCKS[name]
+    diff, report = _compile_block(_family_block(family, block, experts, **fields), compiler)
+    assert diff <= TOL, (name, diff)
+    moe = report.passes["moe"]
+    routers = [m for m in moe.matches if m.details.get("op", "").startswith("ascend.moe_gating")]
+    assert [m.pattern for m in routers] == [pattern]
+    assert {k: routers[0].details[k] for k in constants} == constants
+    assert report.count(op) == 1
+    assert report.count("ascend.moe_init_routing_v2") == 1  # the experts too
+    assert not [nm for nm in moe.near_misses if nm.pattern.endswith(("router", "renorm")) or "router" in nm.reason]
+
+
+@pytest.mark.parametrize(
+    "family, block, why",
+    [
+        (
+            "kolibri1",
+            "Kolibri1SparseMoeBlock",
+            "it chooses the experts by top-k of the raw logits + the correction bias",
+        ),
+        (
+            "inkling",
+            "InklingMoE",
+            "its weights are the k routed sigmoid scores divided by their sum plus the shared experts' sigmoid",
+        ),
+    ],
+)
+def test_router_no_gating_mode_computes_is_a_near_miss_and_its_experts_fuse(family, block, why):
+    diff, report = _compile_block(_family_block(family, block, "grouped_mm"), "eager")
+    assert diff <= TOL
+    moe = report.passes["moe"]
+    (miss,) = [nm for nm in moe.near_misses if "router" in nm.reason]
+    assert miss.reason.startswith("router not fused into moe_gating_top_k or moe_gating_top_k_softmax: " + why)
+    assert report.count("ascend.moe_gating_top_k") == 0 and report.count("ascend.moe_gating_top_k_softmax") == 0
+    assert report.count("ascend.moe_init_routing_v2") == 1  # the ATen router's ids feed the fused chain

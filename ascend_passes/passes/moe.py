@@ -161,12 +161,15 @@ def _deepseek(renormalize: bool) -> Callable[..., Any]:
 # DeepSeek with one expert group (n_group=1): the mask's reshape of a [T, 1, E] expand is a plain
 # view, not clone + _unsafe_view, so that form is traced too; one group kept (topk_group=1) under
 # Inductor: the mask's scatter is a one-hot where; each in Hugging Face's and vLLM's form
-# (moe_router.VLLM_FORM), vLLM's also with the routed scaling multiply in the router
-_ONE_GROUP = tuple(
-    {**form, **mask}
-    for form in ({}, moe_router.VLLM_FORM)
-    for mask in ({}, {"num_groups": 1, "topk_groups": 1}, {"topk_groups": 1})
-) + ({**moe_router.VLLM_FORM, "routed_scaling_factor": 2.5},)
+# (moe_router.VLLM_FORM), vLLM's also with the routed scaling multiply in the router; Hugging Face's
+# also with both top-ks sorted and the scaling applied to the experts' output (Beam)
+_MASKS = ({}, {"num_groups": 1, "topk_groups": 1}, {"topk_groups": 1})
+_ONE_GROUP = (
+    tuple({**form, **mask} for form in ({}, moe_router.VLLM_FORM) for mask in _MASKS)
+    + ({**moe_router.VLLM_FORM, "routed_scaling_factor": 2.5},)
+    + tuple({**mask, "topk": "sorted", "routed_scaling_factor": None} for mask in _MASKS)
+)
+_TOPK = tuple({"topk": form} for form in moe_router.TOPK_FORMS)  # every way a router calls topk
 
 
 def _sigmoid(renormalize: bool) -> Callable[..., Any]:
@@ -177,22 +180,73 @@ def _sigmoid(renormalize: bool) -> Callable[..., Any]:
 
 
 def _softmax(renormalize: bool) -> Callable[..., Any]:
-    def search(logits: torch.Tensor) -> Any:
-        return moe_router.softmax_router(logits, renormalize=renormalize)
+    def search(logits: torch.Tensor, **form: Any) -> Any:
+        return moe_router.softmax_router(logits, renormalize=renormalize, **form)
 
     return search
 
 
+def _sigmoid_topk(renormalize: bool) -> Callable[..., Any]:
+    def search(logits: torch.Tensor, **form: Any) -> Any:
+        return moe_router.sigmoid_topk_router(logits, renormalize=renormalize, **form)
+
+    return search
+
+
+def _forms(*axes: tuple[dict[str, Any], ...]) -> tuple[dict[str, Any], ...]:
+    """Every combination of one variant per axis (keyword arguments merged)."""
+    out: tuple[dict[str, Any], ...] = ({},)
+    for axis in axes:
+        out = tuple({**a, **b} for a in out for b in axis)
+    return out
+
+
+_EPS = ({"eps": None}, {"eps": 1e-20})  # the renormalisation: plain sum, or sum + eps (any eps: read)
 _SEARCH: dict[str, _Search] = {
     "deepseek_router": _Search(_deepseek(True), ("logits", "bias"), _router_inputs, ((torch.float32,),), _ONE_GROUP),
     "deepseek_router_no_renorm": _Search(
         _deepseek(False), ("logits", "bias"), _router_inputs, ((torch.float32,),), _ONE_GROUP
     ),
-    # sigmoid + bias, no expert groups (MiniMax-M2): sum with or without DeepSeek's + eps
+    # sigmoid + bias, no expert groups (MiniMax-M2, AFMoE, Laguna, LFM2-MoE): sum with or without + eps
     "sigmoid_router": _Search(
-        _sigmoid(True), ("logits", "bias"), _router_inputs, ((torch.float32,),), ({"eps": None}, {"eps": 1e-20})
+        _sigmoid(True), ("logits", "bias"), _router_inputs, ((torch.float32,),), _forms(_EPS, _TOPK)
     ),
-    "sigmoid_router_no_renorm": _Search(_sigmoid(False), ("logits", "bias"), _router_inputs, ((torch.float32,),)),
+    "sigmoid_router_no_renorm": _Search(
+        _sigmoid(False), ("logits", "bias"), _router_inputs, ((torch.float32,),), _TOPK
+    ),
+    # sigmoid, no bias, the top-k scores are the weights (Flint, LFM2-MoE without expert bias)
+    "sigmoid_topk_router": _Search(
+        _sigmoid_topk(True), ("logits",), lambda d: _router_inputs(d)[:1], ((torch.float32,),), _forms(_EPS, _TOPK)
+    ),
+    "sigmoid_topk_router_no_renorm": _Search(
+        _sigmoid_topk(False), ("logits",), lambda d: _router_inputs(d)[:1], ((torch.float32,),), _TOPK
+    ),
+    # softmax + bias for the choice only, not renormalised: norm_type 0 (ERNIE 4.5; Zaya's choice detached)
+    "softmax_bias_router": _Search(
+        moe_router.softmax_bias_router,
+        ("logits", "bias"),
+        _router_inputs,
+        ((torch.float32,),),
+        _forms(_TOPK, ({}, {"detach": True})),
+    ),
+    # group-limited softmax, excluded experts filled with 0 (Mistral 4: top-2 sum; DeepSeek-V2: max)
+    "softmax_grouped_router": _Search(
+        moe_router.softmax_grouped_router,
+        ("logits",),
+        lambda d: _router_inputs(d)[:1],
+        ((torch.float32,),),
+        _forms(_MASKS, ({}, {"group_max": True})),
+    ),
+    # no gating mode: searched to say how they differ (Kolibri, Inkling)
+    "logits_bias_sigmoid_router": _Search(
+        moe_router.logits_bias_sigmoid_router, ("logits", "bias"), _router_inputs, ((torch.float32,),), _TOPK
+    ),
+    "shared_renorm_sigmoid_router": _Search(
+        moe_router.shared_renorm_sigmoid_router,
+        ("logits", "bias"),
+        lambda d: [torch.randn(8, 17, dtype=d), torch.randn(16, dtype=d)],
+        ((torch.float32,),),
+    ),
     # top-k of the logits, softmax over the k (GraniteMoE, gpt-oss)
     "topk_softmax_router": _Search(
         moe_router.topk_softmax_router,
@@ -205,9 +259,12 @@ _SEARCH: dict[str, _Search] = {
     "dense_sigmoid_topk_router": _Search(
         moe_router.dense_sigmoid_topk_router, ("logits",), lambda d: _router_inputs(d)[:1], tuple((d,) for d in _LOW)
     ),
-    "softmax_router": _Search(_softmax(True), ("logits",), lambda d: _router_inputs(d)[:1], tuple((d,) for d in _LOW)),
+    "softmax_router": _Search(
+        _softmax(True), ("logits",), lambda d: _router_inputs(d)[:1], tuple((d,) for d in _LOW), _TOPK
+    ),
+    # (DeepSeek-V2 greedy: top-k unsorted, its routed scaling multiply after the match)
     "softmax_router_no_renorm": _Search(
-        _softmax(False), ("logits",), lambda d: _router_inputs(d)[:1], tuple((d,) for d in _LOW)
+        _softmax(False), ("logits",), lambda d: _router_inputs(d)[:1], tuple((d,) for d in _LOW), _TOPK
     ),
     "grouped_mm_experts": _Search(
         moe_experts.grouped_mm_experts(moe_experts.transformers_grouped_mm, histc_on_float=True),
@@ -242,9 +299,45 @@ _ROUTERS = (
     "softmax_router_no_renorm",
     "sigmoid_router",
     "sigmoid_router_no_renorm",
+    "sigmoid_topk_router",
+    "sigmoid_topk_router_no_renorm",
+    "softmax_bias_router",
+    "softmax_grouped_router",
     "topk_softmax_router",
+    "logits_bias_sigmoid_router",
+    "shared_renorm_sigmoid_router",
     "dense_sigmoid_topk_router",
 )
+# routers fused into moe_gating_top_k: pattern → (norm_type, expert groups, a correction bias input)
+_GATING_TOP_K = {
+    "deepseek_router": (1, True, True),
+    "deepseek_router_no_renorm": (1, True, True),
+    "sigmoid_router": (1, False, True),
+    "sigmoid_router_no_renorm": (1, False, True),
+    "sigmoid_topk_router": (1, False, False),
+    "sigmoid_topk_router_no_renorm": (1, False, False),
+    "softmax_bias_router": (0, False, True),
+    "softmax_grouped_router": (0, True, False),
+}
+# routers no gating mode computes: pattern → how they differ
+_NOT_A_GATING_MODE = {
+    "dense_sigmoid_topk_router": (
+        "it scores the top-k experts by sigmoid(logit) without renormalising, as a dense "
+        "[tokens, experts] matrix (Llama 4); moe_gating_top_k with sigmoid (norm_type=1) "
+        "always divides the k weights by their sum (top-1: every weight becomes 1), and "
+        "moe_gating_top_k_softmax scores by softmax"
+    ),
+    "logits_bias_sigmoid_router": (
+        "it chooses the experts by top-k of the raw logits + the correction bias and weights them by "
+        "sigmoid(logit) (Kolibri); moe_gating_top_k adds the bias to the scores (sigmoid(logit) + bias "
+        "or softmax + bias), which orders the experts differently whenever the bias is not zero"
+    ),
+    "shared_renorm_sigmoid_router": (
+        "its weights are the k routed sigmoid scores divided by their sum plus the shared experts' "
+        "sigmoid scores (logsigmoid / logsumexp over the k routed and the shared logits; Inkling); "
+        "moe_gating_top_k divides by the sum of the k routed scores only"
+    ),
+}
 # Not covered: the int-histc form transformers emits on devices other than cpu/mps (histc on int
 # has no CPU kernel, so that pattern cannot be traced here).
 _EXPERTS = ("grouped_mm_experts", "torch_grouped_mm_experts", "batched_mm_experts")
@@ -421,8 +514,7 @@ class MoePass(Pass):
             return
         scale = None  # the routed scaling factor when it is a graph input
         details: dict[str, Any] = {}
-        sigmoid = name.startswith(("deepseek", "sigmoid"))
-        op = "moe_gating_top_k" if sigmoid else "moe_gating_top_k_softmax"
+        op = "moe_gating_top_k" if name in _GATING_TOP_K else "moe_gating_top_k_softmax"
         renormalize = not name.endswith("no_renorm")
         c = None
         if num_experts is None or top_k is None:
@@ -433,22 +525,31 @@ class MoePass(Pass):
             )
         elif (dims := _dims_problem(nodes)) is not None:
             reason = dims  # the matcher ignored every int: a dim or a flag that is not the router's
-        elif name == "dense_sigmoid_topk_router":
+        elif name in _NOT_A_GATING_MODE:
             op = "moe_gating_top_k or moe_gating_top_k_softmax"
-            reason = (
-                "it scores the top-k experts by sigmoid(logit) without renormalising, as a dense "
-                "[tokens, experts] matrix (Llama 4); moe_gating_top_k with sigmoid (norm_type=1) "
-                "always divides the k weights by their sum (top-1: every weight becomes 1), and "
-                "moe_gating_top_k_softmax scores by softmax"
-            )
-        elif sigmoid:
+            reason = _NOT_A_GATING_MODE[name]
+        elif name in _GATING_TOP_K:
+            norm_type, grouped, has_bias = _GATING_TOP_K[name]
+            # softmax with no bias: every score the expert top-k sees is >= 0, so a fill <= 0 excludes
+            # experts as the op's -inf does (an exact 0 of a kept expert is a tie, as everywhere)
             c, scale, reason = _deepseek_constants(
-                nodes, top_k, num_experts, renormalize, grouped=name.startswith("deepseek")
+                nodes,
+                top_k,
+                num_experts,
+                renormalize and norm_type == 1,  # norm_type 0: the op does not renormalise
+                grouped=grouped,
+                norm_type=norm_type,
+                nonnegative=norm_type == 0 and not has_bias,
             )
             if c is not None and reason is None:
                 reason = _deepseek_gating_unsupported(c)
-            replacement = functools.partial(moe_router.deepseek_router_fused, c=c)
-            call_args = [logits, kwargs["bias"]]
+            if reason is None and has_bias and tuple(_val(kwargs["bias"]).shape) != (num_experts,):
+                reason = (
+                    f"the correction bias is {list(_val(kwargs['bias']).shape)}, not one value per "
+                    f"expert [{num_experts}] (the op's bias)"
+                )
+            replacement = functools.partial(moe_router.gating_fused, c=c)
+            call_args = [logits, kwargs["bias"]] if has_bias else [logits]
             if scale is not None:  # the op scales by 1.0; the graph's multiply by the input follows it
                 call_args.append(scale)
                 details["routed_scaling_factor"] = f"graph input {(graph_input_of(scale) or scale).name}"
@@ -459,6 +560,12 @@ class MoePass(Pass):
             call_args = [logits]
         entry = layer_entry(layer)
         entry.router, entry.num_experts, entry.top_k = name, num_experts, top_k
+        if reason is not None and name in _NOT_A_GATING_MODE and name != "dense_sigmoid_topk_router":
+            # a router that is certainly not a gating mode stays ATen; its expert ids are the ones the
+            # fused experts chain takes (as DeepSeek-V4's sqrtsoftplus router): not entry.unsupported
+            entry.extra["router_near_miss"] = reason
+            result.near_miss(name, f"router not fused into {op}: {reason}", layer=layer, node=final_topk)
+            return
         if reason is not None:
             entry.unsupported = reason
             if not any(nm.pattern == name and nm.node == final_topk.name for nm in result.near_misses):
@@ -851,7 +958,14 @@ def _as_fn(fn: Callable[..., Any], nargs: int) -> Callable[..., Any]:
 
 
 def _deepseek_constants(
-    nodes: Sequence[fx.Node], top_k: int, num_experts: int, renormalize: bool, grouped: bool = True
+    nodes: Sequence[fx.Node],
+    top_k: int,
+    num_experts: int,
+    renormalize: bool,
+    grouped: bool = True,
+    *,
+    norm_type: int = 1,
+    nonnegative: bool = False,
 ) -> tuple[RouterConstants | None, fx.Node | None, str | None]:
     """The constants of a matched sigmoid router, read off its nodes (the matcher ignored every
     number): ``(constants, scale, None)``, where ``scale`` is the routed scaling factor's node when
@@ -859,7 +973,8 @@ def _deepseek_constants(
     and the graph's multiply stays after it), or ``(None, None, reason)`` when a number the op needs
     is not a constant, is not the one the op computes with, or its node is not where the pattern
     put it (never a default in its place).  ``grouped``: DeepSeek's group-limited form (groups,
-    top-k groups, the per-group top-2 and the -inf fill are read); otherwise one group.
+    top-k groups, the per-group top-2 (or the per-group max: ``group_select_mode`` 0) and the -inf
+    fill are read; ``nonnegative``: the scores are >= 0, any fill <= 0 excludes); otherwise one group.
 
     The forms the graph may hold: a view is ``aten.view`` in the AOT graph and ``aten.reshape`` after
     Inductor's ``view_to_reshape`` (``inductor_pass``); the excluded experts' fill is
@@ -867,13 +982,23 @@ def _deepseek_constants(
     under Inductor's decompositions."""
     missing = object()
     read: dict[str, tuple[Any, Callable[[Any], Any]]] = {}
+    group_max = None  # the per-group max (group_select_mode 0) of a grouped router
     if grouped:
         view = _find(nodes, aten.view.default, _is_group_view) or _find(nodes, aten.reshape.default, _is_group_view)
-        group_topk = _find(nodes, aten.topk.default, lambda n: _arg_target(n) is aten.sum.dim_IntList)
+        group_max = _find(nodes, aten.max.dim, lambda n: view is not None and n.args[0] is view)
+        group_topk = _find(
+            nodes,
+            aten.topk.default,
+            lambda n: (
+                _arg_target(n) is aten.sum.dim_IntList
+                or (group_max is not None and _arg_target(n) is operator.getitem and n.args[0].args[0] is group_max)
+            ),
+        )
         first_topk = _find(nodes, aten.topk.default, lambda n: view is not None and n.args[0] is view)
         read["the number of groups"] = (view.args[1][1] if view is not None else missing, const_int)
         read["topk_group"] = (group_topk.args[1] if group_topk is not None else missing, const_int)
-        read["the per-group top-k"] = (first_topk.args[1] if first_topk is not None else missing, const_int)
+        if group_max is None:
+            read["the per-group top-k"] = (first_topk.args[1] if first_topk is not None else missing, const_int)
         fill = _fill_value(nodes)
         read["the score of excluded experts"] = (missing if fill is None else fill, const_float)
     if renormalize:  # topk_weights.sum(-1, keepdim=True) (+ eps)
@@ -894,14 +1019,14 @@ def _deepseek_constants(
         values[what] = const(arg)
         if values[what] is None:
             return None, None, not_constant(what, arg)
-    if grouped and values["the per-group top-k"] != 2:
+    if grouped and values.get("the per-group top-k", 2) != 2:
         return (
             None,
             None,
             (f"group score is the sum of the top-{values['the per-group top-k']} (the op supports top-2 only)"),
         )
     excluded = values.get("the score of excluded experts", float("-inf"))
-    if excluded != float("-inf"):
+    if excluded != float("-inf") and not (nonnegative and excluded <= 0):
         return None, None, f"experts of unselected groups score {excluded}, not -inf (the op excludes them)"
     factor, scale = 1.0, None
     if mul is not None:
@@ -917,7 +1042,9 @@ def _deepseek_constants(
         topk_groups=values.get("topk_group", 1),
         routed_scaling_factor=factor,
         renormalize=renormalize,
-        eps=values.get("the renormalisation epsilon", RouterConstants.eps),
+        eps=values.get("the renormalisation epsilon", RouterConstants.eps),  # (unused by norm_type 0)
+        norm_type=norm_type,
+        group_select_mode=0 if group_max is not None else 1,
     )
     return c, scale, None
 
@@ -926,6 +1053,7 @@ _LAST_DIM = {  # op → position of its dim argument (a list of dims for reducti
     aten.topk.default: 2,
     aten.sum.dim_IntList: 1,
     aten.amax.default: 1,
+    aten.max.dim: 1,
     aten._softmax.default: 1,
     aten.gather.default: 1,
     aten.scatter.value: 1,
@@ -1072,7 +1200,7 @@ def _v4_clamp_limits(nodes: Sequence[fx.Node]) -> tuple[moe_v4.ClampLimits | Non
 def _deepseek_gating_unsupported(c: RouterConstants) -> str | None:
     """Why ``moe_gating_top_k`` cannot compute this router (REFERENCE.md limits), or None."""
     per_group = c.num_experts // max(c.num_groups, 1)
-    if not c.renormalize:
+    if c.norm_type == 1 and not c.renormalize:
         return (
             "the weights are not renormalised (norm_topk_prob=False); the fused op always renormalises sigmoid weights"
         )

@@ -380,7 +380,7 @@ def _eplb_target(model: nn.Module, name: str) -> tuple[Any, Any, nn.Parameter] |
     from ascend_passes.eplb import state as eplb_state
 
     prefix, _, attr = name.rpartition(".")
-    physical = dict(eplb_state._WEIGHTS).get(attr)
+    physical = dict(eplb_state._WEIGHTS + eplb_state._BIASES).get(attr)
     if physical is None:
         return None
     try:
@@ -388,7 +388,7 @@ def _eplb_target(model: nn.Module, name: str) -> tuple[Any, Any, nn.Parameter] |
     except AttributeError:
         return None
     layer = experts.__dict__.get(eplb_state._STATE_ATTR)
-    if not isinstance(layer, eplb_state.EplbLayer):
+    if not isinstance(layer, eplb_state.EplbLayer) or physical not in experts._parameters:
         return None
     parts = prefix.split(".") if prefix else []
     ancestors = (model.get_submodule(".".join(parts[:i])) for i in range(len(parts) + 1))
@@ -405,7 +405,7 @@ def _refuse_one_replica(model: nn.Module, name: str, param: nn.Parameter, *, one
     from ascend_passes.eplb import state as eplb_state
 
     prefix, _, attr = name.rpartition(".")
-    logical = {phy: log for log, phy in eplb_state._WEIGHTS}.get(attr)
+    logical = {phy: log for log, phy in eplb_state._WEIGHTS + eplb_state._BIASES}.get(attr)
     if logical is None:
         return False
     experts = model.get_submodule(prefix) if prefix else model

@@ -249,6 +249,33 @@ def test_gpt_oss_experts_and_biases_indirected(experts):
         assert torch.equal(block.experts.gate_up_proj_bias, logical[0]["gate_up_proj_bias"])
 
 
+def test_gpt_oss_bias_update_by_logical_name_reaches_every_replica():
+    """``load_weight`` of one expert's bias under its logical name writes every replica's slot; the
+    compiled model then equals the un-attached model given the same bias (no recompilation)."""
+    from ascend_passes.weights import WeightLoadError, load_weight
+
+    block, inputs = _gpt_oss("grouped_mm")
+    plain = copy.deepcopy(block)
+    state = attach(block, {"num_redundant_experts": 4, "ep_size": 4})
+    _move(state)
+    hot = int(state.layers[0].replica_count.argmax())  # an expert with several replicas
+    assert int(state.layers[0].replica_count[hot]) > 1
+    compiled = torch.compile(block, backend="ascend_passes", options=EPLB)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        compiled(*inputs)
+        new = torch.randn(64, generator=torch.Generator().manual_seed(2))
+        load_weight(block, "experts.gate_up_proj_bias", new, expert_id=hot)
+        plain.experts.gate_up_proj_bias[hot] = new
+        slots = state.layers[0].log2phy[hot, : int(state.layers[0].replica_count[hot])]
+        assert all(torch.equal(block.experts.eplb_gate_up_proj_bias[s], new) for s in slots.tolist())
+        with ap.capture() as reports:
+            out = compiled(*inputs)
+        assert reports == [] and rel_diff(out[0], plain(*inputs)[0]) <= TOL
+    with pytest.raises(WeightLoadError, match="load expert weights through the logical name"):
+        load_weight(block, "experts.eplb_gate_up_proj_bias", new, expert_id=int(slots[0]))
+
+
 def test_experts_bias_of_another_shape_is_refused_before_anything_changes():
     block, _ = _gpt_oss("grouped_mm")
     block.experts.down_proj_bias = torch.nn.Parameter(torch.zeros(64))  # one bias for all experts
@@ -403,14 +430,3 @@ def test_model_with_some_experts_unfused_is_refused_at_attach():
     )
     assert state_of(model) is None
     assert "gate_up_proj" in dict(model.lm.model.layers[0].feed_forward.experts.named_parameters())
-
-
-def test_router_named_router_without_eplb_changes_nothing():
-    """Attaching is what makes a layer EPLB's: a Llama 4 model compiled with eplb on but never
-    attached is a ConfigError that says to attach (not a silent no-op)."""
-    model, inputs = _llama4(top_k=1)
-    torch._dynamo.reset()
-    with torch.no_grad(), pytest.raises(Exception) as err:
-        torch.compile(model, backend="ascend_passes", options=EPLB)(*inputs)
-    assert "ascend_passes.eplb.attach(model, config.eplb)" in str(err.value)
-    assert state_of(copy.deepcopy(model)) is None

@@ -266,13 +266,13 @@ BLOCK_SIZES: dict[str, Any] = dict(  # each set where the family's config has th
 )
 
 
-def _family_block(family: str, block: str, experts: str, **fields: Any) -> torch.nn.Module:
+def _family_block(family: str, block: str, experts: str, model_type: str = "", **fields: Any) -> torch.nn.Module:
     """The MoE block ``block`` of ``transformers.models.<family>`` from a tiny config, unit-scale weights
     and random correction biases (``models._init_weights`` leaves ``nn.Buffer`` biases at zero but
-    DeepSeek's name)."""
+    DeepSeek's name).  ``model_type``: the config's, where it is not the family's name."""
     module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
     cls = getattr(module, block)
-    config_cls = transformers.CONFIG_MAPPING[family]
+    config_cls = transformers.CONFIG_MAPPING[model_type or family]
     names = {f.name for f in dataclasses.fields(config_cls)}
     config = config_cls(**{**{k: v for k, v in BLOCK_SIZES.items() if k in names}, **fields})
     config._experts_implementation = experts
@@ -399,22 +399,24 @@ def test_family_router_equal_to_a_gating_mode_is_fused(name, experts, compiler):
 
 
 @pytest.mark.parametrize(
-    "family, block, why",
+    "family, block, model_type, why",
     [
         (
             "kolibri1",
             "Kolibri1SparseMoeBlock",
+            "",
             "it chooses the experts by top-k of the raw logits + the correction bias",
         ),
         (
             "inkling",
             "InklingMoE",
+            "inkling_text",
             "its weights are the k routed sigmoid scores divided by their sum plus the shared experts' sigmoid",
         ),
     ],
 )
-def test_router_no_gating_mode_computes_is_a_near_miss_and_its_experts_fuse(family, block, why):
-    diff, report = _compile_block(_family_block(family, block, "grouped_mm"), "eager")
+def test_router_no_gating_mode_computes_is_a_near_miss_and_its_experts_fuse(family, block, model_type, why):
+    diff, report = _compile_block(_family_block(family, block, "grouped_mm", model_type), "eager")
     assert diff <= TOL
     moe = report.passes["moe"]
     (miss,) = [nm for nm in moe.near_misses if "router" in nm.reason]

@@ -27,6 +27,7 @@ wildcard to the matcher and is read off the matched nodes (``read_activation``),
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -53,6 +54,7 @@ class Activation:
     up_max: float
     alpha: float
     up_add: float
+    interleaved: bool = True  # gate/up are the even/odd columns (gpt-oss), else the two halves
 
     @property
     def limit(self) -> float | None:
@@ -65,27 +67,45 @@ def activation(gate_up: torch.Tensor, c: Activation) -> torch.Tensor:
     """The replacement's activation: one ``clipped_swiglu`` where the bounds allow it, else ATen."""
     if c.limit is None:
         return clamped_swiglu(gate_up, c)
-    return ascend.clipped_swiglu(gate_up, alpha=c.alpha, limit=c.limit, bias=c.up_add, interleaved=True)
+    return ascend.clipped_swiglu(gate_up, alpha=c.alpha, limit=c.limit, bias=c.up_add, interleaved=c.interleaved)
 
 
 def clamped_swiglu(
-    gate_up: torch.Tensor, c: Activation | None = None, rows: Callable[[torch.Tensor], torch.Tensor] = lambda t: t
+    gate_up: torch.Tensor,
+    c: Activation | None = None,
+    rows: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
+    interleaved: bool = True,
+    split_per_read: bool = False,
 ) -> torch.Tensor:
     """``GptOssExperts._apply_gate`` (search: the numbers are wildcards) or, with ``c``, the
     replacement's activation with the numbers read off the match.  ``rows``: how each read of
     ``gate_up`` reaches its rows (batched_mm: a functionalised in-place bias add on a squeeze view
-    leaves ``unsqueeze`` → one ``squeeze`` per read in the graph)."""
+    leaves ``unsqueeze`` → one ``squeeze`` per read in the graph).  ``interleaved`` False: gate and
+    up are the two halves (``chunk(2, -1)``: MiniMax-M3-VL, OpenAI privacy filter), each read through
+    its own ``chunk`` when ``split_per_read`` (after transformers' in-place bias add the
+    functionalised graph makes the views again for every read: one ``split`` per half)."""
+    interleaved = c.interleaved if c is not None else interleaved
     c = c or Activation(7.0, -7.0, 7.0, 1.702, 1.0)
-    gate, up = rows(gate_up)[..., ::2], rows(gate_up)[..., 1::2]
+    if interleaved:
+        gate, up = rows(gate_up)[..., ::2], rows(gate_up)[..., 1::2]
+    elif split_per_read:
+        gate, up = rows(gate_up).chunk(2, dim=-1)[0], rows(gate_up).chunk(2, dim=-1)[1]
+    else:
+        gate, up = rows(gate_up).chunk(2, dim=-1)
     gate = gate.clamp(min=None, max=c.gate_max)
     up = up.clamp(min=c.up_min, max=c.up_max)
     glu = gate * torch.sigmoid(gate * c.alpha)
     return (up + c.up_add) * glu
 
 
+def halves_swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    """gpt-oss's activation over the two halves of the gate·up rows (MiniMax-M3-VL's ``_apply_gate``)."""
+    return clamped_swiglu(gate_up, interleaved=False)
+
+
 def grouped_mm_experts(grouped_mm: moe_experts.GroupedMM) -> Callable[..., torch.Tensor]:
     """transformers' ``grouped_mm_experts_forward`` for gpt-oss (``is_transposed``, ``has_bias``;
-    CPU/MPS: histc on float ids)."""
+    CPU/MPS: histc on float ids); ``interleaved`` False: the OpenAI privacy filter's halves."""
 
     def search(
         hidden: torch.Tensor,
@@ -95,6 +115,8 @@ def grouped_mm_experts(grouped_mm: moe_experts.GroupedMM) -> Callable[..., torch
         gate_up_bias: torch.Tensor,
         down_proj: torch.Tensor,
         down_bias: torch.Tensor,
+        *,
+        interleaved: bool = True,
     ) -> torch.Tensor:
         num_experts = gate_up_proj.shape[0]
         num_top_k = top_k_index.size(-1)
@@ -108,7 +130,7 @@ def grouped_mm_experts(grouped_mm: moe_experts.GroupedMM) -> Callable[..., torch
         offsets = torch.cumsum(tokens_per_expert, dim=0, dtype=torch.int32)
         proj = grouped_mm(selected.to(gate_up_proj.dtype), gate_up_proj, offsets)
         proj = proj + gate_up_bias[expert_ids_g]
-        proj = clamped_swiglu(proj)
+        proj = clamped_swiglu(proj, interleaved=interleaved, split_per_read=True)
         proj = grouped_mm(proj.to(down_proj.dtype), down_proj, offsets)
         proj = proj + down_bias[expert_ids_g]
         weighted = proj * sample_weights_g.unsqueeze(-1)
@@ -127,6 +149,8 @@ def batched_mm_experts(
     gate_up_bias: torch.Tensor,
     down_proj: torch.Tensor,
     down_bias: torch.Tensor,
+    *,
+    interleaved: bool = True,
 ) -> torch.Tensor:
     """transformers' ``batched_mm_experts_forward`` for gpt-oss (``is_transposed``, ``has_bias``)."""
     num_top_k = top_k_index.size(-1)
@@ -138,7 +162,7 @@ def batched_mm_experts(
     # graph holds add → unsqueeze(1) (the updated base) → squeeze(1) per read
     proj = torch.bmm(selected.unsqueeze(1), gate_up_proj[expert_ids]).squeeze(1)
     proj = (proj + gate_up_bias[expert_ids]).unsqueeze(1)
-    proj = clamped_swiglu(proj, rows=lambda t: t.squeeze(1))
+    proj = clamped_swiglu(proj, rows=lambda t: t.squeeze(1), interleaved=interleaved, split_per_read=True)
     proj = torch.bmm(proj.unsqueeze(1), down_proj[expert_ids]).squeeze(1)
     proj = (proj + down_bias[expert_ids]).unsqueeze(1).squeeze(1)
     weighted = proj * sample_weights.unsqueeze(-1)
@@ -172,47 +196,17 @@ def fused_experts(
 ) -> torch.Tensor:
     """The replacement: the fused chain over all ``E`` experts (dropless), biases in the grouped
     matmuls, gpt-oss's activation (``clipped_swiglu``, or ATen where the bounds differ) between them."""
-    num_experts = gate_up_proj.shape[0]
-    expert_idx = top_k_index.to(torch.int32)
-    expanded_x, expanded_row_idx, tokens_per_expert, _ = ascend.moe_init_routing_v2(
+    return moe_experts.fused_chain(
         hidden,
-        expert_idx,
-        expert_num=num_experts,
-        expert_tokens_num_type=1,
-        expert_tokens_num_flag=True,
-        active_expert_range=[0, num_experts],
-        row_idx_type=0,
-    )
-    gate_up = ascend.grouped_matmul(
-        [expanded_x],
-        [gate_up_proj],
-        bias=[gate_up_bias],
-        group_list=tokens_per_expert,
-        split_item=2,
-        group_type=0,
-        group_list_type=1,
-    )[0]
-    act = activation(gate_up, c)
-    out = ascend.grouped_matmul(
-        [act],
-        [down_proj],
-        bias=[down_bias],
-        group_list=tokens_per_expert,
-        split_item=2,
-        group_type=0,
-        group_list_type=1,
-    )[0]
-    return ascend.moe_finalize_routing(
-        out,
-        None,
-        None,
-        None,
+        top_k_index,
         top_k_weights,
-        expanded_row_idx,
-        expert_idx,
-        drop_pad_mode=2,
-        k=top_k_index.shape[-1],
-    ).to(hidden.dtype)
+        gate_up_proj,
+        down_proj,
+        in_by_out=True,
+        gate_up_bias=gate_up_bias,
+        down_bias=down_bias,
+        activation=lambda gate_up: activation(gate_up, c),
+    )
 
 
 # ------------------------------------------------------------------------- reading a match
@@ -261,17 +255,39 @@ def _column(node: object) -> int | None:
     return start or 0
 
 
+def _half(node: object) -> int | None:
+    """Which half (0: first, 1: second) of the last dim the clamp's input ``node`` is
+    (``chunk(2, dim=-1)``: a ``split`` into two equal parts, then ``getitem``), or None."""
+    if not (isinstance(node, fx.Node) and node.target is operator.getitem):
+        return None
+    split = node.args[0]
+    if not (isinstance(split, fx.Node) and split.target is aten.split.Tensor):
+        return None
+    src = _val(split.args[0])
+    dim = split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
+    if not isinstance(src, torch.Tensor) or const_int(dim) is None or dim % src.dim() != src.dim() - 1:
+        return None
+    if const_int(src.shape[-1]) is None or src.shape[-1] % 2 or const_int(split.args[1]) != src.shape[-1] // 2:
+        return None
+    return node.args[1] if node.args[1] in (0, 1) else None
+
+
 def read_activation(nodes: Sequence[fx.Node]) -> tuple[Activation | None, str | None]:
     """gpt-oss's activation constants read off a match: ``(Activation, None)`` or ``(None, reason)``.
-    The gate is the clamp from above of the even columns, the up the two-sided clamp of the odd
-    ones; alpha multiplies the clamped gate inside the sigmoid; ``up + c`` is read too."""
+    The gate is the clamp from above of the even columns (or of the first half), the up the
+    two-sided clamp of the odd ones (the second half); alpha multiplies the clamped gate inside the
+    sigmoid; ``up + c`` is read too."""
     clamps = [n for n in nodes if n.target is aten.clamp.default]
     gate = next((n for n in clamps if len(n.args) > 2 and n.args[1] is None), None)
     up = next((n for n in clamps if len(n.args) > 2 and n.args[1] is not None), None)
-    if gate is None or up is None or _column(gate.args[0]) != 0 or _column(up.args[0]) != 1:
+    if gate is not None and up is not None and (_column(gate.args[0]), _column(up.args[0])) == (0, 1):
+        interleaved = True
+    elif gate is not None and up is not None and (_half(gate.args[0]), _half(up.args[0])) == (0, 1):
+        interleaved = False
+    else:
         return None, (
-            "the clamps are not gate = even columns (::2) / up = odd columns (1::2) of the gate·up "
-            "rows' last dim (a form the gpt-oss reader does not know)"
+            "the clamps are not gate = even columns (::2) / up = odd columns (1::2), nor gate = first "
+            "half / up = second half, of the gate·up rows' last dim (a form the gpt-oss reader does not know)"
         )
     sig = next((n for n in nodes if n.target is aten.sigmoid.default), None)
     scaled = sig.args[0] if sig is not None else None
@@ -291,7 +307,7 @@ def read_activation(nodes: Sequence[fx.Node]) -> tuple[Activation | None, str | 
         values[what] = const_float(arg)
         if values[what] is None:
             return None, not_constant(what, arg)
-    return Activation(*values.values()), None
+    return Activation(*values.values(), interleaved=interleaved), None
 
 
 __all__ = [
@@ -304,5 +320,6 @@ __all__ = [
     "example_inputs",
     "fused_experts",
     "grouped_mm_experts",
+    "halves_swiglu",
     "read_activation",
 ]

@@ -31,6 +31,8 @@ import torch.fx as fx
 
 from ascend_passes.passes._nodes import const_float, const_int, const_ints, not_constant
 
+from . import moe_experts
+
 ascend = torch.ops.ascend
 aten = torch.ops.aten
 
@@ -92,43 +94,16 @@ def fused_moe(
 ) -> torch.Tensor:
     """The replacement: the ATen router (no dense matrix), the dispatched rows scaled by their token's
     score for that expert, the fused chain over all ``E`` experts (dropless), an unweighted sum over k."""
-    num_experts = gate_up_proj.shape[0]
     top_value, ids = torch.topk(logits, top_k, dim=1)
     scores = torch.sigmoid(top_value.float()).to(logits.dtype)  # [T, k], as the model rounds them
-    expert_idx = ids.to(torch.int32)
-    expanded_x, expanded_row_idx, tokens_per_expert, _ = ascend.moe_init_routing_v2(
-        hidden,
-        expert_idx,
-        expert_num=num_experts,
-        expert_tokens_num_type=1,
-        expert_tokens_num_flag=True,
-        active_expert_range=[0, num_experts],
-        row_idx_type=0,
-    )
-    # expanded_row_idx[t * k + j] is where pair (t, j) went: its score goes to the same row
-    flat = scores.reshape(-1)
-    row_scores = torch.zeros_like(flat).scatter(0, expanded_row_idx.to(torch.int64), flat)
-    expanded_x = expanded_x * row_scores.unsqueeze(-1)
-    gate_up = ascend.grouped_matmul(
-        [expanded_x],
-        [gate_up_proj],
-        group_list=tokens_per_expert,
-        split_item=2,
-        group_type=0,
-        group_list_type=1,
-    )[0]
-    act = ascend.swiglu(gate_up, -1)
-    out = ascend.grouped_matmul(
-        [act],
-        [down_proj],
-        group_list=tokens_per_expert,
-        split_item=2,
-        group_type=0,
-        group_list_type=1,
-    )[0]
-    return ascend.moe_finalize_routing(
-        out, None, None, None, None, expanded_row_idx, expert_idx, drop_pad_mode=2, k=top_k
-    ).to(hidden.dtype)
+
+    def scale_rows(expanded_x: torch.Tensor, expanded_row_idx: torch.Tensor) -> torch.Tensor:
+        # expanded_row_idx[t * k + j] is where pair (t, j) went: its score goes to the same row
+        flat = scores.reshape(-1)
+        row_scores = torch.zeros_like(flat).scatter(0, expanded_row_idx.to(torch.int64), flat)
+        return expanded_x * row_scores.unsqueeze(-1)
+
+    return moe_experts.fused_chain(hidden, ids, None, gate_up_proj, down_proj, in_by_out=True, scale_rows=scale_rows)
 
 
 # ------------------------------------------------------------------------- reading a match

@@ -97,20 +97,12 @@ def fused_experts(
 ) -> torch.Tensor:
     """The replacement: the fused chain with ``clipped_swiglu`` (or the clamp before the swiglu)."""
     if limits.limit is None:
-        return moe_experts.fused_chain(
-            hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, lambda gate_up: clamp_gate_up(gate_up, limits)
-        )
-    return moe_experts.fused_chain(
-        hidden,
-        top_k_index,
-        top_k_weights,
-        gate_up_proj,
-        down_proj,
-        None,
-        activation=lambda gate_up: ascend.clipped_swiglu(
+        activation = lambda gate_up: ascend.swiglu(clamp_gate_up(gate_up, limits), -1)  # noqa: E731
+    else:
+        activation = lambda gate_up: ascend.clipped_swiglu(  # noqa: E731
             gate_up, alpha=1.0, limit=limits.limit, bias=0.0, interleaved=False
-        ),
-    )
+        )
+    return moe_experts.fused_chain(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, activation=activation)
 
 
 # ------------------------------------------------------------------------- routers

@@ -144,22 +144,10 @@ FAMILIES: dict[str, Family] = {
         implementation="batched_mm",
     ),
     "hy_v3": Family("HYV3ForCausalLM", 1, 1, 1, fields=TWO_LAYERS),
+    "aria": Family("AriaTextForCausalLM", 1, 1, 1),  # experts in x out (is_transposed)
+    "muse_spark": Family("MuseSparkTextModel", 1, 1, 1, implementation="batched_mm"),  # post-expert norm
+    "minimax_m3_vl": Family("MiniMaxM3VLForCausalLM", 1, 1, 1),  # clipped_swiglu over the halves
     # routers fused, experts not
-    "aria": Family(
-        "AriaTextForCausalLM",
-        1,
-        1,
-        0,
-        ("experts not fused: no expert pattern matched the computation the router's ids feed",),
-    ),
-    "muse_spark": Family(
-        "MuseSparkTextModel",
-        1,
-        1,
-        0,
-        ("experts not fused: no expert pattern matched the computation the router's ids feed",),
-        implementation="batched_mm",
-    ),
     "inkling2": Family(
         "Inkling2ForCausalLM", 1, 1, 0, ("experts not fused: the activation is `up * gate * sigmoid(gate)`",)
     ),
@@ -170,13 +158,6 @@ FAMILIES: dict[str, Family] = {
         0,
         ("experts not fused: the activation is `up * relu(gate)`, not SwiGLU",),
         fields=TWO_LAYERS,
-    ),
-    "minimax_m3_vl": Family(
-        "MiniMaxM3VLForCausalLM",
-        1,
-        1,
-        0,
-        ("experts not fused: the activation is `(up + 1) * gate * sigmoid(1.702 * gate)` with gate/up clamped",),
     ),
     # routers equal to a gating mode (issue 19: recognised by what they compute), experts fused
     "afmoe": Family("AfmoeForCausalLM", 1, 1, 1, fields=TWO_LAYERS),  # sigmoid + bias, top-k on dim 1
@@ -233,13 +214,7 @@ FAMILIES: dict[str, Family] = {
     "mistral_large4": Family("MistralLarge4TextModel", 1, 1, 1),
     "unlimited_ocr": Family("UnlimitedOcrTextModel", 1, 1, 1, fields=TWO_LAYERS),  # softmax top-k, not renormalised
     "zaya": Family("ZayaForCausalLM", 1, 1, 1, fields=dict(num_experts_per_tok=1)),  # softmax + bias, a skip expert
-    "openai_privacy_filter": Family(
-        "OpenAIPrivacyFilterModel",
-        1,
-        1,
-        0,
-        ("experts not fused: the activation is `(up + 1) * gate * sigmoid(1.702 * gate)` with gate/up clamped",),
-    ),
+    "openai_privacy_filter": Family("OpenAIPrivacyFilterModel", 1, 1, 1),  # gpt-oss experts over the halves
     # no experts implementation: the experts loop breaks the graph (the router's graph explains it)
     "step3p7": Family(
         "Step3p7TextModel",

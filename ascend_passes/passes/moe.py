@@ -147,8 +147,39 @@ def _expert_inputs(dtype: torch.dtype, weight_dtype: torch.dtype) -> list[torch.
     ]
 
 
+def _in_by_out_inputs(dtype: torch.dtype, weight_dtype: torch.dtype) -> list[torch.Tensor]:
+    """``_expert_inputs`` with the weights stored in × out (transformers' ``is_transposed``)."""
+    *rest, gate_up, down = _expert_inputs(dtype, weight_dtype)
+    return [*rest, gate_up.transpose(1, 2).contiguous(), down.transpose(1, 2).contiguous()]
+
+
 _EXPERT_ARGS = ("hidden", "top_k_index", "top_k_weights", "gate_up_proj", "down_proj")
 _EXPERT_DTYPES = tuple((d, w) for d in _LOW for w in {torch.float32, d})
+
+
+def _experts_searches(
+    prefix: str,
+    grouped: Callable[[moe_experts.GroupedMM], Callable[..., Any]],
+    batched: Callable[..., Any],
+    argnames: tuple[str, ...] = _EXPERT_ARGS,
+    inputs: Callable[..., list[torch.Tensor]] = _expert_inputs,
+    variants: tuple[dict[str, Any], ...] = ({},),
+) -> dict[str, _Search]:
+    """One experts computation in the forms transformers traces: ``grouped_mm`` through its own op
+    (any dtype) or ``torch._grouped_mm`` (bf16), and ``batched_mm``; named ``<prefix><form>_experts``."""
+    return {
+        f"{prefix}grouped_mm_experts": _Search(
+            grouped(moe_experts.transformers_grouped_mm), argnames, inputs, _EXPERT_DTYPES, variants
+        ),
+        f"{prefix}torch_grouped_mm_experts": _Search(
+            grouped(moe_experts.torch_grouped_mm),
+            argnames,
+            inputs,
+            tuple((d, w) for d, w in _EXPERT_DTYPES if d == torch.bfloat16),
+            variants,
+        ),
+        f"{prefix}batched_mm_experts": _Search(batched, argnames, inputs, _EXPERT_DTYPES, variants),
+    }
 
 
 def _deepseek(renormalize: bool) -> Callable[..., Any]:
@@ -266,19 +297,9 @@ _SEARCH: dict[str, _Search] = {
     "softmax_router_no_renorm": _Search(
         _softmax(False), ("logits",), lambda d: _router_inputs(d)[:1], tuple((d,) for d in _LOW), _TOPK
     ),
-    "grouped_mm_experts": _Search(
-        moe_experts.grouped_mm_experts(moe_experts.transformers_grouped_mm, histc_on_float=True),
-        _EXPERT_ARGS,
-        _expert_inputs,
-        _EXPERT_DTYPES,
+    **_experts_searches(
+        "", lambda mm: moe_experts.grouped_mm_experts(mm, histc_on_float=True), moe_experts.batched_mm_experts
     ),
-    "torch_grouped_mm_experts": _Search(
-        moe_experts.grouped_mm_experts(moe_experts.torch_grouped_mm, histc_on_float=True),
-        _EXPERT_ARGS,
-        _expert_inputs,
-        tuple((d, w) for d, w in _EXPERT_DTYPES if d == torch.bfloat16),
-    ),
-    "batched_mm_experts": _Search(moe_experts.batched_mm_experts, _EXPERT_ARGS, _expert_inputs, _EXPERT_DTYPES),
 }
 
 
@@ -362,16 +383,7 @@ _SEARCH.update(
         "v4_topk_router_sqrtsoftplus": _Search(
             moe_v4.topk_router(moe_v4.sqrtsoftplus), ("logits", "bias"), _router_inputs, ((torch.float32,),)
         ),
-        "v4_grouped_mm_experts": _Search(
-            moe_v4.grouped_mm_experts(moe_experts.transformers_grouped_mm), _EXPERT_ARGS, _expert_inputs, _EXPERT_DTYPES
-        ),
-        "v4_torch_grouped_mm_experts": _Search(
-            moe_v4.grouped_mm_experts(moe_experts.torch_grouped_mm),
-            _EXPERT_ARGS,
-            _expert_inputs,
-            tuple((d, w) for d, w in _EXPERT_DTYPES if d == torch.bfloat16),
-        ),
-        "v4_batched_mm_experts": _Search(moe_v4.batched_mm_experts, _EXPERT_ARGS, _expert_inputs, _EXPERT_DTYPES),
+        **_experts_searches("v4_", moe_v4.grouped_mm_experts, moe_v4.batched_mm_experts),
     }
 )
 _ROUTERS += _V4_ROUTERS
@@ -381,27 +393,56 @@ _NEEDS_TRANSFORMERS_OP = ("grouped_mm_experts", "v4_grouped_mm_experts")  # tran
 # gpt-oss (patterns/moe_gptoss.py): biased experts, interleaved clamped SwiGLU variant kept in ATen between
 # the grouped matmuls
 _GPTOSS_EXPERTS = ("gptoss_grouped_mm_experts", "gptoss_torch_grouped_mm_experts", "gptoss_batched_mm_experts")
+# (the OpenAI privacy filter: the same experts with gate/up the two halves, ``interleaved=False``)
 _SEARCH.update(
-    {
-        "gptoss_grouped_mm_experts": _Search(
-            moe_gptoss.grouped_mm_experts(moe_experts.transformers_grouped_mm),
-            moe_gptoss.ARGNAMES,
-            moe_gptoss.example_inputs,
-            _EXPERT_DTYPES,
-        ),
-        "gptoss_torch_grouped_mm_experts": _Search(
-            moe_gptoss.grouped_mm_experts(moe_experts.torch_grouped_mm),
-            moe_gptoss.ARGNAMES,
-            moe_gptoss.example_inputs,
-            tuple((d, w) for d, w in _EXPERT_DTYPES if d == torch.bfloat16),
-        ),
-        "gptoss_batched_mm_experts": _Search(
-            moe_gptoss.batched_mm_experts, moe_gptoss.ARGNAMES, moe_gptoss.example_inputs, _EXPERT_DTYPES
-        ),
-    }
+    _experts_searches(
+        "gptoss_",
+        moe_gptoss.grouped_mm_experts,
+        moe_gptoss.batched_mm_experts,
+        moe_gptoss.ARGNAMES,
+        moe_gptoss.example_inputs,
+        ({}, {"interleaved": False}),
+    )
 )
 _EXPERTS += _GPTOSS_EXPERTS
 _NEEDS_TRANSFORMERS_OP += ("gptoss_grouped_mm_experts",)
+
+# Other forms of the plain chain's experts: weights stored in × out (Aria, ``is_transposed``); gpt-oss's
+# clamped ``(up + 1) · gate · sigmoid(alpha · gate)`` over the halves without biases (MiniMax-M3-VL)
+_IN_BY_OUT_EXPERTS = tuple(f"in_by_out_{form}_experts" for form in ("grouped_mm", "torch_grouped_mm", "batched_mm"))
+_GLU_EXPERTS = tuple(f"glu_{form}_experts" for form in ("grouped_mm", "torch_grouped_mm", "batched_mm"))
+_SEARCH.update(
+    {
+        **_experts_searches(
+            "in_by_out_",
+            lambda mm: moe_experts.grouped_mm_experts(mm, histc_on_float=True, in_by_out=True),
+            moe_experts.batched_mm_experts_with(moe_experts.silu_mul, in_by_out=True),
+            inputs=_in_by_out_inputs,
+        ),
+        **_experts_searches(
+            "glu_",
+            lambda mm: moe_experts.grouped_mm_experts(mm, histc_on_float=True, activation=moe_gptoss.halves_swiglu),
+            moe_experts.batched_mm_experts_with(moe_gptoss.halves_swiglu),
+        ),
+    }
+)
+# ... and a post-expert norm on each expert's output before the routing weights (MuSE Spark,
+# ``has_post_expert_norm``): its weight is one more input
+_POST_NORM_EXPERTS = tuple(f"post_norm_{form}_experts" for form in ("grouped_mm", "torch_grouped_mm", "batched_mm"))
+_SEARCH.update(
+    _experts_searches(
+        "post_norm_",
+        lambda mm: moe_experts.grouped_mm_experts(mm, True, post_norm=moe_experts.input_scaled_rms_norm),
+        moe_experts.batched_mm_experts_with(moe_experts.silu_mul, post_norm=moe_experts.input_scaled_rms_norm),
+        (*_EXPERT_ARGS, "norm_weight"),
+        lambda d, w: [*_expert_inputs(d, w), torch.randn(16, dtype=d)],
+        # the norm as the norm pass leaves it: ascend.rms_norm, its eps in the graph or (the op's
+        # default, 1e-6) left out
+        ({}, {"fused": True}, {"fused": True, "eps": 1e-5}),
+    )
+)
+_EXPERTS += _IN_BY_OUT_EXPERTS + _GLU_EXPERTS + _POST_NORM_EXPERTS
+_NEEDS_TRANSFORMERS_OP += ("in_by_out_grouped_mm_experts", "glu_grouped_mm_experts", "post_norm_grouped_mm_experts")
 
 # Llama 4 (patterns/moe_llama4.py): router and dense experts are one match (the router's dense scores scale
 # the experts' input), in the router stage and ahead of the dense sigmoid router pattern it contains
@@ -723,13 +764,18 @@ class MoePass(Pass):
         hidden, index, weights = kwargs["hidden"], kwargs["top_k_index"], kwargs["top_k_weights"]
         gate_up, down = kwargs["gate_up_proj"], kwargs["down_proj"]
         gu, dn, x = _val(gate_up), _val(down), _val(hidden)
+        in_by_out = name in _IN_BY_OUT_EXPERTS  # weights [E, H, 2I] / [E, I, H]: grouped_matmul's layout
         reason = None
         sizes = (*gu.shape, *dn.shape, x.shape[-1])
+        # (E, 2I, H) of gate_up and (E, H, I) of down, whichever way they are stored
+        g_e, g_2i, g_h = (gu.shape[0], gu.shape[2], gu.shape[1]) if in_by_out else tuple(gu.shape)
+        d_e, d_h, d_i = (dn.shape[0], dn.shape[2], dn.shape[1]) if in_by_out else tuple(dn.shape)
+        layout = "[E, H, 2I] and [E, I, H]" if in_by_out else "[E, 2I, H] and [E, H, I]"
         if const_ints(sizes) is None:  # comparing symbolic sizes would specialise the graph
             reason = not_constant("an expert weight size", next(d for d in sizes if const_int(d) is None))
-        elif gu.dim() != 3 or dn.dim() != 3 or gu.shape[0] != dn.shape[0]:
-            reason = "expert weights are not [E, 2I, H] and [E, H, I]"
-        elif gu.shape[1] != 2 * dn.shape[2] or gu.shape[2] != x.shape[-1]:
+        elif gu.dim() != 3 or dn.dim() != 3 or g_e != d_e:
+            reason = f"expert weights are not {layout}"
+        elif g_2i != 2 * d_i or g_h != x.shape[-1] or d_h != x.shape[-1]:
             reason = f"gate_up {tuple(gu.shape)} and down {tuple(dn.shape)} do not fit hidden {x.shape[-1]}"
         elif gu.dtype != x.dtype or dn.dtype != x.dtype:
             reason = f"expert weights are {gu.dtype} but activations are {x.dtype}"
@@ -740,6 +786,35 @@ class MoePass(Pass):
                 details = vars(limits)
                 fused = lambda h, i, w, gu, dn: moe_v4.fused_experts(h, i, w, gu, dn, limits=limits)  # noqa: E731
                 fused.trace_key = ("v4_experts", limits)  # equal limits share one trace per process
+        elif reason is None and name in _GLU_EXPERTS:  # gpt-oss's activation over the halves, no biases
+            c, reason = moe_gptoss.read_activation(match.nodes)
+            if c is not None:
+                details = {"activation": "gpt-oss clamped swiglu", **vars(c)}
+                fused = lambda h, i, w, gu, dn: moe_experts.fused_chain(  # noqa: E731
+                    h, i, w, gu, dn, activation=lambda rows: moe_gptoss.activation(rows, c)
+                )
+                fused.trace_key = ("glu_experts", c)  # equal constants share one trace per process
+        elif reason is None and in_by_out:
+            fused = lambda h, i, w, gu, dn: moe_experts.fused_chain(h, i, w, gu, dn, in_by_out=True)  # noqa: E731
+            fused.trace_key = ("in_by_out_experts",)
+            details = {"weights": "in x out"}
+        call_args = [hidden, index, weights, gate_up, down]
+        if reason is None and name in _POST_NORM_EXPERTS:  # a row-wise norm before the routing weights
+            norm_weight = kwargs["norm_weight"]
+            nw = _val(norm_weight)
+            if nw.dim() != 1 or nw.shape[0] != x.shape[-1] or nw.dtype != x.dtype:
+                reason = f"the post-expert norm's weight {tuple(nw.shape)} {nw.dtype} is not [{x.shape[-1]}] {x.dtype}"
+            else:
+                post, reason = moe_experts.read_post_norm(match.nodes, norm_weight)
+            if reason is None:
+                details = {"post_expert_norm": "input-scaled RMSNorm", **vars(post)}
+                call_args.append(norm_weight)
+
+                def fused(h: Any, i: Any, w: Any, gu: Any, dn: Any, nw: Any) -> Any:
+                    norm = functools.partial(moe_experts.input_scaled_rms_norm, weight=nw, **vars(post))
+                    return moe_experts.fused_chain(h, i, w, gu, dn, after_down=norm)
+
+                fused.trace_key = ("post_norm_experts", post)  # type: ignore[attr-defined]
         router_problem = layer_entry(layer).unsupported
         if reason is None and router_problem is not None:
             # all or nothing per layer: a layer is either one fused MoE block or untouched, so
@@ -750,7 +825,7 @@ class MoePass(Pass):
             _experts_near_miss(result, name, reason, layer)
             return
         output = match.output_node()
-        new = _replace(match, fused, [hidden, index, weights, gate_up, down], trace, result, name, layer)
+        new = _replace(match, fused, call_args, trace, result, name, layer)
         if new is None:
             return
         _record_fused_experts(layer_entry(layer), new, int(gu.shape[0]), result, name, layer, output, **details)

@@ -149,7 +149,11 @@ FAMILIES: dict[str, Family] = {
     "minimax_m3_vl": Family("MiniMaxM3VLForCausalLM", 1, 1, 1),  # clipped_swiglu over the halves
     # routers fused, experts not
     "inkling2": Family(
-        "Inkling2ForCausalLM", 1, 1, 0, ("experts not fused: the activation is `up * gate * sigmoid(gate)`",)
+        "Inkling2ForCausalLM",
+        1,
+        1,
+        0,
+        ("experts not fused: the activation is `up * gate * sigmoid(gate)` with tanh softcaps",),
     ),
     "nemotron_h": Family(
         "NemotronHForCausalLM",
@@ -239,7 +243,11 @@ FAMILIES: dict[str, Family] = {
     "glm_moe_dsa": Family("GlmMoeDsaForCausalLM", 1, 1, 1),
     "hy_v4": Family("HYV4ForCausalLM", 1, 1, 1, fields=TWO_LAYERS),
     "inkling2_loop": Family(
-        "Inkling2LoopForCausalLM", 1, 1, 0, ("experts not fused: the activation is `up * gate * sigmoid(gate)`",)
+        "Inkling2LoopForCausalLM",
+        1,
+        1,
+        0,
+        ("experts not fused: the activation is `up * gate * sigmoid(gate)` with tanh softcaps",),
     ),
     "axk1": Family("AXK1ForCausalLM", 1, 1, 1, fields=TWO_LAYERS),
     "axk2": Family(

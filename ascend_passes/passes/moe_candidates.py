@@ -642,6 +642,8 @@ def _activation_differences(first: fx.Node, second: fx.Node, num_experts: int | 
                 lo, hi = (n.args[1], None) if op_name(n) == "aten.clamp_min" else (None, n.args[1])
             bounds.append(f"[{'-inf' if lo is None else lo}, {'inf' if hi is None else hi}]")
         clamp = f"gate/up clamped to {' and '.join(dict.fromkeys(bounds))} (a swiglu_limit)"
+    if "aten.tanh" in names:  # Inkling2: the linear factors bounded by c · tanh(x / c), the sigmoid sees raw gate
+        clamp = "tanh softcaps (c · tanh(x / c)) on its factors" + (f" and {clamp}" if clamp else "")
     if gate != "silu(gate)" or up != "up":
         said.append(
             f"the activation is `{up} * {gate}`{' with ' + clamp if clamp else ''}, not SwiGLU `up * silu(gate)`"

@@ -6,8 +6,10 @@ and the fused routing chain (replacement)::
 Hugging Face stores expert weights as ``gate_up_proj [E, 2I, H]`` and ``down_proj [E, H, I]``
 (out × in); ``grouped_matmul`` wants in × out, so the replacement reads them transposed (a view,
 no copy).  The search functions follow ``transformers.integrations.moe`` for gated experts with
-no bias, no expert parallelism and no post-expert norm; each variant is generated from one
-function by flags, never copied.
+no bias and no expert parallelism; weights stored in × out (``is_transposed``, Aria) and a post-expert
+norm (``has_post_expert_norm``, MuSE Spark) are flags of the same functions, never copies.  Every
+experts replacement of the project (plain, DeepSeek-V4, gpt-oss, Llama 4, these forms) is one call
+of ``fused_chain`` with its hooks.
 """
 
 from __future__ import annotations

@@ -16,7 +16,9 @@ interleaved=True)`` (``ascend.clipped_swiglu``) when the three clamp bounds are 
     init_routing_v2 → grouped_matmul(bias=[gate_up_bias]) → clipped_swiglu
                     → grouped_matmul(bias=[down_bias]) → finalize_routing
 
-with the activation kept in ATen between the grouped matmuls where the bounds differ.
+with the activation kept in ATen between the grouped matmuls where the bounds differ.  The same
+activation over the two halves of the rows (``chunk(2, -1)``; the OpenAI privacy filter with biases,
+MiniMax-M3-VL without) is ``clipped_swiglu(interleaved=False)``.
 
 ``grouped_matmul``'s ``bias`` (torch_npu: ``Tensor[]? bias``) with one ``x [M, K]``, one weight
 ``[E, K, N]`` and ``group_type=0`` is one ``[E, N]`` tensor: row block ``g`` gets ``bias[g]`` — the

@@ -21,6 +21,8 @@ def set_val(node: fx.Node) -> None:
     when an input has no value or the fake mode cannot be found."""
     from torch._guards import detect_fake_mode
 
+    from ..fake_values import run_fake
+
     if any(n.meta.get("val") is None for n in node.all_input_nodes):
         return  # an input without a value (a bare placeholder): nothing to compute from
     args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
@@ -32,8 +34,7 @@ def set_val(node: fx.Node) -> None:
     mode = detect_fake_mode(tensors)
     if mode is None:
         return
-    with mode:
-        node.meta["val"] = node.target(*args, **kwargs)
+    node.meta["val"] = run_fake(node.target, args, kwargs, mode)
 
 
 # ----------------------------------------------------------------------------- location

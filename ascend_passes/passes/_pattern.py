@@ -61,6 +61,7 @@ from torch._inductor import pattern_matcher as pm
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
+from ..fake_values import run_fake
 from ..pass_manager import Pass, PassContext, PassResult
 from ._nodes import copy_location  # the one copy of a node's location (re-exported)
 from .layers import layer_of, module_path
@@ -675,8 +676,7 @@ def _set_values(nodes: Sequence[fx.Node], inputs: Sequence[Any]) -> None:
             node.meta.pop("val", None)
             continue
         args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta["val"])
-        with mode:
-            node.meta["val"] = node.target(*args, **kwargs)
+        node.meta["val"] = run_fake(node.target, args, kwargs, mode)
 
 
 def replace(

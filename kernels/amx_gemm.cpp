@@ -89,8 +89,7 @@ ASCEND_AMX_INLINE void pack_panel(const c10::BFloat16* w, int64_t ldw, int64_t r
     for (int64_t k0 = 0; k0 < k_full; k0 += kBlock)
       for (int half = 0; half < 2; ++half) {
         const int r = static_cast<int>(std::clamp<int64_t>(rows - 16 * half, 0, 16));
-        transpose16x16(w32 + 16 * half * (ldw / 2) + k0 / 2, ldw / 2, r, panel + (k0 / 2) * kBlock + 16 * half,
-                       kBlock);
+        transpose16x16(w32 + 16 * half * (ldw / 2) + k0 / 2, ldw / 2, r, panel + (k0 / 2) * kBlock + 16 * half, kBlock);
       }
   }
   const uint16_t* w16 = reinterpret_cast<const uint16_t*>(w);
@@ -109,6 +108,36 @@ ASCEND_AMX_INLINE void store_block(const float* c, c10::BFloat16* y, int64_t ldy
     const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(c + r * kBlock + 16), _mm512_loadu_ps(c + r * kBlock));
     _mm512_mask_storeu_epi16(y + r * ldy, mask, (__m512i)v);
   }
+}
+
+// c[32][32] = a[0:32, 0:32 * k_steps] (rows la apart) @ panel (as pack_panel lays it out), with 2x2 tiles;
+// the `pf_lines` cache lines from `pf` prefetched into L1 spread over the steps
+ASCEND_AMX_INLINE void tile_block(const c10::BFloat16* a, int64_t la, const uint32_t* pan, int64_t k_steps, float* c,
+                                  const char* pf, int64_t pf_lines) {
+  const int64_t stride = la * int64_t(sizeof(c10::BFloat16));
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  int64_t line = 0;
+  const int64_t share = (pf_lines + k_steps - 1) / std::max<int64_t>(1, k_steps);
+  for (int64_t s = 0; s < k_steps; ++s) {
+    // each load right before the first product that reads it, so that products start before all four
+    // loads have landed
+    _tile_loadd(4, a + s * kBlock, stride);
+    _tile_loadd(6, pan + s * 16 * kBlock, kBlock * 4);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_loadd(7, pan + s * 16 * kBlock + 16, kBlock * 4);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_loadd(5, a + 16 * la + s * kBlock, stride);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+    for (int64_t i = 0; i < share && line < pf_lines; ++i, ++line) _mm_prefetch(pf + line * kLine, _MM_HINT_T0);
+  }
+  _tile_stored(0, c, kBlock * 4);
+  _tile_stored(1, c + 16, kBlock * 4);
+  _tile_stored(2, c + 16 * kBlock, kBlock * 4);
+  _tile_stored(3, c + 16 * kBlock + 16, kBlock * 4);
 }
 
 struct Scratch {  // per thread, grown on demand, 64-byte aligned
@@ -150,35 +179,10 @@ ASCEND_AMX void amx_gemm(const c10::BFloat16* x, int64_t ldx, const c10::BFloat1
   const int64_t k_steps = kp / kBlock, n_pad = (n + kBlock - 1) / kBlock * kBlock;
   const int64_t panel_elems = kp / 2 * kBlock;
   configure_tiles();
-  // one 32x32 block: C = A rows [m0, m0 + 32) x panel
-  const auto block = [&](int64_t m0, const uint32_t* pan, const char* pf, int64_t pf_stride, int64_t pf_lines) ASCEND_AMX {
+  // one 32x32 block: c = the 32 rows of x from m0 times panel `pan`; `pf_lines` lines from `pf` prefetched
+  const auto block = [&](int64_t m0, const uint32_t* pan, const char* pf, int64_t pf_lines) ASCEND_AMX {
     const bool full = m0 + kBlock <= m;
-    const c10::BFloat16* a = full ? xa + m0 * lda : tail;
-    const int64_t la = full ? lda : (k != kp ? kp : k);
-    const int64_t stride = la * int64_t(sizeof(c10::BFloat16));
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-    int64_t line = 0;
-    const int64_t share = (pf_lines + k_steps - 1) / std::max<int64_t>(1, k_steps);
-    for (int64_t s = 0; s < k_steps; ++s) {
-      // each load right before its first product (tiles are not renamed: a load waits for the products
-      // still reading that tile)
-      _tile_loadd(4, a + s * kBlock, stride);
-      _tile_loadd(6, pan + s * 16 * kBlock, kBlock * 4);
-      _tile_dpbf16ps(0, 4, 6);
-      _tile_loadd(7, pan + s * 16 * kBlock + 16, kBlock * 4);
-      _tile_dpbf16ps(1, 4, 7);
-      _tile_loadd(5, a + 16 * la + s * kBlock, stride);
-      _tile_dpbf16ps(2, 5, 6);
-      _tile_dpbf16ps(3, 5, 7);
-      for (int64_t i = 0; i < share && line < pf_lines; ++i, ++line) _mm_prefetch(pf + line * pf_stride, _MM_HINT_T0);
-    }
-    _tile_stored(0, c, kBlock * 4);
-    _tile_stored(1, c + 16, kBlock * 4);
-    _tile_stored(2, c + 16 * kBlock, kBlock * 4);
-    _tile_stored(3, c + 16 * kBlock + 16, kBlock * 4);
+    tile_block(full ? xa + m0 * lda : tail, full ? lda : kp, pan, k_steps, c, pf, pf_lines);  // tail: kp apart
   };
   const auto epi = [&](int64_t m0, int64_t n0) ASCEND_AMX {
     const int64_t rows = std::min(kBlock, m - m0), cols = std::min(kBlock, n - n0);
@@ -222,11 +226,10 @@ ASCEND_AMX void amx_gemm(const c10::BFloat16* x, int64_t ldx, const c10::BFloat1
         uint32_t* pan = packed + nb * panel_elems;
         if (m0 == 0) {
           pack_panel(w + n0 * ldw, ldw, std::min(kBlock, n - n0), k, kp, pan);
-          block(m0, pan, nullptr, 0, 0);
+          block(m0, pan, nullptr, 0);
         } else {  // the next panel into L1 under this one's tile steps
           const bool has_next = nb + 1 < n_blocks;
-          block(m0, pan, reinterpret_cast<const char*>(pan + panel_elems), kLine,
-                has_next ? panel_elems * 4 / kLine : 0);
+          block(m0, pan, reinterpret_cast<const char*>(pan + panel_elems), has_next ? panel_elems * 4 / kLine : 0);
         }
         epi(m0, n0);
         for (int64_t i = 0; m0 > 0 && i < pf_share && pf_done < pf_lines; ++i, ++pf_done)
@@ -246,6 +249,7 @@ void amx_gemm_nt(const c10::BFloat16* x, int64_t ldx, const c10::BFloat16* w, in
                  int64_t act, c10::BFloat16* y, int64_t ldy, int64_t m, int64_t n, int64_t k, Bf16Epilogue epilogue,
                  const NextWeight& next) {
   if (m <= 0 || n <= 0) return;
+  TORCH_INTERNAL_ASSERT(k > 0, "amx_gemm_nt: k must be positive");
   amx_gemm(x, ldx, w, ldw, bias, act, y, ldy, m, n, k, epilogue, next);
 }
 

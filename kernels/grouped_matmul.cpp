@@ -12,10 +12,11 @@
 // CPU with AMX (isa_level() kAmx) -> with the weight's K contiguous and K <= kOwnGemmMaxK, amx_gemm.h's
 // tile kernel (the weight packed once per call into the tiles' VNNI layout, fp32 accumulation, the next
 // group's weight prefetched), else torch's bf16 mm into the output rows, which oneDNN runs on the tile
-// units (brgemm; single-threaded inside the worker; ASCEND_PASSES_GEMM=own|blas forces either); otherwise one single-threaded fp32 GEMM: gemm.h's AVX-512 kernel, which widens
-// bf16 weights while packing and prefetches the next group's weight while it computes, when the
-// weight's K is contiguous (fp32 weights: only for K <= kOwnGemmMaxK, where it is at least as fast as
-// MKL; gemm.h has the measurements and ASCEND_PASSES_GEMM); else BLAS (bf16/fp16 converted first).
+// units (brgemm; single-threaded inside the worker; ASCEND_PASSES_GEMM=own|blas forces either);
+// otherwise one single-threaded fp32 GEMM: gemm.h's AVX-512 kernel, which widens bf16 weights while
+// packing and prefetches the next group's weight while it computes, when the weight's K is contiguous
+// (fp32 weights: only for K <= kOwnGemmMaxK, where it is at least as fast as MKL; gemm.h has the
+// measurements and ASCEND_PASSES_GEMM); else BLAS (bf16/fp16 converted first).
 #include "amx_gemm.h"
 #include "common.h"
 #include "gemm.h"

@@ -11,9 +11,11 @@ units through oneDNN, ~7x its float32 rate, and so do the bf16 prefill pieces of
 18 target: bf16 prefill >= 60% of it) and a large tensor copy (memory limit, read + write bytes).
 The header prints the CPU's feature bits (AVX-512, avx512_bf16, AMX) and the kernels' level
 (``ASCEND_PASSES_ISA=avx512`` caps AMX off: compare both runs).  fp32 prefill pieces take the
-AVX-512 GEMM for K <= 512 and MKL above (kernels/gemm.h); the fp32 prefill projections are also
-timed with each route forced (``ASCEND_PASSES_GEMM=own|blas``, read per call), each paired with the
-dense mm, so the rule can be checked on the machine at hand.
+AVX-512 GEMM for K <= 512 and MKL above (kernels/gemm.h); on a CPU with AMX, bf16 prefill pieces take
+the own AMX tile kernel (kernels/amx_gemm.h: the weight packed once per call) for K <= 512 and torch's
+bf16 mm (oneDNN) above. The fp32 and bf16 prefill projections are also timed with each route forced
+(``ASCEND_PASSES_GEMM=own|blas``, read per call), each paired with the dense mm of its dtype, so the
+rule can be checked on the machine at hand (the bf16 rows print the % of the dense bf16 mm).
 
 Run: ``python tools/bench_kernels.py [--quick]``.  Timings are the minimum over repetitions,
 interleaved so that load from other processes affects kernels and limits alike.
@@ -268,6 +270,16 @@ def bench_case(tokens: int, dtype: torch.dtype, quick: bool) -> list[Row]:
         gemm("grouped_matmul down", t_down, down_flops, L.w2, act),
         row("finalize_routing", t_fin),
     ]
+    if slow and dtype == torch.bfloat16:
+        # each bf16 route forced on a CPU with AMX (the rows above: the default rule, K <= 512 -> the own
+        # AMX tile kernel, else torch's bf16 mm / oneDNN); without AMX both rows run the same AVX-512 GEMM
+        for route, name in (("own", "own AMX tile kernel"), ("blas", "oneDNN bf16 mm")):
+            for step, flops, weight, x in (("up", up_flops, L.w13, ex), ("down", down_flops, L.w2, act)):
+                with gemm_route(route):
+                    label = f"grouped_matmul {step}, ASCEND_PASSES_GEMM={route} ({name})"
+                    r = gemm(label, (0.0, 0.0), flops, weight, x)
+                r.ref_ms = None
+                rows.append(r)
     if slow and dtype == torch.float32:
         # each fp32 GEMM route forced (the rows above: the default rule, K <= 512 -> own GEMM, else BLAS)
         for route in ("own", "blas"):

@@ -25,7 +25,16 @@ model that ``ascend_passes.eplb.attach`` prepared), never constants, so a new pl
 of in-place copies and never recompiles; the outputs equal the un-rewritten graph's (every
 replica of an expert holds the same weights).  The pass finds a layer's tables on the
 ``ascend.eplb_logical_weight`` nodes that feed its grouped matmuls (the attached model's eager
-view of its logical weights); after the rewrite those nodes are dead and removed.
+view of its logical weights) and points each grouped matmul at the physical weight through the
+same views (out × in weights: a transpose; in × out, gpt-oss and Llama 4: none), its per-expert
+bias too (gpt-oss); after the rewrite those nodes are dead and removed.
+
+What it does not rewrite it says: an attached layer whose experts the moe pass left unfused is a
+near-miss naming the layer (in one process it computes exactly, on the first replica of each
+expert, but records no load); under expert parallelism such a layer, or one whose router scores
+reach the rows through ``expanded_row_idx`` (Llama 4), is a ``ConfigError`` naming every such
+layer, raised before the graph changes.  DeepSeek-V4's hash layers are indirected like the others:
+``tid2eid`` gives logical experts and ``eplb_map`` picks their replicas after the table.
 """
 
 from __future__ import annotations
@@ -63,11 +72,6 @@ ATTACH_HINT = (
     "call ascend_passes.eplb.attach(model, config.eplb) on the model (and, separately, "
     "on its MTP drafter) before torch.compile"
 )
-
-
-def _anchor(node: Any) -> fx.Node | None:
-    """The ``eplb_logical_weight`` node a grouped-matmul weight comes from (through views)."""
-    return _trace(node)[0]
 
 
 def _trace(node: Any) -> tuple[fx.Node | None, list[fx.Node]]:

@@ -331,5 +331,7 @@ def test_clamp_with_one_limit_is_clipped_swiglu_and_other_bounds_stay_aten():
     for limits, fused in ((moe_v4.ClampLimits(1.5, -1.5, 1.5), 1), (moe_v4.ClampLimits(1.5, -1.0, 2.0), 0)):
         gm = torch.fx.experimental.proxy_tensor.make_fx(functools.partial(moe_v4.fused_experts, limits=limits))(*args)
         assert sum(n.target is torch.ops.ascend.clipped_swiglu.default for n in gm.graph.nodes) == fused
-        clamp_then_swiglu = moe_experts.fused_chain(*args, lambda g, c=limits: moe_v4.clamp_gate_up(g, c))
+        clamp_then_swiglu = moe_experts.fused_chain(
+            *args, activation=lambda g, c=limits: torch.ops.ascend.swiglu(moe_v4.clamp_gate_up(g, c), -1)
+        )
         torch.testing.assert_close(gm(*args), clamp_then_swiglu, atol=1e-5, rtol=1e-5)

@@ -85,3 +85,63 @@ def run_with_memory_cap(
         timeout=timeout,
         cwd=os.path.dirname(os.path.abspath(__file__)),
     )
+
+
+def tiny_gpt_oss_block(experts: str, limit: float = 0.5, alpha: float = 1.3, **fields: Any) -> torch.nn.Module:
+    """The MoE block of a seeded one-layer gpt-oss (hidden 64, 8 experts, top-2) with nonzero expert
+    biases (a dropped or misplaced bias is visible) and clamp bounds that cut real values."""
+    import transformers
+
+    from ascend_passes import models
+
+    config = transformers.GptOssConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=64,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        swiglu_limit=limit,
+        swiglu_alpha=alpha,
+        **fields,
+    )
+    config._experts_implementation = experts
+    torch.manual_seed(0)
+    lm = transformers.GptOssForCausalLM(config)
+    with torch.no_grad():
+        models._init_weights(lm)
+        for name, p in lm.named_parameters():
+            if name.endswith("_bias"):
+                p.copy_(torch.randn_like(p))
+    return lm.model.layers[0].mlp.eval()
+
+
+def tiny_llama4(top_k: int = 1, dtype: torch.dtype = torch.float32, tokens: int = 8) -> tuple[Any, Any]:
+    """A seeded 2-layer Llama 4 text model (hidden 32, 4 experts, every layer MoE) and its inputs
+    (``models._seeded_lm``: the wrapped LM and ``input_ids`` of ``tokens`` tokens)."""
+    import transformers
+
+    from ascend_passes import models
+
+    config = transformers.Llama4TextConfig(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=16,
+        intermediate_size_mlp=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_local_experts=4,
+        num_experts_per_tok=top_k,
+        max_position_embeddings=64,
+        use_cache=False,
+        interleave_moe_layer_step=1,
+        no_rope_layers=[1, 1],
+    )
+    config._attn_implementation = "sdpa"
+    return models._seeded_lm(transformers.Llama4ForCausalLM, config, "llama4", dtype, batch=1, tokens=tokens, seed=0)

@@ -17,7 +17,7 @@ import copy
 
 import pytest
 import torch
-from _helpers import compile_and_run, forward_with_hooks, rel_diff, router_counts
+from _helpers import compile_and_run, forward_with_hooks, rel_diff, router_counts, tiny_gpt_oss_block, tiny_llama4
 
 import ascend_passes as ap
 import ascend_passes.ops  # noqa: F401  (registers torch.ops.ascend)
@@ -120,28 +120,7 @@ class _Blocks(torch.nn.Module):
 
 def _llama4(top_k: int = 1):
     """The MoE blocks of a tiny 2-layer Llama 4 text model (4 experts) on 16 tokens."""
-    from ascend_passes import models
-
-    config = transformers.Llama4TextConfig(
-        vocab_size=128,
-        hidden_size=32,
-        intermediate_size=16,
-        intermediate_size_mlp=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        num_local_experts=4,
-        num_experts_per_tok=top_k,
-        max_position_embeddings=64,
-        use_cache=False,
-        interleave_moe_layer_step=1,
-        no_rope_layers=[1, 1],
-    )
-    config._attn_implementation = "sdpa"
-    model, _ = models._seeded_lm(
-        transformers.Llama4ForCausalLM, config, "llama4", torch.float32, batch=1, tokens=16, seed=0
-    )
+    model, _ = tiny_llama4(top_k, torch.float32, tokens=16)
     hidden = torch.randn(1, 16, 32, generator=torch.Generator().manual_seed(1))
     return _Blocks(model.lm, "feed_forward").eval(), (hidden,)
 
@@ -198,31 +177,7 @@ def test_llama4_graph_reads_the_slot_the_map_picks():
 
 # ----------------------------------------------------------------------------- gpt-oss
 def _gpt_oss(experts: str):
-    from ascend_passes import models
-
-    config = transformers.GptOssConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=64,
-        num_local_experts=8,
-        num_experts_per_tok=2,
-        swiglu_limit=0.5,
-        swiglu_alpha=1.3,
-    )
-    config._experts_implementation = experts
-    torch.manual_seed(0)
-    lm = transformers.GptOssForCausalLM(config)
-    with torch.no_grad():
-        models._init_weights(lm)
-        for name, p in lm.named_parameters():
-            if name.endswith("_bias"):  # nonzero biases: a bias left in logical order is visible
-                p.copy_(torch.randn_like(p))
-    block = lm.model.layers[0].mlp.eval()
+    block = tiny_gpt_oss_block(experts)  # nonzero biases: a bias left in logical order is visible
     return block, (torch.randn(2, 8, 64, generator=torch.Generator().manual_seed(1)),)
 
 

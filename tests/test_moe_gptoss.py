@@ -16,10 +16,9 @@ import functools
 
 import pytest
 import torch
-from _helpers import rel_diff
+from _helpers import rel_diff, tiny_gpt_oss_block
 
 import ascend_passes as ap
-from ascend_passes import models
 
 transformers = pytest.importorskip("transformers")
 
@@ -28,30 +27,7 @@ LIMIT, ALPHA = 0.5, 1.3
 
 
 def _block(experts: str, **fields) -> torch.nn.Module:
-    config = transformers.GptOssConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=64,
-        num_local_experts=8,
-        num_experts_per_tok=2,
-        swiglu_limit=LIMIT,
-        swiglu_alpha=ALPHA,
-        **fields,
-    )
-    config._experts_implementation = experts
-    torch.manual_seed(0)
-    lm = transformers.GptOssForCausalLM(config)
-    with torch.no_grad():
-        models._init_weights(lm)
-        for name, p in lm.named_parameters():
-            if name.endswith("_bias"):  # nonzero biases: a dropped bias is visible
-                p.copy_(torch.randn_like(p))
-    return lm.model.layers[0].mlp.eval()
+    return tiny_gpt_oss_block(experts, LIMIT, ALPHA, **fields)
 
 
 def _compile(block: torch.nn.Module, compiler: str):

@@ -16,11 +16,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _helpers import compile_and_run, rel_diff
+from _helpers import compile_and_run, rel_diff, tiny_llama4
 from torch._inductor import config as inductor_config
 
 import ascend_passes as ap
-from ascend_passes import models
 
 transformers = pytest.importorskip("transformers")
 llama4 = pytest.importorskip("transformers.models.llama4.modeling_llama4")
@@ -36,24 +35,7 @@ ROUTER_MISS = (
 
 
 def _llama4(top_k: int = 1, dtype: torch.dtype = torch.float32):
-    config = transformers.Llama4TextConfig(
-        vocab_size=128,
-        hidden_size=32,
-        intermediate_size=16,
-        intermediate_size_mlp=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        num_local_experts=4,
-        num_experts_per_tok=top_k,
-        max_position_embeddings=64,
-        use_cache=False,
-        interleave_moe_layer_step=1,
-        no_rope_layers=[1, 1],
-    )
-    config._attn_implementation = "sdpa"
-    return models._seeded_lm(transformers.Llama4ForCausalLM, config, "llama4", dtype, batch=1, tokens=8, seed=0)
+    return tiny_llama4(top_k, dtype, tokens=8)
 
 
 def _run(model, inputs, compiler: str = "eager"):

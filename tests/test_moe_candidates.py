@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _helpers import compile_and_run, rel_diff
+from _helpers import compile_and_run, rel_diff, tiny_llama4
 from torch import nn
 
 from ascend_passes import models
@@ -42,24 +42,7 @@ def _gpt_oss(impl: str):
 
 
 def _llama4():
-    config = transformers.Llama4TextConfig(
-        vocab_size=128,
-        hidden_size=32,
-        intermediate_size=16,
-        intermediate_size_mlp=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        num_local_experts=4,
-        num_experts_per_tok=1,
-        max_position_embeddings=64,
-        use_cache=False,
-        interleave_moe_layer_step=1,
-        no_rope_layers=[1, 1],
-    )
-    config._attn_implementation = "sdpa"  # Llama 4 has no _experts_implementation: one bmm form
-    return models._seeded_lm(transformers.Llama4ForCausalLM, config, "llama4", torch.float32, batch=1, tokens=8, seed=0)
+    return tiny_llama4(1, torch.float32, tokens=8)  # no _experts_implementation: one bmm form
 
 
 def _deepseek_v4(impl: str):

@@ -39,7 +39,9 @@ struct NextWeight {
 // overrides the rule (read at every grouped_matmul call, so that tests and tools/bench_kernels.py
 // run both routes in one process); for bf16 pieces on a CPU with AMX it picks between the own AMX
 // kernel (own) and torch's bf16 mm (blas), see bf16_piece_takes_amx_gemm; other bf16 pieces ignore it.
-enum class GemmRoute : int { kAuto = 0, kOwn = 1, kBlas = 2 };
+// ASCEND_PASSES_GEMM=stream forces stream_gemm.h's kernel (no packing) for every fp32 piece it can run
+// (kAuto picks it for small pieces, by the rule in stream_gemm.cpp); other pieces then follow kAuto.
+enum class GemmRoute : int { kAuto = 0, kOwn = 1, kBlas = 2, kStream = 3 };
 constexpr int64_t kOwnGemmMaxK = 512;
 
 // ASCEND_PASSES_GEMM read now (unset or empty: kAuto); any other value raises ValueError naming the

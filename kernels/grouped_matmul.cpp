@@ -18,10 +18,12 @@
 // (fp32 weights: only for K <= kOwnGemmMaxK, where it is at least as fast as MKL; gemm.h has the
 // measurements and ASCEND_PASSES_GEMM); else BLAS (bf16/fp16 converted first).
 #include "amx_gemm.h"
+#include "amx_swap.h"
 #include "common.h"
 #include "gemm.h"
 #include "kernels.h"
 #include "skinny.h"
+#include "stream_gemm.h"
 
 #include <algorithm>
 #include <atomic>
@@ -142,6 +144,11 @@ void mm_f32(const at::Tensor& x, const at::Tensor& w, at::Tensor& y, const NextW
             y.stride(0), m, n, k, next);
     return;
   }
+  if (gemm && w.scalar_type() == at::kFloat && fp32_piece_takes_stream_gemm(route, m, k, n)) {  // stream_gemm.h
+    stream_gemm_nt(x.const_data_ptr<float>(), x.stride(0), w.const_data_ptr<float>(), w.stride(1), y.data_ptr<float>(),
+                   y.stride(0), m, n, k, next);
+    return;
+  }
   const auto wf = w.to(at::kFloat);  // keeps w's strides; no copy for fp32
   if (gemm && (w.scalar_type() != at::kFloat || fp32_piece_takes_own_gemm(route, k))) {
     gemm_nt(x.const_data_ptr<float>(), x.stride(0), wf.const_data_ptr<float>(), wf.stride(1), y.data_ptr<float>(),
@@ -167,6 +174,18 @@ void skinny_piece(const T* x, const T* wt, int64_t ws, const T* bias, int64_t ac
   store(acc.data(), bias, act_type, y, ys, m, n);
 }
 
+// y = x @ w (+ bias, activation) by torch's bf16 mm (oneDNN on the tile units, the weight reordered per call)
+template <typename T>
+void onednn_piece(const at::Tensor& x, const at::Tensor& w, const T* bias, int64_t act_type, at::Tensor& y) {
+  at::mm_out(y, x, w);
+  if (bias != nullptr || act_type != 0) {  // in fp32, rounded once more
+    auto yf = y.to(at::kFloat);
+    if (bias) yf.add_(at::from_blob(const_cast<T*>(bias), {w.size(1)}, x.options()).to(at::kFloat));
+    activate_inplace(yf, act_type);
+    y.copy_(yf);
+  }
+}
+
 // The weight of group g as the next one to prefetch (its [K, N] view with K contiguous), or none.
 NextWeight next_weight(const at::Tensor& w) {
   const auto dtype = w.scalar_type();
@@ -177,12 +196,34 @@ NextWeight next_weight(const at::Tensor& w) {
 // y = x @ w (+ bias) for one piece of one group; x, y are row slices, w is [K, N] with any strides.
 template <typename T>
 void matmul_piece(const at::Tensor& x, const at::Tensor& w, const T* bias, int64_t act_type, at::Tensor y,
-                  GemmRoute route, const NextWeight& next = {}) {
+                  GemmRoute route, Bf16Kernel forced, const NextWeight& next = {}) {
   // runs on worker threads, which do not inherit the caller's no-autograd state: the ATen calls
   // below (mm_out, …) must not see the weights' requires_grad
   at::AutoDispatchBelowADInplaceOrView below_autograd;
   const int64_t m = x.size(0), k = x.size(1), n = w.size(1);
   if (m == 0 || n == 0) return;
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (w.stride(0) == 1 && x.stride(1) == 1 && y.stride(1) == 1 && k > 0 && amx_swap_available()) {
+      switch (bf16_piece_kernel(route, forced, m, k, n)) {
+        case Bf16Kernel::kSwap:
+          amx_swap_nt(x.const_data_ptr<T>(), x.stride(0), w.const_data_ptr<T>(), w.stride(1), bias, act_type,
+                      y.data_ptr<T>(), y.stride(0), m, n, k, &store, next);
+          return;
+        case Bf16Kernel::kTile:
+          amx_gemm_nt(x.const_data_ptr<T>(), x.stride(0), w.const_data_ptr<T>(), w.stride(1), bias, act_type,
+                      y.data_ptr<T>(), y.stride(0), m, n, k, &store, next);
+          return;
+        case Bf16Kernel::kOneDnn:
+          if (amx_bf16_mm()) {
+            onednn_piece(x, w, bias, act_type, y);
+            return;
+          }
+          break;
+        default:
+          break;
+      }
+    }
+  }
   if constexpr (!std::is_same_v<T, c10::Half>) {
     if (m <= kSkinnyRows && w.stride(0) == 1 && k > 0 && y.stride(1) == 1) {  // w^T is a row-major [N, K]
       const auto xc = x.contiguous();                                         // no copy for contiguous rows
@@ -207,21 +248,8 @@ void matmul_piece(const at::Tensor& x, const at::Tensor& w, const T* bias, int64
     return;
   }
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    if (amx_bf16_mm()) {
-      // HF-layout weight (K contiguous): amx_gemm.h's kernel, which packs it once per call, where the
-      // route takes it (by default K <= kOwnGemmMaxK, gemm.h); else oneDNN, which reorders it per call
-      if (w.stride(0) == 1 && x.stride(1) == 1 && y.stride(1) == 1 && k > 0 && bf16_piece_takes_amx_gemm(route, k)) {
-        amx_gemm_nt(x.const_data_ptr<T>(), x.stride(0), w.const_data_ptr<T>(), w.stride(1), bias, act_type,
-                    y.data_ptr<T>(), y.stride(0), m, n, k, &store, next);
-        return;
-      }
-      at::mm_out(y, x, w);
-      if (bias != nullptr || act_type != 0) {  // in fp32, rounded once more
-        auto yf = y.to(at::kFloat);
-        if (bias) yf.add_(at::from_blob(const_cast<T*>(bias), {n}, x.options()).to(at::kFloat));
-        activate_inplace(yf, act_type);
-        y.copy_(yf);
-      }
+    if (amx_bf16_mm()) {  // weights without a contiguous K: oneDNN, which reorders them per call
+      onednn_piece(x, w, bias, act_type, y);
       return;
     }
   }
@@ -297,6 +325,7 @@ std::vector<at::Tensor> grouped_matmul(at::TensorList x, at::TensorList weight, 
                "output_dtype=", output_dtype.has_value() ? dtype_name(*output_dtype) : "None",
                " must be None or the dtype of x (", dtype_name(x[0].scalar_type()), ")");
   const GemmRoute route = fp32_gemm_route();  // ASCEND_PASSES_GEMM, read (and checked) on this thread
+  const Bf16Kernel forced = bf16_kernel_override();  // ASCEND_PASSES_BF16_KERNEL, likewise
 
   if (!group_list.has_value()) {  // independent matmuls, one per (x[i], weight[i])
     ASCEND_CHECK(!group_type.has_value() || *group_type == -1, kGmm, "group_type must be one of [None, -1], got ",
@@ -327,7 +356,7 @@ std::vector<at::Tensor> grouped_matmul(at::TensorList x, at::TensorList weight, 
         using scalar_t = decltype(tag);
         if constexpr (!std::is_same_v<scalar_t, double>) {
           matmul_piece<scalar_t>(xi, weight[i], bc.defined() ? bc.const_data_ptr<scalar_t>() : nullptr, act_type, y,
-                                 route);
+                                 route, forced);
         }
       });
       outs.push_back(y);
@@ -394,7 +423,20 @@ std::vector<at::Tensor> grouped_matmul(at::TensorList x, at::TensorList weight, 
             const int64_t cols = std::min(n, c0 + slice_cols) - c0;
             if (cols <= 0) continue;
             const scalar_t* bias_g = bp ? bp + g * n + c0 : nullptr;
-            if (raw) {
+            bool raw_here = true;
+            if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+              // the swapped AMX kernel where the rule (or ASCEND_PASSES_BF16_KERNEL) takes these rows
+              const Bf16Kernel kern =
+                  raw && amx_swap_available() ? bf16_piece_kernel(route, forced, counts[g], k, cols) : Bf16Kernel::kStream;
+              if (kern == Bf16Kernel::kSwap) {
+                amx_swap_nt(x0.const_data_ptr<scalar_t>() + begin[g] * k, k,
+                            w.const_data_ptr<scalar_t>() + g * w.stride(0) + c0 * w.stride(2), w.stride(2), bias_g,
+                            act_type, y.data_ptr<scalar_t>() + begin[g] * n + c0, n, counts[g], cols, k, &store);
+                continue;
+              }
+              if (kern == Bf16Kernel::kTile || kern == Bf16Kernel::kOneDnn) raw_here = false;
+            }
+            if (raw && raw_here) {
               if constexpr (streamable) {
                 skinny_piece(x0.const_data_ptr<scalar_t>() + begin[g] * k,
                              w.const_data_ptr<scalar_t>() + g * w.stride(0) + c0 * w.stride(2), w.stride(2), bias_g,
@@ -403,7 +445,7 @@ std::vector<at::Tensor> grouped_matmul(at::TensorList x, at::TensorList weight, 
               continue;
             }
             matmul_piece<scalar_t>(x0.narrow(0, begin[g], counts[g]), w.select(0, g).narrow(1, c0, cols), bias_g,
-                                   act_type, y.narrow(0, begin[g], counts[g]).narrow(1, c0, cols), route);
+                                   act_type, y.narrow(0, begin[g], counts[g]).narrow(1, c0, cols), route, forced);
           }
         });
         return;
@@ -429,7 +471,7 @@ std::vector<at::Tensor> grouped_matmul(at::TensorList x, at::TensorList weight, 
           const bool other = after < num_items && items[after].g != it.g;  // same group: its weight is hot
           const NextWeight next = other ? next_weight(w.select(0, items[after].g)) : NextWeight{};
           matmul_piece<scalar_t>(x0.narrow(0, it.r0, it.r1 - it.r0), w.select(0, it.g), bp ? bp + it.g * n : nullptr,
-                                 act_type, y.narrow(0, it.r0, it.r1 - it.r0), route, next);
+                                 act_type, y.narrow(0, it.r0, it.r1 - it.r0), route, forced, next);
           i = after;
         }
       });

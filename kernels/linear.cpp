@@ -2,7 +2,9 @@
 // weight [N, K]. A few rows (decode) -> the weight-streaming kernel of skinny.h, split over the
 // weight's rows (bf16: AVX512_BF16 dot products where the CPU has them), except bf16 of 4+ rows on a CPU
 // with AMX (kAmxLinearRows); otherwise ATen's linear (BLAS / oneDNN), the call the un-rewritten graph made.
+#include "amx_swap.h"
 #include "common.h"
+#include "gemm.h"
 #include "kernels.h"
 #include "skinny.h"
 
@@ -55,6 +57,19 @@ at::Tensor skinny_linear(const at::Tensor& input, const at::Tensor& weight, cons
   return std::is_same_v<T, float> ? y : y.to(input.scalar_type());
 }
 
+// bf16 on the swapped-operand AMX kernel (amx_swap.h): the weight read in place, x packed once, N split
+// over the threads; the bias added in fp32 before the one rounding.
+at::Tensor swap_linear(const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+  const int64_t m = input.size(0), k = input.size(1), n = weight.size(0);
+  const auto xc = input.stride(1) == 1 ? input : input.contiguous();
+  const auto bc = bias.has_value() ? bias->contiguous() : at::Tensor();
+  auto y = at::empty({m, n}, input.options());
+  amx_swap_nt_parallel(xc.const_data_ptr<c10::BFloat16>(), xc.stride(0), weight.const_data_ptr<c10::BFloat16>(),
+                       weight.stride(0), bc.defined() ? bc.const_data_ptr<c10::BFloat16>() : nullptr, 0,
+                       y.data_ptr<c10::BFloat16>(), n, m, n, k, nullptr);
+  return y;
+}
+
 }  // namespace
 
 at::Tensor linear(const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
@@ -63,6 +78,19 @@ at::Tensor linear(const at::Tensor& input, const at::Tensor& weight, const std::
   const auto dtype = input.scalar_type();
   const bool streams = input.size(0) > 0 && input.size(0) <= kSkinnyRows && input.size(1) > 0 && weight.size(0) > 0 &&
                        weight.stride(1) == 1 && (dtype == at::kFloat || dtype == at::kBFloat16);
+  if (dtype == at::kBFloat16 && input.size(0) > 0 && input.size(1) > 0 && weight.size(0) > 0 &&
+      weight.stride(1) == 1 && amx_swap_available() && at::globalContext().userEnabledMkldnn()) {
+    switch (bf16_linear_kernel(fp32_gemm_route(), bf16_kernel_override(), input.size(0), input.size(1),
+                               weight.size(0))) {
+      case Bf16Kernel::kSwap:
+        return swap_linear(input, weight, bias);
+      case Bf16Kernel::kOneDnn:
+        return at::linear(input, weight, bias);
+      default:
+        if (streams) return skinny_linear<c10::BFloat16>(input, weight, bias);
+        return at::linear(input, weight, bias);
+    }
+  }
   if (!streams || bf16_linear_on_amx(input)) return at::linear(input, weight, bias);
   if (dtype == at::kFloat) return skinny_linear<float>(input, weight, bias);
   return skinny_linear<c10::BFloat16>(input, weight, bias);

@@ -61,27 +61,43 @@ ASCEND_INLINE void swiglu_span(const T* a, const T* b, T* out, int64_t n) {
   for (int64_t i = 0; i < n; ++i) out[i] = from_f<T>(silu_f(to_f(a[i])) * to_f(b[i]));
 }
 
-// Non-template entry points so that target_clones applies (one clone set per element type).
-#define ASCEND_NORM_ENTRY(T)                                                                                          \
-  ASCEND_HOT void rms_rows(const T* x, const T* g, T* y, float* rstd, int64_t b, int64_t e, int64_t d, float eps) {   \
+// Non-template entry points so that target_clones applies (one clone set per element type), and
+// the same loops compiled for AVX-512 (16 lanes; bf16 <-> float conversions widen/narrow 16 at a time),
+// picked when isa_level() >= kAvx512 (ASCEND_PASSES_ISA=avx2 caps it, so tests run both).
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define ASCEND_ELEM_AVX512 __attribute__((target("avx512f,avx512vl,avx512bw,avx512dq,avx2,fma,prefer-vector-width=512")))
+#else
+#define ASCEND_ELEM_AVX512
+#endif
+
+#define ASCEND_NORM_ENTRY(ATTR, SUFFIX, T)                                                                            \
+  ATTR void rms_rows##SUFFIX(const T* x, const T* g, T* y, float* rstd, int64_t b, int64_t e, int64_t d, float eps) { \
     for (int64_t r = b; r < e; ++r) rstd[r] = norm_row(x + r * d, g, y + r * d, d, eps);                              \
   }                                                                                                                   \
-  ASCEND_HOT void add_rms_rows(const T* x1, const T* x2, const T* g, T* y, float* rstd, T* sum, int64_t b, int64_t e, \
-                               int64_t d, float eps) {                                                                \
+  ATTR void add_rms_rows##SUFFIX(const T* x1, const T* x2, const T* g, T* y, float* rstd, T* sum, int64_t b,          \
+                                 int64_t e, int64_t d, float eps) {                                                   \
     for (int64_t r = b; r < e; ++r) {                                                                                 \
       add_row(x1 + r * d, x2 + r * d, sum + r * d, d);                                                                \
       rstd[r] = norm_row(sum + r * d, g, y + r * d, d, eps);                                                          \
     }                                                                                                                 \
   }                                                                                                                   \
-  ASCEND_HOT void swiglu_rows(const T* x, T* out, int64_t b, int64_t e, int64_t n) {                                  \
+  ATTR void swiglu_rows##SUFFIX(const T* x, T* out, int64_t b, int64_t e, int64_t n) {                                \
     for (int64_t r = b; r < e; ++r) swiglu_span(x + 2 * r * n, x + (2 * r + 1) * n, out + r * n, n);                  \
   }                                                                                                                   \
-  ASCEND_HOT void swiglu_pair(const T* a, const T* b, T* out, int64_t n) { swiglu_span(a, b, out, n); }
+  ATTR void swiglu_pair##SUFFIX(const T* a, const T* b, T* out, int64_t n) { swiglu_span(a, b, out, n); }
 
-ASCEND_NORM_ENTRY(float)
-ASCEND_NORM_ENTRY(c10::BFloat16)
-ASCEND_NORM_ENTRY(c10::Half)
+#define ASCEND_NORM_ENTRIES(T)       \
+  ASCEND_NORM_ENTRY(ASCEND_HOT, , T) \
+  ASCEND_NORM_ENTRY(ASCEND_ELEM_AVX512, _avx512, T)
+
+ASCEND_NORM_ENTRIES(float)
+ASCEND_NORM_ENTRIES(c10::BFloat16)
+ASCEND_NORM_ENTRIES(c10::Half)
+#undef ASCEND_NORM_ENTRIES
 #undef ASCEND_NORM_ENTRY
+
+// The AVX-512 build of a row loop when the CPU (and ASCEND_PASSES_ISA) allow it, else the clone.
+#define ASCEND_WIDEST(fn, ...) (wide ? fn##_avx512(__VA_ARGS__) : fn(__VA_ARGS__))
 
 // rstd of rows with no elements (gamma.numel() == 0): NaN, the mean of nothing, as torch's own
 // aten::_fused_rms_norm and the reference (rsqrt(mean([]) + eps)) give; y is empty anyway.
@@ -103,6 +119,7 @@ std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& self, const at::Te
   auto rstd = at::empty(rstd_shape(x, g), x.options().dtype(at::kFloat));
   if (d == 0) return {y, empty_norm_rstd(rstd)};
   const float eps = static_cast<float>(epsilon);
+  const bool wide = isa_level() >= Isa::kAvx512;
   dispatch_float(x.scalar_type(), [&](auto tag) {
     using scalar_t = decltype(tag);
     const scalar_t* xp = x.const_data_ptr<scalar_t>();
@@ -110,7 +127,7 @@ std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& self, const at::Te
     scalar_t* yp = y.data_ptr<scalar_t>();
     float* rp = rstd.data_ptr<float>();
     at::parallel_for(0, rows, grain_rows(d), [&](int64_t b, int64_t e) {
-      if constexpr (!std::is_same_v<scalar_t, double>) rms_rows(xp, gp, yp, rp, b, e, d, eps);
+      if constexpr (!std::is_same_v<scalar_t, double>) ASCEND_WIDEST(rms_rows, xp, gp, yp, rp, b, e, d, eps);
     });
   });
   return {y, rstd};
@@ -134,6 +151,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x1
   auto rstd = at::empty(rstd_shape(x1, g), x1.options().dtype(at::kFloat));
   if (d == 0) return {y, empty_norm_rstd(rstd), sum};
   const float eps = static_cast<float>(epsilon);
+  const bool wide = isa_level() >= Isa::kAvx512;
   dispatch_float(x1.scalar_type(), [&](auto tag) {
     using scalar_t = decltype(tag);
     if constexpr (!std::is_same_v<scalar_t, double>) {
@@ -144,7 +162,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x1
       scalar_t* sp = sum.data_ptr<scalar_t>();
       float* rp = rstd.data_ptr<float>();
       at::parallel_for(0, rows, grain_rows(d),
-                       [&](int64_t b, int64_t e) { add_rms_rows(ap, bp, gp, yp, rp, sp, b, e, d, eps); });
+                       [&](int64_t b, int64_t e) { ASCEND_WIDEST(add_rms_rows, ap, bp, gp, yp, rp, sp, b, e, d, eps); });
     }
   });
   return {y, rstd, sum};
@@ -169,18 +187,19 @@ at::Tensor swiglu(const at::Tensor& self, int64_t dim) {
   for (int64_t i = 0; i < dim; ++i) outer *= x.size(i);
   const int64_t n = outer == 0 ? 0 : out.numel() / outer;
   if (out.numel() == 0) return out;
+  const bool wide = isa_level() >= Isa::kAvx512;
   dispatch_float(x.scalar_type(), [&](auto tag) {
     using scalar_t = decltype(tag);
     if constexpr (!std::is_same_v<scalar_t, double>) {
       const scalar_t* xp = x.const_data_ptr<scalar_t>();
       scalar_t* op = out.data_ptr<scalar_t>();
       if (outer >= at::get_num_threads() || n < 4096) {
-        at::parallel_for(0, outer, grain_rows(n), [&](int64_t b, int64_t e) { swiglu_rows(xp, op, b, e, n); });
+        at::parallel_for(0, outer, grain_rows(n), [&](int64_t b, int64_t e) { ASCEND_WIDEST(swiglu_rows, xp, op, b, e, n); });
       } else {  // few long rows (dim=0): split inside each row
         for (int64_t r = 0; r < outer; ++r) {
           const scalar_t* a = xp + 2 * r * n;
           at::parallel_for(0, n, 4096,
-                           [&](int64_t b, int64_t e) { swiglu_pair(a + b, a + n + b, op + r * n + b, e - b); });
+                           [&](int64_t b, int64_t e) { ASCEND_WIDEST(swiglu_pair, a + b, a + n + b, op + r * n + b, e - b); });
         }
       }
     }

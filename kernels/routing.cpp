@@ -32,16 +32,28 @@ ASCEND_INLINE void finish(const float* acc, const T* s1, const T* s2, T* out, in
   }
 }
 
-#define ASCEND_FINAL_ENTRY(T)                                                                   \
-  ASCEND_HOT void accumulate_row(float* acc, const T* row, const T* bias, float w, int64_t h) { \
-    accumulate(acc, row, bias, w, h);                                                           \
-  }                                                                                             \
-  ASCEND_HOT void finish_row(const float* acc, const T* s1, const T* s2, T* out, int64_t h) {   \
-    finish(acc, s1, s2, out, h);                                                                \
+// Non-template entry points so that target_clones applies, and the same loops compiled for AVX-512,
+// picked when isa_level() >= kAvx512 (ASCEND_PASSES_ISA=avx2 caps it).
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define ASCEND_ROUTING_AVX512 \
+  __attribute__((target("avx512f,avx512vl,avx512bw,avx512dq,avx2,fma,prefer-vector-width=512")))
+#else
+#define ASCEND_ROUTING_AVX512
+#endif
+#define ASCEND_FINAL_ENTRY(ATTR, SUFFIX, T)                                                                        \
+  ATTR void accumulate_row##SUFFIX(float* acc, const T* row, const T* bias, float w, int64_t h) {                  \
+    accumulate(acc, row, bias, w, h);                                                                              \
+  }                                                                                                                \
+  ATTR void finish_row##SUFFIX(const float* acc, const T* s1, const T* s2, T* out, int64_t h) {                    \
+    finish(acc, s1, s2, out, h);                                                                                   \
   }
-ASCEND_FINAL_ENTRY(float)
-ASCEND_FINAL_ENTRY(c10::BFloat16)
-ASCEND_FINAL_ENTRY(c10::Half)
+#define ASCEND_FINAL_ENTRIES(T)       \
+  ASCEND_FINAL_ENTRY(ASCEND_HOT, , T) \
+  ASCEND_FINAL_ENTRY(ASCEND_ROUTING_AVX512, _avx512, T)
+ASCEND_FINAL_ENTRIES(float)
+ASCEND_FINAL_ENTRIES(c10::BFloat16)
+ASCEND_FINAL_ENTRIES(c10::Half)
+#undef ASCEND_FINAL_ENTRIES
 #undef ASCEND_FINAL_ENTRY
 
 }  // namespace
@@ -292,6 +304,7 @@ at::Tensor moe_finalize_routing(const at::Tensor& rows_, const std::optional<at:
   auto out = empty_output({num_rows, hidden}, rows.options());
   if (out.numel() == 0) return out;
   const bool token_major = drop_pad_mode == 2;
+  const bool wide = isa_level() >= Isa::kAvx512;
 
   dispatch_float(rows.scalar_type(), [&](auto tag) {
     using scalar_t = decltype(tag);
@@ -310,10 +323,20 @@ at::Tensor moe_finalize_routing(const at::Tensor& rows_, const std::optional<at:
             const int64_t d = dst[token_major ? pair : j * num_rows + r];
             if (d < 0) continue;  // pair dropped by init_routing (expert outside active_expert_range)
             const float w = sp ? sp[pair] : 1.f;
-            accumulate_row(acc.data(), rp + d * hidden, bp ? bp + int64_t(ep[pair]) * hidden : nullptr, w, hidden);
+            const scalar_t* b_row = bp ? bp + int64_t(ep[pair]) * hidden : nullptr;
+            if (wide) {
+              accumulate_row_avx512(acc.data(), rp + d * hidden, b_row, w, hidden);
+            } else {
+              accumulate_row(acc.data(), rp + d * hidden, b_row, w, hidden);
+            }
           }
-          finish_row(acc.data(), s1p ? s1p + r * hidden : nullptr, s2p ? s2p + r * hidden : nullptr, op + r * hidden,
-                     hidden);
+          const scalar_t* s1_row = s1p ? s1p + r * hidden : nullptr;
+          const scalar_t* s2_row = s2p ? s2p + r * hidden : nullptr;
+          if (wide) {
+            finish_row_avx512(acc.data(), s1_row, s2_row, op + r * hidden, hidden);
+          } else {
+            finish_row(acc.data(), s1_row, s2_row, op + r * hidden, hidden);
+          }
         }
       });
     }

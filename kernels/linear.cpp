@@ -1,7 +1,10 @@
 // CPU kernel of ascend.linear (torch_npu.npu_linear): y = input @ weight^T (+ bias), input [M, K],
-// weight [N, K]. A few rows (decode) -> the weight-streaming kernel of skinny.h, split over the
-// weight's rows (bf16: AVX512_BF16 dot products where the CPU has them), except bf16 of 4+ rows on a CPU
-// with AMX (kAmxLinearRows); otherwise ATen's linear (BLAS / oneDNN), the call the un-rewritten graph made.
+// weight [N, K]. bf16 with the weight's K contiguous on a CPU with AMX: bf16_linear_kernel's rule
+// (amx_swap.cpp, with the measurements): the stream below 4 rows, the swapped-operand AMX kernel
+// (amx_swap.h: the weight read in place, no per-call reorder) up to kSwapLinearMaxRows, torch's linear
+// (oneDNN) above. Otherwise a few rows (decode) -> the weight-streaming kernel of skinny.h, split over
+// the weight's rows (bf16: AVX512_BF16 dot products where the CPU has them); else ATen's linear (BLAS /
+// oneDNN), the call the un-rewritten graph made.
 #include "amx_swap.h"
 #include "common.h"
 #include "gemm.h"
@@ -12,18 +15,6 @@ namespace ascend_kernels {
 namespace {
 
 constexpr const char* kLinear = "linear";
-
-// bf16 with at least this many rows on a CPU with AMX: torch's linear (oneDNN's AMX kernel, fp32
-// accumulation), not the streaming kernel. Measured on the development machine (Xeon with AMX, one
-// thread, cold bf16 weights [4096, 1024] / [1024, 512] / [256, 1024]): the AVX512_BF16 stream beats
-// oneDNN by 1.2-2x at 1 row and ties it at 2-3; from 4 rows its dot products, 1 per row per 32 weight
-// elements, bound it (oneDNN 1.2-1.8x faster at 4-8 rows), where the tile units have compute to spare.
-constexpr int64_t kAmxLinearRows = 4;
-
-bool bf16_linear_on_amx(const at::Tensor& input) {
-  return input.scalar_type() == at::kBFloat16 && input.size(0) >= kAmxLinearRows && isa_level() == Isa::kAmx &&
-         at::globalContext().userEnabledMkldnn();
-}
 
 void check_linear(const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
   check_float(kLinear, "input", input);
@@ -78,10 +69,12 @@ at::Tensor linear(const at::Tensor& input, const at::Tensor& weight, const std::
   const auto dtype = input.scalar_type();
   const bool streams = input.size(0) > 0 && input.size(0) <= kSkinnyRows && input.size(1) > 0 && weight.size(0) > 0 &&
                        weight.stride(1) == 1 && (dtype == at::kFloat || dtype == at::kBFloat16);
+  // ASCEND_PASSES_GEMM / ASCEND_PASSES_BF16_KERNEL read (and checked) on every bf16 call, AMX or not
+  const GemmRoute route = dtype == at::kBFloat16 ? fp32_gemm_route() : GemmRoute::kAuto;
+  const Bf16Kernel forced = dtype == at::kBFloat16 ? bf16_kernel_override() : Bf16Kernel::kRule;
   if (dtype == at::kBFloat16 && input.size(0) > 0 && input.size(1) > 0 && weight.size(0) > 0 &&
       weight.stride(1) == 1 && amx_swap_available() && at::globalContext().userEnabledMkldnn()) {
-    switch (bf16_linear_kernel(fp32_gemm_route(), bf16_kernel_override(), input.size(0), input.size(1),
-                               weight.size(0))) {
+    switch (bf16_linear_kernel(route, forced, input.size(0), input.size(1), weight.size(0))) {
       case Bf16Kernel::kSwap:
         return swap_linear(input, weight, bias);
       case Bf16Kernel::kOneDnn:
@@ -91,7 +84,7 @@ at::Tensor linear(const at::Tensor& input, const at::Tensor& weight, const std::
         return at::linear(input, weight, bias);
     }
   }
-  if (!streams || bf16_linear_on_amx(input)) return at::linear(input, weight, bias);
+  if (!streams) return at::linear(input, weight, bias);
   if (dtype == at::kFloat) return skinny_linear<float>(input, weight, bias);
   return skinny_linear<c10::BFloat16>(input, weight, bias);
 }

@@ -11,11 +11,14 @@ units through oneDNN, ~7x its float32 rate, and so do the bf16 prefill pieces of
 18 target: bf16 prefill >= 60% of it) and a large tensor copy (memory limit, read + write bytes).
 The header prints the CPU's feature bits (AVX-512, avx512_bf16, AMX) and the kernels' level
 (``ASCEND_PASSES_ISA=avx512`` caps AMX off: compare both runs).  fp32 prefill pieces take the
-AVX-512 GEMM for K <= 512 and MKL above (kernels/gemm.h); on a CPU with AMX, bf16 prefill pieces take
-the own AMX tile kernel (kernels/amx_gemm.h: the weight packed once per call) for K <= 512 and torch's
-bf16 mm (oneDNN) above. The fp32 and bf16 prefill projections are also timed with each route forced
-(``ASCEND_PASSES_GEMM=own|blas``, read per call), each paired with the dense mm of its dtype, so the
-rule can be checked on the machine at hand (the bf16 rows print the % of the dense bf16 mm).
+AVX-512 GEMM for K <= 512 and MKL above (kernels/gemm.h); on a CPU with AMX, bf16 pieces take the
+swapped-operand AMX kernel (kernels/amx_swap.h: W's rows loaded as tiles in place, x packed once per
+call). The fp32 prefill projections are also timed with each route forced (``ASCEND_PASSES_GEMM=own|blas``)
+and the bf16 ones with each bf16 kernel forced (``ASCEND_PASSES_BF16_KERNEL=swap|tile|onednn``: the
+swapped kernel, the tile kernel of kernels/amx_gemm.h that packs W per call, oneDNN), read per call, each
+paired with the dense mm of its dtype, so the rule can be checked on the machine at hand (the bf16 rows
+print the % of the dense bf16 mm). A short bf16 prefill (T=256, ~24 rows per expert) is memory-bound:
+its rows print the % of a copy's bandwidth over the expert weights read, per bf16 kernel.
 
 Run: ``python tools/bench_kernels.py [--quick]``.  Timings are the minimum over repetitions,
 interleaved so that load from other processes affects kernels and limits alike.
@@ -73,17 +76,32 @@ def paired_best(fn: Callable[[], object], limit_fn: Callable[[], object], budget
 
 
 @contextlib.contextmanager
-def gemm_route(route: str):
-    """ASCEND_PASSES_GEMM=route for the calls inside (the kernels read it at every grouped_matmul call)."""
-    old = os.environ.get("ASCEND_PASSES_GEMM")
-    os.environ["ASCEND_PASSES_GEMM"] = route
+def env_set(name: str, value: str):
+    """os.environ[name] = value for the calls inside (the kernels read ASCEND_PASSES_GEMM and
+    ASCEND_PASSES_BF16_KERNEL at every grouped_matmul / linear call)."""
+    old = os.environ.get(name)
+    os.environ[name] = value
     try:
         yield
     finally:
         if old is None:
-            del os.environ["ASCEND_PASSES_GEMM"]
+            del os.environ[name]
         else:
-            os.environ["ASCEND_PASSES_GEMM"] = old
+            os.environ[name] = old
+
+
+def gemm_route(route: str):
+    """ASCEND_PASSES_GEMM=route for the calls inside."""
+    return env_set("ASCEND_PASSES_GEMM", route)
+
+
+# the bf16 kernels ASCEND_PASSES_BF16_KERNEL forces on a CPU with AMX (kernels/amx_swap.h), for the
+# rows that compare them in one run; without AMX the setting changes nothing
+BF16_KERNELS = (
+    ("swap", "swapped-operand AMX kernel, W read in place"),
+    ("tile", "AMX tile kernel, W packed per call"),
+    ("onednn", "oneDNN bf16 mm, W reordered per call"),
+)
 
 
 @dataclass
@@ -271,12 +289,12 @@ def bench_case(tokens: int, dtype: torch.dtype, quick: bool) -> list[Row]:
         row("finalize_routing", t_fin),
     ]
     if slow and dtype == torch.bfloat16:
-        # each bf16 route forced on a CPU with AMX (the rows above: the default rule, K <= 512 -> the own
-        # AMX tile kernel, else torch's bf16 mm / oneDNN); without AMX both rows run the same AVX-512 GEMM
-        for route, name in (("own", "own AMX tile kernel"), ("blas", "oneDNN bf16 mm")):
+        # each bf16 kernel forced on a CPU with AMX (the rows above: the default rule, the swapped-operand
+        # kernel); without AMX every row runs the same AVX-512 GEMM
+        for kernel, name in BF16_KERNELS:
             for step, flops, weight, x in (("up", up_flops, L.w13, ex), ("down", down_flops, L.w2, act)):
-                with gemm_route(route):
-                    label = f"grouped_matmul {step}, ASCEND_PASSES_GEMM={route} ({name})"
+                with env_set("ASCEND_PASSES_BF16_KERNEL", kernel):
+                    label = f"grouped_matmul {step}, ASCEND_PASSES_BF16_KERNEL={kernel} ({name})"
                     r = gemm(label, (0.0, 0.0), flops, weight, x)
                 r.ref_ms = None
                 rows.append(r)
@@ -332,6 +350,47 @@ def bench_case(tokens: int, dtype: torch.dtype, quick: bool) -> list[Row]:
     return rows
 
 
+def bench_small_prefill(tokens: int, quick: bool) -> list[Row]:
+    """bf16 grouped matmuls of a short prefill (T=256: ~24 rows per expert): each cold expert weight is
+    read once for a few dozen rows, so the limit is memory: the % of a copy's bandwidth (timed alternately)
+    over the weight bytes read. Each bf16 kernel forced in turn (ASCEND_PASSES_BF16_KERNEL) and the rule."""
+    dtype = torch.bfloat16
+    L = make_layer(tokens, dtype)
+    cpp = moe_steps(A)
+    ex, _, counts, _ = cpp["init"](L)
+    act = cpp["swiglu"](cpp["gmm"](ex, L.w13, counts))
+    copies = [L] + [replace(L, w13=L.w13.clone(), w2=L.w2.clone()) for _ in range(3)]  # > L3 together
+    turn = itertools.count()
+    experts = int((counts > 0).sum())
+    src = torch.ones(16 * 1024 * 1024)
+    dst = torch.empty_like(src)
+    rows = []
+    for kernel, name in (("", "rule"), *BF16_KERNELS):
+        for step, x, attr in (("up", ex, "w13"), ("down", act, "w2")):
+            weight = getattr(L, attr)
+            with env_set("ASCEND_PASSES_BF16_KERNEL", kernel):
+                t_kernel, t_copy = paired_best(
+                    lambda x=x, attr=attr: cpp["gmm"](x, getattr(copies[next(turn) % 4], attr), counts),
+                    lambda: dst.copy_(src),
+                    0.3 if quick else 0.8,
+                )
+            label = f"grouped_matmul {step}" + (f", ASCEND_PASSES_BF16_KERNEL={kernel} ({name})" if kernel else "")
+            r = Row(
+                f"prefill T={tokens}",
+                "bfloat16",
+                label,
+                t_kernel * 1e3,
+                None,
+                None,
+                "memory",
+                experts * weight[0].numel() * weight.element_size(),
+                f" ({tokens * TOP_K // E} rows/expert)",
+            )
+            r.limit = 2 * src.numel() * src.element_size() / t_copy
+            rows.append(r)
+    return rows
+
+
 def render(rows: list[Row], header: list[str]) -> None:
     cols = ["shape", "dtype", "step", "C++ ms", "reference ms", "naive loop ms", "throughput", "vs limit"]
 
@@ -384,6 +443,8 @@ def main() -> None:
             copy_bw.append(copy_bandwidth())
             mm_fp32.append(dense_mm_flops(2048 * TOP_K, torch.float32))
             rows += bench_case(tokens, dtype, args.quick)
+            if tokens == 2048 and dtype == torch.bfloat16:
+                rows += bench_small_prefill(256, args.quick)
     copy_bw.append(copy_bandwidth())
     mm_fp32.append(dense_mm_flops(2048 * TOP_K, torch.float32))
     mm_bf16 = [dense_mm_flops(2048 * TOP_K, torch.bfloat16) for _ in range(3)]

@@ -6,6 +6,9 @@ most 10% of tracing, warm and cold, and grows linearly with the node count).
     python tools/bench_passes.py --layers 4 16     # fewer sizes
     python tools/bench_passes.py --json out.json   # also write the numbers
     python tools/bench_passes.py --profile 61      # cProfile of one warm pipeline run, top functions
+    python tools/bench_passes.py --profile 4 --profile-run first   # ... of the first run of a process
+                                                   # (cold with an empty ASCEND_PASSES_PATTERN_CACHE_DIR,
+                                                   # disk with a filled one)
 
 Each size runs in its own process so that "cold" is a real first compile (every pattern of the
 pattern passes is traced once per process, in this run), with an empty on-disk pattern cache (a
@@ -35,10 +38,11 @@ from pathlib import Path
 from typing import Any
 
 
-def measure(num_layers: int, warm_runs: int, profile: bool = False) -> dict[str, Any]:
+def measure(num_layers: int, warm_runs: int, profile: str | None = None) -> dict[str, Any]:
     """One size, in this process: trace time, cold and warm pipeline times, per pass (the
-    pass manager's CPU seconds per pass); with ``profile``, a cProfile of the last warm run
-    goes to stderr."""
+    pass manager's CPU seconds per pass); with ``profile`` ("first": the process's first
+    pipeline run, cold or disk as the cache directory makes it; "warm": the last run), a
+    cProfile of that run goes to stderr."""
     import torch
     import torch.fx as fx
     from torch._dynamo.backends.common import aot_autograd
@@ -62,7 +66,8 @@ def measure(num_layers: int, warm_runs: int, profile: bool = False) -> dict[str,
         for i in range(1 + warm_runs):
             copy = fx.GraphModule(gm, copy_graph(gm.graph))
             ctx = PassContext(config, example_inputs, None, "none", "cpu")
-            profiler = cProfile.Profile(time.process_time) if profile and i == warm_runs else None
+            profiled = (profile == "first" and i == 0) or (profile == "warm" and i == warm_runs)
+            profiler = cProfile.Profile(time.process_time) if profiled else None
             t0, w0 = time.process_time(), time.perf_counter()
             if profiler is not None:
                 profiler.enable()
@@ -70,8 +75,8 @@ def measure(num_layers: int, warm_runs: int, profile: bool = False) -> dict[str,
             if profiler is not None:
                 profiler.disable()
                 stats = pstats.Stats(profiler, stream=sys.stderr)
-                stats.sort_stats("cumulative").print_stats(40)
-                stats.sort_stats("tottime").print_stats(25)
+                stats.sort_stats("cumulative").print_stats(60)
+                stats.sort_stats("tottime").print_stats(30)
             runs.append(
                 (
                     time.process_time() - t0,
@@ -194,13 +199,19 @@ def main() -> int:
         metavar="LAYERS",
         help="cProfile one warm pipeline run at this many layers (to stderr)",
     )
+    parser.add_argument(
+        "--profile-run",
+        choices=("warm", "first"),
+        default="warm",
+        help="which run --profile profiles: the last warm one, or the process's first (cold / disk)",
+    )
     parser.add_argument("--one", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one is not None:
         print(json.dumps(measure(args.one, args.warm)))
         return 0
     if args.profile is not None:
-        row = measure(args.profile, max(args.warm, 1), profile=True)
+        row = measure(args.profile, max(args.warm, 1), profile=args.profile_run)
         print("\n".join(report([row])))
         return 0
     rows = []

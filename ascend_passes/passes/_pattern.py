@@ -48,7 +48,7 @@ import sys
 import threading
 import types
 import warnings
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -106,6 +106,11 @@ class Rewrite:
     scalars: Mapping[str, float | int] = field(default_factory=dict)
     dtypes: tuple[torch.dtype, ...] = FLOAT_DTYPES
     stage: int = 0
+    anchors: tuple[frozenset[Any], ...] = ()
+    """Operators the search function's trace holds whatever the inputs: one set per anchor, each
+    trace holds one of its operators (``required_ops``; tests/test_pattern_anchors.py checks the
+    declaration against the traces).  A graph without an operator of some anchor cannot match:
+    the rewrite is not traced, loaded or tried there."""
 
 
 # ------------------------------------------------------------------------------- tracing
@@ -149,16 +154,62 @@ class _Lru:
 @dataclass(frozen=True)
 class TracedPattern:
     """A search function traced once on example inputs: the ``PatternExpr`` (ints, floats,
-    dtypes, devices ignored) and what tells two equal-looking patterns apart (torch's duplicate
-    check: the pretty-printed pattern and the traced graph's text)."""
+    dtypes, devices ignored), what tells two equal-looking patterns apart (torch's duplicate
+    check: the pretty-printed pattern and the traced graph's text) and the operators a graph
+    must hold for the pattern to match there (``required_ops``)."""
 
     pattern: pm.PatternExpr
     pattern_repr: str
     graph_text: str
+    requires: frozenset[frozenset[Any]] = frozenset()
 
     @property
     def identity(self) -> tuple[str, str]:
         return self.pattern_repr, self.graph_text
+
+    def possible(self, targets: Collection[Any]) -> bool:
+        """Whether a graph whose call_function targets are ``targets`` (``graph_targets``) can
+        hold a match."""
+        return possible(self.requires, targets)
+
+
+# ------------------------------------------------------------------------------- anchors
+def required_ops(pattern: pm.PatternExpr) -> frozenset[frozenset[Any]]:
+    """What a graph must hold for ``pattern`` to match anywhere in it: for every call_function
+    node of the pattern, the set of its operators (one of them must be a target of the graph).
+    Parts the matcher may match in other ways (``ListOf``, ``RepeatedExpr``, an unknown kind of
+    pattern node) add nothing: the answer errs on "possible"."""
+    groups: set[frozenset[Any]] = set()
+    todo: list[Any] = [pattern]
+    seen: set[int] = set()
+    while todo:
+        expr = todo.pop()
+        if id(expr) in seen:
+            continue
+        seen.add(id(expr))
+        if isinstance(expr, pm.MultiOutputPattern):
+            todo.extend(o for o in expr.outputs if o is not None)
+        elif isinstance(expr, pm._TargetExpr):
+            if expr.op == "call_function" and expr.fns:
+                groups.add(frozenset(expr.fns))
+            if isinstance(expr, pm._TargetArgsExpr):
+                fx.node.map_aggregate(
+                    (tuple(expr.args), dict(expr.kwargs)),
+                    lambda a: todo.append(a) if isinstance(a, pm.PatternExpr) else a,
+                )
+    return frozenset(groups)
+
+
+def graph_targets(graph: fx.Graph) -> set[Any]:
+    """The call_function targets of ``graph`` (one walk; the index the passes decide with which
+    patterns to trace, load and try)."""
+    return {n.target for n in graph.nodes if n.op == "call_function"}
+
+
+def possible(requires: Iterable[Collection[Any]], targets: Collection[Any]) -> bool:
+    """Whether every requirement (a set of operators, one of which must occur) is met by
+    ``targets``."""
+    return all(any(t in targets for t in group) for group in requires)
 
 
 # Keys name everything that changes a trace: the function objects (never their ids: the key
@@ -184,12 +235,14 @@ CACHE_ENV = "ASCEND_PASSES_PATTERN_CACHE"
 CACHE_DIR_ENV = "ASCEND_PASSES_PATTERN_CACHE_DIR"
 """Directory of the on-disk pattern cache; default ``$XDG_CACHE_HOME/ascend_passes/patterns``
 (``~/.cache/ascend_passes/patterns``)."""
-_FORMAT = 1  # bump when the entry layout changes
+_FORMAT = 2  # bump when the entry layout changes (2: the pickled pattern, not the node list)
 
 STATS: collections.Counter[str] = collections.Counter()
 """This process's pattern preparation: ``traced`` (search functions traced on example inputs),
 ``disk_hits``, ``disk_writes``, ``disk_errors`` (unreadable or inconsistent entries, traced
-again and rewritten), ``not_cacheable`` (keys that cannot be described across processes)."""
+again and rewritten), ``not_cacheable`` (keys that cannot be described across processes),
+``absent_anchor`` (searches neither traced nor loaded: the graph lacks one of their declared
+anchor operators)."""
 
 
 def cache_dir() -> Path | None:
@@ -345,16 +398,15 @@ def _disk_key(parts: Any) -> tuple[str, str] | None:
     return hashlib.sha256(text.encode()).hexdigest() + ".pattern", text
 
 
-@dataclass(frozen=True)
-class _Ref:
-    """A node reference in a stored node list: the index of the node it names."""
-
-    index: int
-
-
 def _op(qualname: str, overload: str) -> torch._ops.OpOverload:
     namespace, name = qualname.split("::")
     return getattr(getattr(getattr(torch.ops, namespace), name), overload or "default")
+
+
+def _multiple() -> Any:
+    """torch's ``MULTIPLE`` (a pattern node with several users): a singleton compared by
+    identity, so a stored pattern names it instead of holding a copy."""
+    return pm.MULTIPLE
 
 
 class _Pickler(pickle.Pickler):
@@ -362,24 +414,135 @@ class _Pickler(pickle.Pickler):
         if isinstance(obj, torch._ops.OpOverload):
             return _op, (obj._schema.name, obj._overloadname)
         if isinstance(obj, torch._ops.OpOverloadPacket):
-            raise _NotStable(f"an overload packet {obj} in a graph")
+            raise _NotStable(f"an overload packet {obj} in a pattern")
+        if obj is pm.MULTIPLE:
+            return _multiple, ()
+        if obj is _op or obj is _multiple:
+            return NotImplemented  # by name; the unpickler allows these two
+        if isinstance(obj, (types.FunctionType, types.MethodType)) and obj.__module__.partition(".")[0] not in (
+            "torch",
+            "operator",
+            "_operator",
+            "math",
+        ):
+            raise _NotStable(f"a function of {obj.__module__} in a pattern")
         return NotImplemented
 
 
 _SAFE_MODULES = ("torch", "operator", "_operator", "math")
 _SAFE_BUILTINS = frozenset({"slice", "list", "tuple", "dict", "set", "frozenset", "int", "float", "complex", "bool"})
+_MAGIC = b"ascend_passes pattern\n"
 
 
 class _Unpickler(pickle.Unpickler):
-    """Loads only what a node list holds: containers, numbers, torch's dtypes / devices /
-    operators, ``operator`` functions, and this module's ``_op`` / ``_Ref``."""
+    """Loads only what an entry holds: containers, numbers, torch's pattern classes, dtypes,
+    devices and operators, ``operator`` functions, and this module's ``_op`` / ``_multiple`` /
+    ``_Ref``."""
 
     def find_class(self, module: str, name: str) -> Any:
-        if module == __name__ and name in ("_op", "_Ref"):
+        if module == __name__ and name in ("_op", "_multiple", "_Ref"):
             return globals()[name]
         if (module == "builtins" and name in _SAFE_BUILTINS) or module.partition(".")[0] in _SAFE_MODULES:
             return super().find_class(module, name)
         raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a pattern cache entry")
+
+
+_WRITE_LOCK = threading.Lock()
+
+
+def _load_entry(path: Path, description: str, counter: str = "disk") -> dict[str, Any] | None:
+    """The entry stored at ``path`` for ``description``, or None (absent, or damaged / written for
+    another key: logged at debug level, counted, made again and overwritten).  An entry is a pickled
+    dict after a sha256 of it: the bytes are checked before anything is unpickled, and only the
+    classes a pattern or a graph's node list is made of can be loaded.  ``counter`` names the
+    ``STATS`` keys (``<counter>_hits`` / ``_errors``)."""
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return None
+    try:
+        if not data.startswith(_MAGIC):
+            raise ValueError("not a pattern cache entry")
+        digest, _, payload = data[len(_MAGIC) :].partition(b"\n")
+        if hashlib.sha256(payload).hexdigest().encode() != digest:
+            raise ValueError("the entry's checksum does not match its contents")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            entry = _Unpickler(io.BytesIO(payload)).load()
+        if not isinstance(entry, dict) or entry.get("description") != description:
+            raise ValueError("the entry was written for another key")
+    except Exception as exc:  # any damage: never trust the entry
+        log.debug("pattern cache entry %s ignored (%s: %s); made again", path, type(exc).__name__, exc)
+        STATS[f"{counter}_errors"] += 1
+        return None
+    STATS[f"{counter}_hits"] += 1
+    return entry
+
+
+def _store_entry(path: Path, description: str, entry: dict[str, Any], counter: str = "disk") -> None:
+    """Write ``entry`` atomically (a temporary file renamed); failures are only logged."""
+    try:
+        buf = io.BytesIO()
+        _Pickler(buf, protocol=4).dump({"description": description, **entry})
+        payload = buf.getvalue()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with _WRITE_LOCK:
+            tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+            tmp.write_bytes(_MAGIC + hashlib.sha256(payload).hexdigest().encode() + b"\n" + payload)
+            os.replace(tmp, path)
+    except (OSError, _NotStable, pickle.PicklingError, TypeError, AttributeError) as exc:
+        log.debug("not written to the pattern cache at %s (%s: %s)", path, type(exc).__name__, exc)
+        return
+    STATS[f"{counter}_writes"] += 1
+
+
+def _cached_on_disk(
+    kind: str, parts: Any, make: Callable[[], Any], to_entry: Callable[[Any], dict[str, Any]], from_entry: Any
+) -> Any:
+    """``make()``, or what ``from_entry(entry)`` rebuilds from the on-disk entry of ``(kind,
+    parts)``; a new result is stored (``to_entry``).  Without a cache directory, or when ``parts``
+    cannot be described across processes, just ``make()``.  An entry ``from_entry`` rejects
+    (raises) counts as damaged and is made again."""
+    directory = cache_dir()
+    disk = _disk_key((kind, parts)) if directory is not None else None
+    if directory is None or disk is None:
+        return make()
+    entry = _load_entry(directory / disk[0], disk[1], kind)
+    if entry is not None:
+        try:
+            return from_entry(entry)
+        except Exception as exc:
+            log.debug("pattern cache entry %s ignored (%s: %s); made again", disk[0], type(exc).__name__, exc)
+            STATS[f"{kind}_hits"] -= 1
+            STATS[f"{kind}_errors"] += 1
+    value = make()
+    if value is not None:
+        _store_entry(directory / disk[0], disk[1], to_entry(value), kind)
+    return value
+
+
+# what a stored graph keeps of a node's metadata (what torch's replacement copies onto new nodes),
+# where the value is plain data
+_KEPT_META = ("original_aten", "seq_nr", "stack_trace")
+
+
+def _plain_meta(meta: Mapping[str, Any]) -> dict[str, Any]:
+    out = {}
+    for key in _KEPT_META:
+        if key in meta:
+            try:
+                _describe(meta[key], set())
+            except _NotStable:
+                continue
+            out[key] = meta[key]
+    return out
+
+
+@dataclass(frozen=True)
+class _Ref:
+    """A node reference in a stored node list: the index of the node it names."""
+
+    index: int
 
 
 def _plain(arg: Any, index: dict[fx.Node, int]) -> Any:
@@ -392,19 +555,28 @@ def _plain(arg: Any, index: dict[fx.Node, int]) -> Any:
     return arg
 
 
-def _graph_to_data(graph: fx.Graph) -> list[tuple[str, str, Any, Any, Any]]:
-    """``graph`` as ``(op, name, target, args, kwargs)`` rows, nodes named by ``_Ref``."""
+def _graph_to_data(graph: fx.Graph) -> list[tuple[str, str, Any, Any, Any, dict[str, Any]]]:
+    """``graph`` as ``(op, name, target, args, kwargs, meta)`` rows, nodes named by ``_Ref``."""
     index: dict[fx.Node, int] = {}
     rows = []
     for i, node in enumerate(graph.nodes):
         if node.op not in ("placeholder", "call_function", "output"):
             raise _NotStable(f"a {node.op} node ({node.name})")
-        rows.append((node.op, node.name, node.target, _plain(node.args, index), _plain(node.kwargs, index)))
+        rows.append(
+            (
+                node.op,
+                node.name,
+                node.target,
+                _plain(node.args, index),
+                _plain(node.kwargs, index),
+                _plain_meta(node.meta),
+            )
+        )
         index[node] = i
     return rows
 
 
-def _graph_from_data(rows: Sequence[tuple[str, str, Any, Any, Any]]) -> fx.GraphModule:
+def _graph_from_data(rows: Sequence[tuple[str, str, Any, Any, Any, dict[str, Any]]]) -> fx.GraphModule:
     graph = fx.Graph()
     nodes: list[fx.Node] = []
 
@@ -417,62 +589,20 @@ def _graph_from_data(rows: Sequence[tuple[str, str, Any, Any, Any]]) -> fx.Graph
             return {k: real(v) for k, v in arg.items()}
         return arg
 
-    for op, name, target, args, kwargs in rows:
-        nodes.append(graph.create_node(op, target, real(args), real(kwargs), name))
+    for op, name, target, args, kwargs, meta in rows:
+        node = graph.create_node(op, target, real(args), real(kwargs), name)
+        node.meta.update(meta)
+        nodes.append(node)
+    graph.lint()
     return _GraphHolder(torch.nn.Module(), graph)
 
 
 class _GraphHolder(fx.GraphModule):
-    """A GraphModule that only holds its graph for ``fx_to_pattern`` (which walks the graph and
+    """A GraphModule that only holds its graph (torch's replacement runs an Interpreter over it and
     never calls the module): no Python code is generated for it."""
 
     def recompile(self) -> Any:
         return None
-
-
-_WRITE_LOCK = threading.Lock()
-
-
-def _load_graph(path: Path, description: str) -> tuple[fx.GraphModule, str] | None:
-    """The traced graph stored at ``path`` and its text, or None (absent, or unreadable /
-    inconsistent: logged at debug level, counted, traced again and overwritten)."""
-    try:
-        data = path.read_bytes()
-    except OSError:
-        return None
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            entry = _Unpickler(io.BytesIO(data)).load()
-        if not isinstance(entry, dict) or entry.get("description") != description:
-            raise ValueError("the entry was written for another key")
-        gm = _graph_from_data(entry["nodes"])
-        text = str(gm.graph)
-        if text != entry["graph_text"]:
-            raise ValueError("the rebuilt graph differs from the one stored")
-    except Exception as exc:  # any damage: never trust the entry
-        log.debug("pattern cache entry %s ignored (%s: %s); traced again", path, type(exc).__name__, exc)
-        STATS["disk_errors"] += 1
-        return None
-    STATS["disk_hits"] += 1
-    return gm, text
-
-
-def _store_graph(path: Path, description: str, gm: fx.GraphModule, text: str) -> None:
-    """Write the traced graph atomically (a temporary file renamed); failures are only logged."""
-    try:
-        buf = io.BytesIO()
-        entry = {"description": description, "nodes": _graph_to_data(gm.graph), "graph_text": text}
-        _Pickler(buf, protocol=4).dump(entry)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with _WRITE_LOCK:
-            tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-            tmp.write_bytes(buf.getvalue())
-            os.replace(tmp, path)
-    except (OSError, _NotStable, pickle.PicklingError, TypeError, AttributeError) as exc:
-        log.debug("pattern not written to the cache at %s (%s: %s)", path, type(exc).__name__, exc)
-        return
-    STATS["disk_writes"] += 1
 
 
 def _trace_initial(
@@ -489,16 +619,40 @@ def _trace_initial(
     """The trace, read from the on-disk cache when ``disk`` (its file name and description)
     names an entry there, else made and stored."""
     directory = cache_dir() if disk is not None else None
-    loaded = _load_graph(directory / disk[0], disk[1]) if directory is not None and disk is not None else None
-    if loaded is not None:
-        gm, text = loaded
-    else:
-        gm = _trace_graph(fn, example_inputs, argnames, decompositions, scalars, fake_inputs, transform)
-        text = str(gm.graph)
-        if directory is not None and disk is not None:
-            _store_graph(directory / disk[0], disk[1], gm, text)
+    if directory is not None and disk is not None:
+        entry = _load_entry(directory / disk[0], disk[1])
+        if entry is not None:
+            loaded = _traced_from_entry(entry)
+            if loaded is not None:
+                return loaded
+    gm = _trace_graph(fn, example_inputs, argnames, decompositions, scalars, fake_inputs, transform)
     pattern = pm.fx_to_pattern(gm, ignore_types=ignore_types, argnames=list(argnames), scalar_workaround=dict(scalars))
-    return TracedPattern(pattern, pm.PatternPrettyPrinter.run(pattern), text)
+    traced = TracedPattern(pattern, pm.PatternPrettyPrinter.run(pattern), str(gm.graph), required_ops(pattern))
+    if directory is not None and disk is not None:
+        _store_entry(directory / disk[0], disk[1], _traced_to_entry(traced))
+    return traced
+
+
+def _traced_to_entry(traced: TracedPattern) -> dict[str, Any]:
+    return {
+        "pattern": traced.pattern,
+        "pattern_repr": traced.pattern_repr,
+        "graph_text": traced.graph_text,
+        "requires": traced.requires,
+    }
+
+
+def _traced_from_entry(entry: Mapping[str, Any]) -> TracedPattern | None:
+    try:
+        traced = TracedPattern(entry["pattern"], entry["pattern_repr"], entry["graph_text"], entry["requires"])
+        if not (isinstance(traced.pattern, pm.PatternExpr) and isinstance(traced.requires, frozenset)):
+            raise ValueError("the entry holds no pattern")
+    except (KeyError, ValueError) as exc:
+        log.debug("pattern cache entry ignored (%s); traced again", exc)
+        STATS["disk_hits"] -= 1
+        STATS["disk_errors"] += 1
+        return None
+    return traced
 
 
 def _trace_graph(
@@ -602,11 +756,25 @@ def replacement_graph(
     get_decomp_fn = _decomp_fn(decompositions)
 
     def trace() -> fx.GraphModule:
+        STATS["replacement_traced"] += 1
         mode = detect_fake_mode([v for v in values if isinstance(v, torch.Tensor)])
         with mode if mode is not None else contextlib.nullcontext():
             return _strip_values(pm.fwd_only(fn, _fresh(values), get_decomp_fn=get_decomp_fn))
 
-    return _REPLACEMENTS.get(_signature(fn if key is None else key, values, decompositions), trace)
+    signature = _signature(fn if key is None else key, values, decompositions)
+    if signature is None:  # symbolic shapes: this compile's own trace
+        return trace()
+
+    def cached() -> fx.GraphModule:
+        return _cached_on_disk(
+            "replacement",
+            signature,
+            trace,
+            lambda gm: {"nodes": _graph_to_data(gm.graph)},
+            lambda entry: _graph_from_data(entry["nodes"]),
+        )
+
+    return _REPLACEMENTS.get(signature, cached)
 
 
 def _specific_pattern(
@@ -622,6 +790,7 @@ def _specific_pattern(
     get_decomp_fn = _decomp_fn(decompositions)
 
     def trace() -> pm.PatternExpr | None:
+        STATS["specific_traced"] += 1
         mode = detect_fake_mode([v for v in values if isinstance(v, torch.Tensor)])
         with mode if mode is not None else contextlib.nullcontext():
             args = _fresh(values)
@@ -660,7 +829,19 @@ def _specific_pattern(
         return pm.fx_to_pattern(gm, argnames=names, scalar_workaround=dict(scalars))
 
     key = (fn, tuple(argnames), tuple(sorted(scalars.items())))  # all that changes this trace
-    return _SPECIFIC.get(_signature(key, values, decompositions), trace)
+    signature = _signature(key, values, decompositions)
+    if signature is None:  # symbolic shapes: this compile's own trace
+        return trace()
+
+    def from_entry(entry: Mapping[str, Any]) -> pm.PatternExpr:
+        if not isinstance(entry["pattern"], pm.PatternExpr):
+            raise ValueError("the entry holds no pattern")
+        return entry["pattern"]
+
+    def cached() -> pm.PatternExpr | None:
+        return _cached_on_disk("specific", signature, trace, lambda p: {"pattern": p}, from_entry)
+
+    return _SPECIFIC.get(signature, cached)
 
 
 def _set_values(nodes: Sequence[fx.Node], inputs: Sequence[Any]) -> None:
@@ -792,12 +973,18 @@ def apply_rewrites(
     for stage in sorted({rw.stage for rw in rewrites}):
         matcher = pm.PatternMatcherPass(pass_name=f"{pass_name}_{stage}")
         seen: set[tuple[str, str]] = set()
+        targets = graph_targets(gm.graph)  # an earlier stage's rewrites change them
         for rw in rewrites:
             if rw.stage != stage:
                 continue
+            if not possible(rw.anchors, targets):
+                STATS["absent_anchor"] += 1  # an operator every trace of it holds is not in the graph
+                continue
             for dtype in rw.dtypes:
                 if dtype in dtypes:
-                    _register(matcher, seen, rw, dtype, decompositions, result, rejected)
+                    _register(matcher, seen, rw, dtype, decompositions, result, rejected, targets)
+        if not matcher.patterns:
+            continue
         count = matcher.apply(gm)
         if count:
             # a multi-output replacement goes in before its first output; its other inputs
@@ -845,9 +1032,11 @@ def _register(
     decompositions: str,
     result: PassResult,
     rejected: dict[tuple[str, fx.Node], str],
+    targets: Collection[Any] | None = None,
 ) -> None:
     """Put ``rw``'s pattern for ``dtype`` into ``matcher`` (skipped when an identical trace is
-    already there).  A candidate is accepted as torch's ``register_replacement`` would accept
+    already there, or when the graph, whose call_function targets are ``targets``, lacks an
+    operator the pattern needs).  A candidate is accepted as torch's ``register_replacement`` would accept
     it — the search function re-traced on the match's shapes must match too — then by the
     cycle check and ``rw.check``; the re-traced pattern and the replacement graph are shared
     by every compile of the process for the same shapes."""
@@ -871,7 +1060,7 @@ def _register(
         argnames=argnames,
         scalars=scalars,
     )
-    if traced.identity in seen:
+    if traced.identity in seen or (targets is not None and not traced.possible(targets)):
         return
     seen.add(traced.identity)
 

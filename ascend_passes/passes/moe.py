@@ -28,7 +28,7 @@ from ..patterns import moe_experts, moe_gptoss, moe_llama4, moe_router, moe_v4
 from ..patterns.moe_router import RouterConstants
 from . import moe_candidates, vllm_opaque
 from ._nodes import VIEWS, const_float, const_int, const_ints, graph_input_of, is_scalar_tensor, not_constant
-from ._pattern import replace, traced_pattern
+from ._pattern import STATS, TracedPattern, graph_dtypes, graph_targets, possible, replace, traced_pattern
 from .layers import layer_of, where
 
 log = logging.getLogger("ascend_passes.passes.moe")
@@ -65,31 +65,93 @@ def _splice(match: pm.Match, fn: Callable[..., Any], args: list[Any], *, decompo
 
 
 @functools.cache
-def _patterns(name: str, decompositions: str) -> tuple[pm.PatternExpr, ...]:
+def _patterns(
+    name: str, decompositions: str, dtypes: tuple[tuple[torch.dtype, ...], ...] | None = None
+) -> tuple[TracedPattern, ...]:
     """Traced patterns of one search function, one per variant (keyword arguments that change the
     traced form, e.g. one expert group) and dtype combination that changes the graph (casts appear
-    or vanish); identical traces are kept once.  Traced once per process
-    (``_pattern.traced_pattern``, on real example inputs: the expert searches have data-dependent
-    shapes)."""
+    or vanish; ``dtypes``: those of ``_dtype_combinations``, default all); identical traces are
+    kept once.  Traced once per process (``_pattern.traced_pattern``, on real example inputs: the
+    expert searches have data-dependent shapes)."""
     spec = _SEARCH[name]
-    seen: dict[tuple[str, str], pm.PatternExpr] = {}
+    seen: dict[tuple[str, str], TracedPattern] = {}
     transforms: tuple[Any, ...] = (None,)
     if decompositions == "inductor":
         # routers: also the form before Inductor's post-grad passes (views not yet reshapes): the
         # ahead-of-time route runs the pipeline in compile_fx's inner_compile, before them
         transforms = (_as_post_grad, _as_joint_graph) if name in _ROUTERS else (_as_post_grad,)
-    for variant, dtypes, transform in ((v, d, t) for v in spec.variants for d in spec.dtypes for t in transforms):
+    combinations = spec.dtypes if dtypes is None else dtypes
+    for variant, combo, transform in ((v, d, t) for v in spec.variants for d in combinations for t in transforms):
         traced = traced_pattern(
-            (name, tuple(sorted(variant.items())), dtypes),
+            (name, tuple(sorted(variant.items())), combo),
             functools.partial(spec.fn, **variant),
-            functools.partial(spec.example_inputs, *dtypes),
+            functools.partial(spec.example_inputs, *combo),
             decompositions=decompositions,
             argnames=spec.argnames,
             fake_inputs=False,
             transform=transform,
         )
-        seen.setdefault(traced.identity, traced.pattern)
+        seen.setdefault(traced.identity, traced)
     return tuple(seen.values())
+
+
+def _dtype_combinations(name: str, present: set[torch.dtype]) -> tuple[tuple[torch.dtype, ...], ...]:
+    """The dtype combinations of search ``name`` worth tracing for a graph whose floating dtypes
+    are ``present``: those whose dtypes all occur there (float32 counts as present: the float32
+    trace is what a graph of another dtype falls back to, as before), or all of them when the graph
+    holds a floating dtype no combination names (a pattern's dtypes are wildcards: a float32 trace
+    matches a float64 graph).  A combination with an absent bf16 / fp16 only adds casts from or to
+    a dtype the graph has no tensor of."""
+    combos = _SEARCH[name].dtypes
+    if not present <= set(_LOW):
+        return combos
+    have = present | {torch.float32}
+    return tuple(c for c in combos if set(c) <= have) or combos
+
+
+@functools.cache
+def _anchors(name: str) -> tuple[frozenset[Any], ...]:
+    """The operators every trace of search ``name`` holds, in both graph forms (plain AOT and
+    Inductor post-grad), one set per anchor, any of whose operators will do: a graph without one of
+    them cannot hold the pattern, which is then neither traced nor loaded for it (cold compiles
+    trace only the families a graph can hold).  Declared by what the search computes;
+    tests/test_pattern_anchors.py checks every declaration against the traces."""
+    import ascend_passes.ops  # noqa: F401  (torch.ops.ascend.rms_norm)
+
+    topk = frozenset({aten.topk.default})
+    sigmoid = frozenset({aten.sigmoid.default})
+    softmax = frozenset({aten._softmax.default, aten.exp.default})  # Inductor decomposes softmax
+    sqrt = frozenset({aten.sqrt.default})
+    clamp = frozenset(
+        {aten.clamp.default, aten.clamp.Tensor, aten.clamp_min.default, aten.clamp_max.default, aten.minimum.default}
+    )
+    norm = frozenset({aten.rsqrt.default, torch.ops.ascend.rms_norm.default})
+    bmm = frozenset({aten.bmm.default})
+    histc = frozenset({aten.histc.default})
+    if name in _EXPERTS:
+        if name.endswith("torch_grouped_mm_experts"):
+            out = (frozenset({aten._grouped_mm.default}), histc)
+        elif name.endswith("grouped_mm_experts"):
+            out = (frozenset({torch.ops.transformers.grouped_mm_fallback.default}), histc)
+        else:
+            out = (bmm, frozenset({aten.sum.dim_IntList}))
+        for prefix, extra in (("v4_", (clamp,)), ("gptoss_", (clamp, sigmoid)), ("glu_", (clamp, sigmoid))):
+            if name.startswith(prefix):
+                out += extra
+        if name.startswith("post_norm_"):
+            out += (norm,)
+        return out
+    if name == "llama4_moe":
+        return (topk, sigmoid, bmm)
+    if name.startswith("v4_hash_router_"):
+        return (sigmoid,) if name.endswith("sigmoid") else (sqrt,)
+    if name == "v4_topk_router_sqrtsoftplus":
+        return (topk, sqrt)
+    if "softmax" in name:
+        return (topk, softmax)
+    if "sigmoid" in name or name.startswith("deepseek_router"):
+        return (topk, sigmoid) if name != "shared_renorm_sigmoid_router" else (topk,)
+    return (topk,)
 
 
 def _as_post_grad(gm: fx.GraphModule) -> None:
@@ -504,16 +566,26 @@ class MoePass(Pass):
         def layer_entry(layer: str | None) -> MoeLayer:
             return layers.setdefault(layer, MoeLayer(layer))
 
-        # routers first, then experts: each PatternMatcherPass is built for this run only
+        # routers first, then experts: each PatternMatcherPass is built for this run only.  Only
+        # the searches whose anchor operators and dtypes the graph holds are traced (or loaded),
+        # and only patterns whose every operator occurs in it are tried
+        present = graph_dtypes(gm.graph)
         for stage, names, handler in (("router", _ROUTERS, self._router), ("experts", _EXPERTS, self._experts)):
             matcher = pm.PatternMatcherPass(pass_name=f"ascend_moe_{stage}")
+            targets = graph_targets(gm.graph)  # the routers' rewrites change them
             for name in names:
                 if name in _NEEDS_TRANSFORMERS_OP and not _has_transformers_grouped_mm():
                     continue  # transformers' op is not registered: no graph of this process holds it
+                if not possible(_anchors(name), targets):
+                    STATS["absent_anchor"] += 1
+                    continue
                 on_match = functools.partial(handler, name, gm, result, layer_entry, trace)
-                for pattern in _patterns(name, ctx.decompositions):
-                    pm.GraphPatternEntry(pattern=pattern, extra_check=_always, handler=on_match).register(matcher)
-            if matcher.apply(gm):
+                for traced in _patterns(name, ctx.decompositions, _dtype_combinations(name, present)):
+                    if traced.possible(targets):
+                        pm.GraphPatternEntry(pattern=traced.pattern, extra_check=_always, handler=on_match).register(
+                            matcher
+                        )
+            if matcher.patterns and matcher.apply(gm):
                 # a replacement goes in before the match's first node; an input of it made later
                 # (the routed scaling factor's cast of a graph input) moves up: def before use
                 pm.stable_topological_sort(gm.graph)

@@ -21,8 +21,10 @@ namespace ascend_kernels {
 #if ASCEND_STREAM_AVX512
 namespace {
 
-constexpr int kMB = 4;         // rows of x per block
-constexpr int kNB = 4;         // rows of w per block (kMB * kNB = 16 accumulators: one reduced vector)
+// 4 x 4: one reduced vector of sums per block. Measured against 2 x 8 and 3 x 5 (same run, one thread,
+// CPU time, K = 256 and 1024, m = 16..96): never slower than either by more than the noise.
+constexpr int kMB = 4;  // rows of x per block
+constexpr int kNB = 4;  // rows of w per block
 constexpr int64_t kAhead = 2;  // weight blocks between the rows being prefetched and the rows in use
 
 #define ASCEND_AVX512 __attribute__((target("avx512f,avx512vl,avx512bw,avx512dq,fma")))
@@ -91,36 +93,38 @@ ASCEND_AVX512 void dot_block(const float* x, int64_t xs, const float* w, int64_t
   for (int i = 0; i < MB; ++i) _mm512_mask_storeu_ps(y + i * ys, row_mask, _mm512_maskz_loadu_ps(row_mask, out + i * NB));
 }
 
-template <int NB>
+// dot_block<rows, NB> for rows = 1..MB (a runtime count: the last block of x may be short)
+template <int MB, int NB>
 ASCEND_AVX512_INLINE void x_block(int rows, const float* x, int64_t xs, const float* w, int64_t ws, float* y,
                                   int64_t ys, int64_t k, const char* const* pf, const int64_t* pf_k) {
-  switch (rows) {
-    case 1:
-      dot_block<1, NB>(x, xs, w, ws, y, ys, k, pf, pf_k);
-      break;
-    case 2:
-      dot_block<2, NB>(x, xs, w, ws, y, ys, k, pf, pf_k);
-      break;
-    case 3:
-      dot_block<3, NB>(x, xs, w, ws, y, ys, k, pf, pf_k);
-      break;
-    default:
-      dot_block<4, NB>(x, xs, w, ws, y, ys, k, pf, pf_k);
-      break;
+  if constexpr (MB > 1) {
+    if (rows < MB) return x_block<MB - 1, NB>(rows, x, xs, w, ws, y, ys, k, pf, pf_k);
   }
+  dot_block<MB, NB>(x, xs, w, ws, y, ys, k, pf, pf_k);
 }
 
+// x_block<MB, cols> for cols = 1..NB weight rows (the last block of w may be short)
+template <int MB, int NB>
+ASCEND_AVX512_INLINE void w_block(int cols, int rows, const float* x, int64_t xs, const float* w, int64_t ws, float* y,
+                                  int64_t ys, int64_t k, const char* const* pf, const int64_t* pf_k) {
+  if constexpr (NB > 1) {
+    if (cols < NB) return w_block<MB, NB - 1>(cols, rows, x, xs, w, ws, y, ys, k, pf, pf_k);
+  }
+  x_block<MB, NB>(rows, x, xs, w, ws, y, ys, k, pf, pf_k);
+}
+
+// MB x NB blocks (MB * NB <= 16 accumulators)
+template <int MB, int NB>
 ASCEND_AVX512 void stream_avx512(const float* x, int64_t xs, const float* w, int64_t ws, float* y, int64_t ys,
                                  int64_t m, int64_t n, int64_t k, const NextWeight& next) {
-  static_assert(kMB == 4 && kNB == 4, "the switches cover 1..4 rows of x and of w");
-  const int64_t x_blocks = (m + kMB - 1) / kMB;
-  for (int64_t n0 = 0; n0 < n; n0 += kNB) {
-    const int nb = static_cast<int>(std::min<int64_t>(kNB, n - n0));
+  const int64_t x_blocks = (m + MB - 1) / MB;
+  for (int64_t n0 = 0; n0 < n; n0 += NB) {
+    const int nb = static_cast<int>(std::min<int64_t>(NB, n - n0));
     // the weight rows kAhead blocks ahead, past n the next weight's first rows (fp32 only)
-    const char* ahead[kNB];
-    int64_t ahead_k[kNB];
-    for (int j = 0; j < kNB; ++j) {
-      const int64_t r = n0 + kAhead * kNB + j;
+    const char* ahead[NB];
+    int64_t ahead_k[NB];
+    for (int j = 0; j < NB; ++j) {
+      const int64_t r = n0 + kAhead * NB + j;
       ahead[j] = nullptr;
       ahead_k[j] = 0;
       if (r < n) {
@@ -133,26 +137,10 @@ ASCEND_AVX512 void stream_avx512(const float* x, int64_t xs, const float* w, int
     }
     for (int64_t b = 0; b < x_blocks; ++b) {
       // this x block prefetches the rows j with j % x_blocks == b (one row per block when there are enough)
-      int64_t pf_k[kNB];
-      for (int j = 0; j < kNB; ++j) pf_k[j] = j % x_blocks == b ? ahead_k[j] : 0;
-      const int rows = static_cast<int>(std::min<int64_t>(kMB, m - b * kMB));
-      const float* xb = x + b * kMB * xs;
-      const float* wb = w + n0 * ws;
-      float* yb = y + b * kMB * ys + n0;
-      switch (nb) {
-        case 1:
-          x_block<1>(rows, xb, xs, wb, ws, yb, ys, k, ahead, pf_k);
-          break;
-        case 2:
-          x_block<2>(rows, xb, xs, wb, ws, yb, ys, k, ahead, pf_k);
-          break;
-        case 3:
-          x_block<3>(rows, xb, xs, wb, ws, yb, ys, k, ahead, pf_k);
-          break;
-        default:
-          x_block<4>(rows, xb, xs, wb, ws, yb, ys, k, ahead, pf_k);
-          break;
-      }
+      int64_t pf_k[NB];
+      for (int j = 0; j < NB; ++j) pf_k[j] = j % x_blocks == b ? ahead_k[j] : 0;
+      const int rows = static_cast<int>(std::min<int64_t>(MB, m - b * MB));
+      w_block<MB, NB>(nb, rows, x + b * MB * xs, xs, w + n0 * ws, ws, y + b * MB * ys + n0, ys, k, ahead, pf_k);
     }
   }
 }
@@ -161,7 +149,7 @@ ASCEND_AVX512 void stream_avx512(const float* x, int64_t xs, const float* w, int
 
 void stream_gemm_nt(const float* x, int64_t xs, const float* w, int64_t ws, float* y, int64_t ys, int64_t m, int64_t n,
                     int64_t k, const NextWeight& next) {
-  stream_avx512(x, xs, w, ws, y, ys, m, n, k, next);
+  stream_avx512<kMB, kNB>(x, xs, w, ws, y, ys, m, n, k, next);
 }
 
 #else  // not x86-64 GCC: never routed here
@@ -170,6 +158,18 @@ void stream_gemm_nt(const float*, int64_t, const float*, int64_t, float*, int64_
                     const NextWeight&) {}
 
 #endif
+
+// The static rule of kAuto: pieces of at most this many rows (more than kSkinnyRows: those stream through
+// skinny.h) take this kernel, by the weight's depth. Measured with tools/bench_small_m.py on the 2-core
+// AVX-512 + AMX Xeon, loaded by other jobs (one thread, CPU time, medians of 5 interleaved rounds, 64 cold
+// HF-layout experts of m rows; ratio to MKL in the same rounds, three runs):
+//   up   (K = 1024, N = 512):  m = 16: 1.11-1.42x, 24: 1.03-1.42x, 48: 0.78-0.94x, 96: 0.70-0.93x
+//   down (K = 256, N = 1024):  m = 16: 1.20-1.41x, 24: 0.95-1.05x, 48: 0.69-0.77x, 96: 0.61-0.70x
+// (gemm.h's packing kernel, kAuto's choice for K <= 512 above these rows: 0.89-1.11x at m = 16-24). With
+// more rows the packing pays for itself and this kernel's x traffic from L2 (every 4-row weight block
+// re-reads all of x) bounds it at ~60-75% of MKL's rate.
+constexpr int64_t kStreamMaxRowsDeep = 32;     // K > kOwnGemmMaxK
+constexpr int64_t kStreamMaxRowsShallow = 24;  // K <= kOwnGemmMaxK
 
 bool fp32_piece_takes_stream_gemm(GemmRoute route, int64_t m, int64_t k, int64_t n) {
 #if ASCEND_STREAM_AVX512
@@ -181,7 +181,7 @@ bool fp32_piece_takes_stream_gemm(GemmRoute route, int64_t m, int64_t k, int64_t
     case GemmRoute::kBlas:
       return false;
     default:
-      return m <= 64;  // placeholder, set from the measurements
+      return m <= (k <= kOwnGemmMaxK ? kStreamMaxRowsShallow : kStreamMaxRowsDeep);
   }
 #else
   (void)route, (void)m, (void)k, (void)n;

@@ -41,7 +41,26 @@ def _compile_and_compare(model, example_inputs) -> int:
     return counter.frame_count
 
 
-@pytest.mark.parametrize("name", sorted(models.BUNDLED))
+# Bundled models whose whole-model compile to one graph (one report) matching eager is asserted elsewhere, with
+# the passes on: not compiled again here (each is one more full-model Dynamo + AOT trace, ~10-50 s of one core).
+#   deepseek_v3_{grouped,batched}_mm, qwen3_moe_{grouped,batched}_mm: test_moe.py::test_every_moe_layer_fused_fp32
+#     (fp32, eager and Inductor downstream, ``(report,) = reports``, rel <= 1e-4);
+#   deepseek_v4_grouped_mm: test_deepseek_v4.py::test_bundled_model_compiles_whole_and_equals_eager.
+COMPILED_ELSEWHERE = {
+    "deepseek_v3_grouped_mm",
+    "deepseek_v3_batched_mm",
+    "qwen3_moe_grouped_mm",
+    "qwen3_moe_batched_mm",
+    "deepseek_v4_grouped_mm",
+}
+
+
+def test_models_compiled_elsewhere_are_bundled_models():
+    """A renamed bundled model must not leave a stale entry (the new name is compiled below until listed)."""
+    assert COMPILED_ELSEWHERE < set(models.BUNDLED)
+
+
+@pytest.mark.parametrize("name", sorted(set(models.BUNDLED) - COMPILED_ELSEWHERE))
 def test_bundled_model_compiles_to_one_graph_and_matches_eager(name):
     model, example_inputs = models.build(name)
     assert not model.training

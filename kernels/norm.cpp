@@ -65,7 +65,8 @@ ASCEND_INLINE void swiglu_span(const T* a, const T* b, T* out, int64_t n) {
 // the same loops compiled for AVX-512 (16 lanes; bf16 <-> float conversions widen/narrow 16 at a time),
 // picked when isa_level() >= kAvx512 (ASCEND_PASSES_ISA=avx2 caps it, so tests run both).
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define ASCEND_ELEM_AVX512 __attribute__((target("avx512f,avx512vl,avx512bw,avx512dq,avx2,fma,prefer-vector-width=512")))
+#define ASCEND_ELEM_AVX512 \
+  __attribute__((target("avx512f,avx512vl,avx512bw,avx512dq,avx2,fma,prefer-vector-width=512")))
 #else
 #define ASCEND_ELEM_AVX512
 #endif
@@ -161,8 +162,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x1
       scalar_t* yp = y.data_ptr<scalar_t>();
       scalar_t* sp = sum.data_ptr<scalar_t>();
       float* rp = rstd.data_ptr<float>();
-      at::parallel_for(0, rows, grain_rows(d),
-                       [&](int64_t b, int64_t e) { ASCEND_WIDEST(add_rms_rows, ap, bp, gp, yp, rp, sp, b, e, d, eps); });
+      at::parallel_for(0, rows, grain_rows(d), [&](int64_t b, int64_t e) {
+        ASCEND_WIDEST(add_rms_rows, ap, bp, gp, yp, rp, sp, b, e, d, eps);
+      });
     }
   });
   return {y, rstd, sum};
@@ -194,12 +196,14 @@ at::Tensor swiglu(const at::Tensor& self, int64_t dim) {
       const scalar_t* xp = x.const_data_ptr<scalar_t>();
       scalar_t* op = out.data_ptr<scalar_t>();
       if (outer >= at::get_num_threads() || n < 4096) {
-        at::parallel_for(0, outer, grain_rows(n), [&](int64_t b, int64_t e) { ASCEND_WIDEST(swiglu_rows, xp, op, b, e, n); });
+        at::parallel_for(0, outer, grain_rows(n),
+                         [&](int64_t b, int64_t e) { ASCEND_WIDEST(swiglu_rows, xp, op, b, e, n); });
       } else {  // few long rows (dim=0): split inside each row
         for (int64_t r = 0; r < outer; ++r) {
           const scalar_t* a = xp + 2 * r * n;
-          at::parallel_for(0, n, 4096,
-                           [&](int64_t b, int64_t e) { ASCEND_WIDEST(swiglu_pair, a + b, a + n + b, op + r * n + b, e - b); });
+          at::parallel_for(0, n, 4096, [&](int64_t b, int64_t e) {
+            ASCEND_WIDEST(swiglu_pair, a + b, a + n + b, op + r * n + b, e - b);
+          });
         }
       }
     }

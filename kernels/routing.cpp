@@ -40,12 +40,12 @@ ASCEND_INLINE void finish(const float* acc, const T* s1, const T* s2, T* out, in
 #else
 #define ASCEND_ROUTING_AVX512
 #endif
-#define ASCEND_FINAL_ENTRY(ATTR, SUFFIX, T)                                                                        \
-  ATTR void accumulate_row##SUFFIX(float* acc, const T* row, const T* bias, float w, int64_t h) {                  \
-    accumulate(acc, row, bias, w, h);                                                                              \
-  }                                                                                                                \
-  ATTR void finish_row##SUFFIX(const float* acc, const T* s1, const T* s2, T* out, int64_t h) {                    \
-    finish(acc, s1, s2, out, h);                                                                                   \
+#define ASCEND_FINAL_ENTRY(ATTR, SUFFIX, T)                                                       \
+  ATTR void accumulate_row##SUFFIX(float* acc, const T* row, const T* bias, float w, int64_t h) { \
+    accumulate(acc, row, bias, w, h);                                                             \
+  }                                                                                               \
+  ATTR void finish_row##SUFFIX(const float* acc, const T* s1, const T* s2, T* out, int64_t h) {   \
+    finish(acc, s1, s2, out, h);                                                                  \
   }
 #define ASCEND_FINAL_ENTRIES(T)       \
   ASCEND_FINAL_ENTRY(ASCEND_HOT, , T) \

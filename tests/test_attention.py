@@ -44,7 +44,55 @@ def test_deepseek_attention_becomes_causal_flash(compiler, batch, tokens):
     assert report.count("aten._safe_softmax") == 0 and report.count("aten.bmm") == 0
     # v (16) padded to the q/k head dim (24 + 8)
     assert report.count("aten.constant_pad_nd") == NUM_LAYERS
+    # the key [k_nope | k_rope], written into new_empty by two copy_ (two slice_scatter, each a copy
+    # of the whole key), is one cat; the flash output is copied to contiguous once, not twice
+    assert report.count("aten.slice_scatter") == 0 and report.count("aten.new_empty") == 0
+    for n in nodes:  # flash → slice → [clone] → transpose → [clone]: one clone (at S=1 the second is a no-op)
+        (out0,) = [u for u in n.users if u.args[1] == 0]
+        (sliced,) = out0.users
+        (after,) = sliced.users
+        chain = [after, *after.users, *(x for u in after.users for x in u.users)]
+        assert [c.target for c in chain].count(aten.clone.default) == 1, chain
     assert rel_diff(out, ref) <= 1e-4
+
+
+def _functional_graph(fn, *inputs):
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    return make_fx(torch.func.functionalize(fn, remove="mutations_and_views"), tracing_mode="fake")(*inputs)
+
+
+@pytest.mark.parametrize(
+    "pieces, folded",
+    [
+        ([(0, 4), (4, None)], True),  # covers the last dim: one cat
+        ([(4, None), (0, 4)], True),  # in any order
+        ([(0, 4), (5, None)], False),  # a gap: the buffer's own (uninitialised) values stay visible
+        ([(0, 5), (4, None)], False),  # an overlap: the later write wins
+    ],
+)
+def test_slice_writes_of_a_fresh_buffer_become_one_cat(pieces, folded):
+    from ascend_passes.passes.attention import assemble_by_cat
+
+    a, b = torch.randn(2, 3, 5, 6), torch.randn(2, 1, 5, 1)
+
+    def key(a, b):
+        out = a.new_empty(2, 3, 5, 10)
+        out.zero_()  # defined values everywhere, so that the refused forms can be compared too
+        for (start, end), src in zip(pieces, (a, b) if pieces[0][0] == 0 else (b, a)):
+            width = (end or 10) - start
+            out[..., start:end].copy_(src[..., :width] if src is a else src)
+        return out
+
+    gm = _functional_graph(key, a, b)
+    want = gm(a, b)
+    (last,) = [n for n in gm.graph.nodes if n.op == "output"][0].all_input_nodes
+    assert last.target is aten.slice_scatter.default
+    assert assemble_by_cat(last) is folded
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    assert gm.graph.find_nodes(op="call_function", target=aten.slice_scatter.default) == [] or not folded
+    assert torch.equal(gm(a, b), want)
 
 
 def test_without_the_pass_attention_stays_on_the_math_path():

@@ -65,7 +65,7 @@ def test_finalize_routing_equals_the_reference(dtype, hidden):
     assert (src_to_dst < 0).any()
     expanded = torch.randn(rows.shape, generator=g).to(dtype)
     scales = torch.rand(tokens, k, generator=g)
-    skip1, skip2 = torch.randn(tokens, hidden, generator=g).to(dtype), torch.randn(tokens, hidden, generator=g).to(dtype)
+    skip1, skip2 = (torch.randn(tokens, hidden, generator=g).to(dtype) for _ in range(2))
     bias = torch.randn(experts, hidden, generator=g).to(dtype)
     args = (expanded, skip1, skip2, bias, scales, src_to_dst, ids, 0, k)
     assert_close(K.moe_finalize_routing(*args), reference.moe_finalize_routing(*args), dtype)

@@ -8,11 +8,19 @@ from ``arange``s only, no graph input, static shapes) and is exactly the causal 
 below the diagonal, -inf above, over a square ``L == S`` score matrix, the same for every batch
 and head — is dropped for ``is_causal=True`` (the kernel then skips the masked blocks).  Any other
 mask (padding, packed sequences, a sliding window, anything read from an input) stays as it is.
+
+Around every flash call, two copies the eager downstream would run are folded (Inductor fuses them
+anyway): an input written piece by piece into a fresh buffer (``new_empty`` → ``copy_`` into
+slices, functionalised to ``slice_scatter`` chains that copy the whole buffer per piece; Hugging
+Face's DeepSeek-V3 builds its key ``[k_nope | k_rope]`` so) becomes one ``cat`` of the pieces, and
+the contiguous copy of the sliced output is dropped when its only use is a transpose that is
+copied to contiguous again.
 """
 
 from __future__ import annotations
 
 import logging
+import operator
 from typing import Any
 
 import torch
@@ -20,6 +28,7 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from ..pass_manager import PassContext, PassResult
+from ._nodes import copy_location, set_val
 from ._pattern import PatternPass
 from .layers import layer_of
 
@@ -56,13 +65,20 @@ class AttentionPass(PatternPass):
                 node.kwargs = kwargs
                 causal += 1
                 result.match("causal_mask", layer=layer_of(node), nodes=[node])
-        if causal:
-            gm.graph.eliminate_dead_code()
-            gm.recompile()
+        assembled = copies = 0
+        for node in list(gm.graph.find_nodes(op="call_function", target=FLASH)):
+            for arg in node.args[:3]:
+                assembled += isinstance(arg, fx.Node) and assemble_by_cat(arg)
+            copies += drop_output_copy(node)
+        if causal or assembled or copies:
+            gm.graph.eliminate_dead_code()  # the pass manager regenerates the code once, after the pipeline
         log.info(
-            "attention: %d math-path attentions → flash (%d with is_causal)",
+            "attention: %d math-path attentions → flash (%d with is_causal, %d inputs written by slices → cat, "
+            "%d output copies dropped)",
             len(gm.graph.find_nodes(op="call_function", target=FLASH)),
             causal,
+            assembled,
+            copies,
         )
         return result
 
@@ -86,6 +102,86 @@ def is_causal_mask(mask: fx.Node, flash: fx.Node) -> bool:
         keep = torch.ones(length, kv_length, dtype=torch.bool).tril()
         want = torch.zeros(length, kv_length, dtype=value.dtype).masked_fill(~keep, float("-inf"))
         return bool(torch.equal(value, want.expand_as(value)))
+
+
+def assemble_by_cat(node: fx.Node) -> bool:
+    """Replace ``node``, the last ``slice_scatter`` of a chain that writes a buffer in pieces covering
+    all of one dim (what the buffer held is overwritten: Hugging Face's ``new_empty``), by one
+    ``cat`` of the pieces: functional ``slice_scatter`` copies the whole buffer per piece, ``cat``
+    writes each element once.  A piece is ``copy(slice, value)`` (value broadcast to the slice: an
+    ``expand``) or the written tensor itself."""
+    out = _val(node)
+    if node.target is not aten.slice_scatter.default or not isinstance(out, torch.Tensor):
+        return False
+    if not all(isinstance(d, int) for d in out.shape):  # the pieces' sizes become graph constants
+        return False
+    rank = out.dim()
+    pieces: list[tuple[int, int, fx.Node]] = []
+    dim = None
+    base = node
+    while isinstance(base, fx.Node) and base.target is aten.slice_scatter.default:
+        src = base.args[1]
+        d, start, end, step = (*base.args[2:], *(0, None, None, 1)[len(base.args) - 2 :])[:4]
+        d = d + rank if isinstance(d, int) and d < 0 else d
+        dim = d if dim is None else dim
+        size = out.shape[dim] if isinstance(dim, int) and 0 <= dim < rank else None
+        if base.kwargs or d != dim or step != 1 or not isinstance(size, int) or not isinstance(src, fx.Node):
+            return False
+        start, end = start or 0, size if end is None else end
+        if not (isinstance(start, int) and isinstance(end, int)) or start < 0:
+            return False
+        pieces.append((start, min(end, size), src))
+        base = base.args[0]
+    pieces.sort(key=lambda p: p[0])
+    if [p[0] for p in pieces] != [0, *(p[1] for p in pieces[:-1])] or pieces[-1][1] != out.shape[dim]:
+        return False  # gaps or overlaps: not every element is written exactly once
+    written = []
+    for start, end, src in pieces:
+        value = src.args[1] if src.target is aten.copy.default else src
+        v = _val(value)
+        if not isinstance(v, torch.Tensor) or v.dtype != out.dtype:
+            return False
+        written.append((value, [*out.shape[:dim], end - start, *out.shape[dim + 1 :]], list(v.shape)))
+    graph = node.graph
+    values = []
+    with graph.inserting_before(node):
+        for value, want, shape in written:
+            if shape != want:
+                value = graph.call_function(aten.expand.default, (value, want))
+                set_val(value)
+                copy_location(node, value)
+            values.append(value)
+        cat = graph.call_function(aten.cat.default, (values, dim))
+        set_val(cat)
+        copy_location(node, cat)
+    node.replace_all_uses_with(cat)
+    return True
+
+
+def drop_output_copy(flash: fx.Node) -> bool:
+    """``clone(slice(flash[0]))`` whose only use is ``transpose`` → ``clone``: the inner copy is
+    dropped (the outer one makes the same contiguous values from the strided slice)."""
+    out = next((u for u in flash.users if u.target is operator.getitem and u.args[1] == 0), None)
+    dropped = False
+    for view in list(out.users) if out is not None else ():
+        for clone in list(view.users):
+            if clone.target is not aten.clone.default or not clone.users:
+                continue
+            if not all(
+                u.target is aten.transpose.int
+                and u.users
+                and all(
+                    c.target is aten.clone.default and c.kwargs.get("memory_format") == torch.contiguous_format
+                    for c in u.users
+                )
+                for u in clone.users
+            ):
+                continue
+            for u in list(clone.users):
+                u.replace_input_with(clone, view)
+                set_val(u)
+            dropped = True
+    return dropped
 
 
 def _val(node: Any) -> Any:
@@ -129,4 +225,4 @@ def _evaluate_constant(out: fx.Node) -> Any:
     return env[out]
 
 
-__all__ = ["AttentionPass", "is_causal_mask"]
+__all__ = ["AttentionPass", "assemble_by_cat", "drop_output_copy", "is_causal_mask"]

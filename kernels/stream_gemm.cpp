@@ -161,14 +161,18 @@ void stream_gemm_nt(const float*, int64_t, const float*, int64_t, float*, int64_
 
 // The static rule of kAuto: pieces of at most this many rows (more than kSkinnyRows: those stream through
 // skinny.h) take this kernel, by the weight's depth. Measured with tools/bench_small_m.py on the 2-core
-// AVX-512 + AMX Xeon, loaded by other jobs (one thread, CPU time, medians of 5 interleaved rounds, 64 cold
-// HF-layout experts of m rows; ratio to MKL in the same rounds, three runs):
-//   up   (K = 1024, N = 512):  m = 16: 1.11-1.42x, 24: 1.03-1.42x, 48: 0.78-0.94x, 96: 0.70-0.93x
-//   down (K = 256, N = 1024):  m = 16: 1.20-1.41x, 24: 0.95-1.05x, 48: 0.69-0.77x, 96: 0.61-0.70x
-// (gemm.h's packing kernel, kAuto's choice for K <= 512 above these rows: 0.89-1.11x at m = 16-24). With
-// more rows the packing pays for itself and this kernel's x traffic from L2 (every 4-row weight block
-// re-reads all of x) bounds it at ~60-75% of MKL's rate.
-constexpr int64_t kStreamMaxRowsDeep = 32;     // K > kOwnGemmMaxK
+// AVX-512 + AMX Xeon, loaded by other jobs (CPU time, medians of 5 interleaved rounds, 64 cold HF-layout
+// experts of m rows; speed-up over MKL in the same rounds; "grouped": one grouped_matmul call on both
+// threads, "piece": one call per expert on one thread; ranges over 2-3 runs):
+//   up   (K = 1024, N = 512)  m = 16: grouped 1.30-1.49x, piece 1.11-1.42x; 24: 2.11-2.17x, 1.03-1.42x;
+//                             32: 1.91-1.93x, 1.19-1.28x; 48: 1.35-1.51x, 0.78-0.95x; 64: 0.88-0.96x; 96: 0.98x
+//   down (K = 256, N = 1024)  m = 16: 1.38-1.47x, 1.20-1.41x; 24: 1.29-1.30x, 0.95-1.08x; 32: 0.95-1.00x;
+//                             48: 0.88x, 0.69-0.84x; 96: 0.60-0.68x
+// (gemm.h's packing kernel, kAuto's choice for K <= 512 above these rows, is within 0.9-1.3x of MKL
+// there.) With more rows the packing pays for itself, and this kernel's x traffic from L2 (every 4-row
+// weight block re-reads all of x: 4 FMAs per x load) bounds it at ~60-75% of MKL's rate, sooner at
+// K = 256 where the 16-sum reduction per block is a larger share of the K loop.
+constexpr int64_t kStreamMaxRowsDeep = 48;     // K > kOwnGemmMaxK
 constexpr int64_t kStreamMaxRowsShallow = 24;  // K <= kOwnGemmMaxK
 
 bool fp32_piece_takes_stream_gemm(GemmRoute route, int64_t m, int64_t k, int64_t n) {

@@ -53,7 +53,7 @@ def grouped_reference(x, w, counts, bias=None, act=0):
 
 # rows: each remainder of the 4-row blocks below and above 8 (the decode kernel's bound); columns: each
 # remainder of the 4-row weight blocks; depths: below, at and past a 16-lane step
-@pytest.mark.parametrize("m", [9, 10, 11, 12, 13, 24, 31])
+@pytest.mark.parametrize("m", [9, 10, 11, 12, 13, 24, 47])
 @pytest.mark.parametrize("n,k", [(1, 1), (3, 17), (6, 16), (70, 100), (33, 1030)])
 def test_stream_piece_edges_against_fp64(gemm_route, m, n, k):
     torch.manual_seed(m * 1000 + n + k)
@@ -103,7 +103,7 @@ ROUTE_SCRIPT = textwrap.dedent(
     assert kernels.available()
     K = torch.ops.ascend_kernels
     torch.manual_seed(0)
-    for k, m in ((1024, 32), (1024, 33), (256, 24), (256, 25)):
+    for k, m in ((1024, 48), (1024, 49), (256, 24), (256, 25)):
         x = torch.randn(m, k)
         w = (torch.randn(70, k) / k ** 0.5).t()
         for route in ("auto", "stream", "own", "blas"):
@@ -118,7 +118,7 @@ ROUTE_SCRIPT = textwrap.dedent(
 
 
 def test_stream_route_rule_and_forced_routes():
-    """kAuto: K > 512 pieces of 9..32 rows stream (no SGEMM), 33 rows go to MKL; K <= 512 pieces of up to
+    """kAuto: K > 512 pieces of 9..48 rows stream (no SGEMM), 49 rows go to MKL; K <= 512 pieces of up to
     24 rows stream, more go to the packing kernel (no SGEMM either); stream / own never call MKL, blas
     always; without AVX-512 (or capped below it) every route is MKL."""
     if not torch.backends.mkl.is_available():
@@ -136,10 +136,10 @@ def test_stream_route_rule_and_forced_routes():
         name, body = block.split("\n", 1)
         blas[name] = body.split("MARK-END")[0].count("SGEMM(") > 0
     if UNCAPPED:
-        for shape in ("k=1024 m=32", "k=1024 m=33", "k=256 m=24", "k=256 m=25"):
+        for shape in ("k=1024 m=48", "k=1024 m=49", "k=256 m=24", "k=256 m=25"):
             assert not blas[f"{shape} route=stream"] and not blas[f"{shape} route=own"], blas
             assert blas[f"{shape} route=blas"], blas
-        assert not blas["k=1024 m=32 route=auto"] and blas["k=1024 m=33 route=auto"], blas
+        assert not blas["k=1024 m=48 route=auto"] and blas["k=1024 m=49 route=auto"], blas
         assert not blas["k=256 m=24 route=auto"] and not blas["k=256 m=25 route=auto"], blas
     else:
         assert all(blas.values()), blas

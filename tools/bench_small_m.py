@@ -83,9 +83,9 @@ def bench(name: str, k: int, n: int, rows: list[int], rounds: int, threads: int)
         times: dict = {key: [] for key in variants}
         for _ in range(rounds):
             for key, fn in variants.items():
-                one = key[0] == "piece" or threads == 1  # one thread: its CPU time (the machine may be shared)
-                torch.set_num_threads(1 if one else threads)
-                times[key].append(timed(fn, 1, time.thread_time if one else time.perf_counter))
+                # CPU time (the machine may be shared): of this thread for pieces, of the process for grouped
+                torch.set_num_threads(threads if key[0] == "grouped" else 1)
+                times[key].append(timed(fn, 1, time.process_time if key[0] == "grouped" else time.thread_time))
         os.environ.pop("ASCEND_PASSES_GEMM", None)
         torch.set_num_threads(threads)
         for kind in ("grouped", "piece"):

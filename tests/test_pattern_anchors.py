@@ -217,3 +217,33 @@ def test_changed_key_misses(cache, monkeypatch):
     monkeypatch.setattr(torch, "__version__", torch.__version__ + "+other")
     assert trace() == miss
     assert trace() == {"disk_hits": 1}
+
+
+def _clamp_add_double(x, y):
+    return (torch.clamp_min(x, 0.0) + y) * 2.0
+
+
+def _scaled_halves(x, y):
+    return torch.clamp_min(x, 0.0) * 2.0 + y * 2.0
+
+
+def test_a_rewrite_needing_what_another_of_its_stage_makes_still_runs(cache):
+    """The second rewrite's operator (clamp_min) appears only once the first one (relu + y → clamp_min + y)
+    has run: left out of the stage's first round, it runs in a second one over the rewritten graph."""
+    second = _pattern.Rewrite(
+        "clamp_add_double",
+        _clamp_add_double,
+        _scaled_halves,
+        lambda dtype: [torch.randn(4, 8, dtype=dtype), torch.randn(4, 8, dtype=dtype)],
+        dtypes=(torch.float32,),
+        anchors=(frozenset({aten.clamp_min.default}),),
+    )
+    gm = _relu_graph(with_relu=True)
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    gm.recompile()
+    (ref,) = gm(x, y)
+    result = PassResult("test")
+    assert _pattern.apply_rewrites(gm, [_RELU_ADD, second], result) == 2
+    assert result.counts() == {"relu_add": 1, "clamp_add_double": 1}
+    gm.recompile()
+    torch.testing.assert_close(gm(x, y)[0], ref)

@@ -966,31 +966,46 @@ def apply_rewrites(
     Patterns come from the process-wide cache (``traced_pattern``): only the matcher objects
     are built here.  Matches go to ``result.matches`` (with ``layer`` and ``module`` details),
     rejected candidates to ``result.near_misses`` (with the check's reason).
+
+    A rewrite (and a dtype's pattern) whose operators the graph lacks is left out of the stage's
+    matcher (``Rewrite.anchors`` before tracing, ``TracedPattern.requires`` after); when the
+    stage's rewrites made some of them appear (a rewrite that matches the output of another of
+    its stage), the left-out ones run again over the rewritten graph.
     """
     dtypes = graph_dtypes(gm.graph)
     rejected: dict[tuple[str, fx.Node], str] = {}
     total = 0
     for stage in sorted({rw.stage for rw in rewrites}):
-        matcher = pm.PatternMatcherPass(pass_name=f"{pass_name}_{stage}")
         seen: set[tuple[str, str]] = set()
-        targets = graph_targets(gm.graph)  # an earlier stage's rewrites change them
-        for rw in rewrites:
-            if rw.stage != stage:
-                continue
-            if not possible(rw.anchors, targets):
-                STATS["absent_anchor"] += 1  # an operator every trace of it holds is not in the graph
-                continue
-            for dtype in rw.dtypes:
-                if dtype in dtypes:
-                    _register(matcher, seen, rw, dtype, decompositions, result, rejected, targets)
-        if not matcher.patterns:
-            continue
-        count = matcher.apply(gm)
-        if count:
-            # a multi-output replacement goes in before its first output; its other inputs
-            # (a weight made in the graph) may come later: restore def-before-use
-            pm.stable_topological_sort(gm.graph)
-        total += count
+        done: set[tuple[int, torch.dtype]] = set()  # registered in this stage, or a duplicate trace
+        absent: set[int] = set()
+        while True:
+            matcher = pm.PatternMatcherPass(pass_name=f"{pass_name}_{stage}")
+            targets = graph_targets(gm.graph)  # an earlier stage's (or round's) rewrites change them
+            left_out = False
+            for i, rw in enumerate(rewrites):
+                if rw.stage != stage:
+                    continue
+                if not possible(rw.anchors, targets):
+                    if i not in absent:
+                        absent.add(i)
+                        STATS["absent_anchor"] += 1  # an operator every trace of it holds is not in the graph
+                    left_out = True
+                    continue
+                for dtype in rw.dtypes:
+                    if dtype in dtypes and (i, dtype) not in done:
+                        if _register(matcher, seen, rw, dtype, decompositions, result, rejected, targets):
+                            done.add((i, dtype))
+                        else:
+                            left_out = True
+            count = matcher.apply(gm) if matcher.patterns else 0
+            if count:
+                # a multi-output replacement goes in before its first output; its other inputs
+                # (a weight made in the graph) may come later: restore def-before-use
+                pm.stable_topological_sort(gm.graph)
+            total += count
+            if not (count and left_out):
+                break
     for (name, anchor), reason in rejected.items():
         if anchor.graph is gm.graph and not anchor._erased:
             result.near_miss(name, reason, layer=layer_of(anchor), node=anchor)
@@ -1033,13 +1048,14 @@ def _register(
     result: PassResult,
     rejected: dict[tuple[str, fx.Node], str],
     targets: Collection[Any] | None = None,
-) -> None:
-    """Put ``rw``'s pattern for ``dtype`` into ``matcher`` (skipped when an identical trace is
-    already there, or when the graph, whose call_function targets are ``targets``, lacks an
-    operator the pattern needs).  A candidate is accepted as torch's ``register_replacement`` would accept
-    it — the search function re-traced on the match's shapes must match too — then by the
-    cycle check and ``rw.check``; the re-traced pattern and the replacement graph are shared
-    by every compile of the process for the same shapes."""
+) -> bool:
+    """Put ``rw``'s pattern for ``dtype`` into ``matcher``: skipped when an identical trace is
+    already there, or, returning False, when the graph (whose call_function targets are
+    ``targets``) lacks an operator the pattern needs.  A candidate is accepted as torch's
+    ``register_replacement`` would accept it — the search function re-traced on the match's
+    shapes must match too — then by the cycle check and ``rw.check``; the re-traced pattern and
+    the replacement graph are shared by every compile of the process (and kept on disk) for the
+    same shapes."""
     argnames = tuple(inspect.signature(rw.search).parameters)
     scalars = dict(rw.scalars)
 
@@ -1060,8 +1076,10 @@ def _register(
         argnames=argnames,
         scalars=scalars,
     )
-    if traced.identity in seen or (targets is not None and not traced.possible(targets)):
-        return
+    if targets is not None and not traced.possible(targets):
+        return False
+    if traced.identity in seen:
+        return True
     seen.add(traced.identity)
 
     def check(match: pm.Match) -> bool:
@@ -1106,6 +1124,7 @@ def _register(
         pattern_name=f"{rw.name}[{dtype}]",
         on_replace=on_replace,
     ).register(matcher)
+    return True
 
 
 __all__ = [

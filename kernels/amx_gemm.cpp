@@ -8,6 +8,7 @@
 #include "amx_gemm.h"
 
 #include "common.h"
+#include "transpose.h"
 
 #include <algorithm>
 #include <cstdlib>
@@ -49,35 +50,6 @@ ASCEND_AMX void configure_tiles() {
   _tile_loadconfig(&cfg);
 }
 
-// dst[j * ldd + i] = src[i * lds + j] (32-bit elements) for i < rows (16 columns of each row), 0 for i >= rows
-ASCEND_AMX_INLINE void transpose16x16(const uint32_t* src, int64_t lds, int rows, uint32_t* dst, int64_t ldd) {
-  __m512 r[16], t[16], u[16];
-  for (int i = 0; i < 16; ++i)
-    r[i] = i < rows ? _mm512_loadu_ps(reinterpret_cast<const float*>(src + i * lds)) : _mm512_setzero_ps();
-  for (int i = 0; i < 8; ++i) {
-    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-  }
-  for (int g = 0; g < 4; ++g) {
-    const __m512d a = _mm512_castps_pd(t[4 * g]), b = _mm512_castps_pd(t[4 * g + 2]);
-    const __m512d c = _mm512_castps_pd(t[4 * g + 1]), d = _mm512_castps_pd(t[4 * g + 3]);
-    u[4 * g + 0] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
-    u[4 * g + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
-    u[4 * g + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(c, d));
-    u[4 * g + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(c, d));
-  }
-  float* out = reinterpret_cast<float*>(dst);
-  for (int c = 0; c < 4; ++c) {
-    const __m512 x0 = _mm512_shuffle_f32x4(u[c], u[4 + c], 0x88), x1 = _mm512_shuffle_f32x4(u[c], u[4 + c], 0xdd);
-    const __m512 y0 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0x88);
-    const __m512 y1 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0xdd);
-    _mm512_storeu_ps(out + (0 + c) * ldd, _mm512_shuffle_f32x4(x0, y0, 0x88));
-    _mm512_storeu_ps(out + (8 + c) * ldd, _mm512_shuffle_f32x4(x0, y0, 0xdd));
-    _mm512_storeu_ps(out + (4 + c) * ldd, _mm512_shuffle_f32x4(x1, y1, 0x88));
-    _mm512_storeu_ps(out + (12 + c) * ldd, _mm512_shuffle_f32x4(x1, y1, 0xdd));
-  }
-}
-
 // panel[p * 32 + j] = (w[j][2p], w[j][2p + 1]) as one 32-bit pair for j < rows (<= 32) and 2p < k; zero
 // elsewhere, up to p < kp / 2 (kp: k rounded up to 32). w: rows of k bf16, ldw apart.
 ASCEND_AMX_INLINE void pack_panel(const c10::BFloat16* w, int64_t ldw, int64_t rows, int64_t k, int64_t kp,
@@ -89,7 +61,7 @@ ASCEND_AMX_INLINE void pack_panel(const c10::BFloat16* w, int64_t ldw, int64_t r
     for (int64_t k0 = 0; k0 < k_full; k0 += kBlock)
       for (int half = 0; half < 2; ++half) {
         const int r = static_cast<int>(std::clamp<int64_t>(rows - 16 * half, 0, 16));
-        transpose16x16(w32 + 16 * half * (ldw / 2) + k0 / 2, ldw / 2, r, panel + (k0 / 2) * kBlock + 16 * half, kBlock);
+        transpose16x16_u32(w32 + 16 * half * (ldw / 2) + k0 / 2, ldw / 2, r, panel + (k0 / 2) * kBlock + 16 * half, kBlock);
       }
   }
   const uint16_t* w16 = reinterpret_cast<const uint16_t*>(w);

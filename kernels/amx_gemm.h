@@ -1,4 +1,6 @@
-// bf16 GEMM on the AMX tile units for the prefill pieces of grouped_matmul: y[M, N] = x[M, K] @ W[N, K]^T
+// bf16 GEMM on the AMX tile units, packing W (run only when ASCEND_PASSES_BF16_KERNEL=tile forces it: the
+// swapped-operand kernel of amx_swap.h, which never packs W, replaced it; kept to compare the two in
+// tools/bench_kernels.py): y[M, N] = x[M, K] @ W[N, K]^T
 // with the rows of W contiguous (Hugging Face's [E, N, K] expert storage, which the moe pass hands over
 // as transposed views), fp32 accumulation, bf16 output rounded once (bias and activation applied in
 // fp32 before that rounding).

@@ -5,8 +5,8 @@
 // overlap the compute. K blocks after the first accumulate into C.
 #include "gemm.h"
 
-#include "amx_gemm.h"
 #include "common.h"
+#include "transpose.h"
 
 #include <algorithm>
 #include <cstdlib>
@@ -40,29 +40,9 @@ ASCEND_AVX512_INLINE __m512 load16(const c10::BFloat16* p) {  // bf16 is the top
 // dst[j * ldd + i] = src[i * lds + j] for j < 16 and i < rows (rows >= 16: all 16), 0 for i >= rows
 template <typename T>
 ASCEND_AVX512_INLINE void transpose16(const T* src, int64_t lds, int rows, float* dst, int64_t ldd) {
-  __m512 r[16], t[16], u[16];
+  __m512 r[16];
   for (int i = 0; i < 16; ++i) r[i] = i < rows ? load16(src + i * lds) : _mm512_setzero_ps();
-  for (int i = 0; i < 8; ++i) {  // pairs of rows interleaved within 128-bit lanes
-    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-  }
-  for (int g = 0; g < 4; ++g) {  // u[4g + c], lane l: column 4l + c of rows 4g..4g+3
-    const __m512d a = _mm512_castps_pd(t[4 * g]), b = _mm512_castps_pd(t[4 * g + 2]);
-    const __m512d c = _mm512_castps_pd(t[4 * g + 1]), d = _mm512_castps_pd(t[4 * g + 3]);
-    u[4 * g + 0] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
-    u[4 * g + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
-    u[4 * g + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(c, d));
-    u[4 * g + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(c, d));
-  }
-  for (int c = 0; c < 4; ++c) {  // gather lane l of the four groups: column 4l + c of all 16 rows
-    const __m512 x0 = _mm512_shuffle_f32x4(u[c], u[4 + c], 0x88), x1 = _mm512_shuffle_f32x4(u[c], u[4 + c], 0xdd);
-    const __m512 y0 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0x88);
-    const __m512 y1 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0xdd);
-    _mm512_storeu_ps(dst + (0 + c) * ldd, _mm512_shuffle_f32x4(x0, y0, 0x88));
-    _mm512_storeu_ps(dst + (8 + c) * ldd, _mm512_shuffle_f32x4(x0, y0, 0xdd));
-    _mm512_storeu_ps(dst + (4 + c) * ldd, _mm512_shuffle_f32x4(x1, y1, 0x88));
-    _mm512_storeu_ps(dst + (12 + c) * ldd, _mm512_shuffle_f32x4(x1, y1, 0xdd));
-  }
+  transpose16x16_store(r, dst, ldd);  // transpose.h
 }
 
 // panel[kk * kNR + j] = w[j * ldw + kk] for kk < kc, j < nr; 0 for j >= nr
@@ -212,18 +192,6 @@ GemmRoute fp32_gemm_route() {
 
 bool fp32_piece_takes_own_gemm(GemmRoute route, int64_t k) {
   if (!gemm_nt_available()) return false;
-  switch (route) {
-    case GemmRoute::kOwn:
-      return true;
-    case GemmRoute::kBlas:
-      return false;
-    default:
-      return k <= kOwnGemmMaxK;
-  }
-}
-
-bool bf16_piece_takes_amx_gemm(GemmRoute route, int64_t k) {
-  if (!amx_gemm_available()) return false;
   switch (route) {
     case GemmRoute::kOwn:
       return true;

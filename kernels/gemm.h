@@ -37,8 +37,11 @@ struct NextWeight {
 // falls behind MKL as K grows; on the earlier AVX-512 machine (no AMX) it reached 81-85% for K = 256
 // and 1024 while MKL's down projection (K = 256) stayed at 75-77%. ASCEND_PASSES_GEMM=auto|own|blas
 // overrides the rule (read at every grouped_matmul call, so that tests and tools/bench_kernels.py
-// run both routes in one process); for bf16 pieces on a CPU with AMX it picks between the own AMX
-// kernel (own) and torch's bf16 mm (blas), see bf16_piece_takes_amx_gemm; other bf16 pieces ignore it.
+// run both routes in one process); for bf16 products on a CPU with AMX it picks between the own
+// swapped-operand AMX kernel (own) and oneDNN (blas), see bf16_piece_kernel in amx_swap.h (which also
+// has ASCEND_PASSES_BF16_KERNEL to force one bf16 kernel); other bf16 pieces ignore it. (Before that
+// kernel, bf16 pieces took amx_gemm.h's tile kernel for K <= kOwnGemmMaxK: same-run ratios to a dense
+// bf16 mm, K = 256: tile 33-43% / oneDNN 17-39%; K = 1024: tile 37-82% / oneDNN 41-70%.)
 // ASCEND_PASSES_GEMM=stream forces stream_gemm.h's kernel (no packing) for every fp32 piece it can run
 // (kAuto picks it for small pieces, by the rule in stream_gemm.cpp); other pieces then follow kAuto.
 enum class GemmRoute : int { kAuto = 0, kOwn = 1, kBlas = 2, kStream = 3 };
@@ -51,13 +54,6 @@ GemmRoute fp32_gemm_route();
 // Whether an fp32 piece of depth k takes gemm_nt under `route` (and gemm_nt is available here).
 bool fp32_piece_takes_own_gemm(GemmRoute route, int64_t k);
 
-// Whether a bf16 piece of depth k (HF-layout weight, > 8 rows, on a CPU with AMX) takes amx_gemm.h's
-// kernel under `route` (kAuto: k <= kOwnGemmMaxK) instead of torch's bf16 mm (oneDNN's AMX brgemm, which
-// reorders the weight per call). Same-run ratios to a dense bf16 mm on the loaded 2-core AMX Xeon
-// (single thread, 64 experts x ~192 rows, HF layout): K = 256, N = 1024 own 33-43% / oneDNN 17-39%
-// (own ahead in every run); K = 1024, N = 512 own 37-82% / oneDNN 41-70% (no consistent winner), so
-// K > 512 keeps oneDNN (86% of a dense bf16 mm on the quiet machine).
-bool bf16_piece_takes_amx_gemm(GemmRoute route, int64_t k);
 
 // Whether gemm_nt runs here (isa_level() is AVX-512 or above, see common.h); callers use BLAS otherwise.
 bool gemm_nt_available();

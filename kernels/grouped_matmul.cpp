@@ -9,10 +9,12 @@
 // Per (item, group) piece: up to kSkinnyRows rows with the weight's K contiguous (Hugging Face's
 // [E, N, K] storage passed as its transpose) -> the weight-streaming kernel of skinny.h (fp32, bf16);
 // other few-row bf16/fp16 pieces -> a streaming kernel that converts on the fly; the rest: bf16 on a
-// CPU with AMX (isa_level() kAmx) -> with the weight's K contiguous and K <= kOwnGemmMaxK, amx_gemm.h's
-// tile kernel (the weight packed once per call into the tiles' VNNI layout, fp32 accumulation, the next
-// group's weight prefetched), else torch's bf16 mm into the output rows, which oneDNN runs on the tile
-// units (brgemm; single-threaded inside the worker; ASCEND_PASSES_GEMM=own|blas forces either);
+// CPU with AMX (isa_level() kAmx) -> with the weight's K contiguous, amx_swap.h's swapped-operand kernel
+// for pieces of any row count, decode included (W's rows loaded as tiles in place, x packed once per
+// piece, fp32 accumulation, the next group's weight prefetched; bf16_piece_kernel has the measurements;
+// ASCEND_PASSES_GEMM=blas gives the routes before it, ASCEND_PASSES_BF16_KERNEL=swap|tile|onednn|stream
+// forces one kernel, tile being amx_gemm.h's, which packs W per call), else torch's bf16 mm into the
+// output rows, which oneDNN runs on the tile units (brgemm; single-threaded inside the worker);
 // otherwise one single-threaded fp32 GEMM: gemm.h's AVX-512 kernel, which widens bf16 weights while
 // packing and prefetches the next group's weight while it computes, when the weight's K is contiguous
 // (fp32 weights: only for K <= kOwnGemmMaxK, where it is at least as fast as MKL; gemm.h has the

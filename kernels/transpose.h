@@ -16,8 +16,8 @@
 
 namespace ascend_kernels {
 
-// dst row j (16 floats at dst + j * ldd) = column j of the 16 rows r[0..15]; r is clobbered.
-ASCEND_TRANSPOSE_TARGET void transpose16x16_store(__m512* r, float* dst, int64_t ldd) {
+// out[j] = column j of the 16 rows r[0..15] (16 floats each); r is clobbered.
+ASCEND_TRANSPOSE_TARGET void transpose16x16_regs(__m512* r, __m512* out) {
   __m512 t[16];
   for (int i = 0; i < 8; ++i) {  // pairs of rows interleaved within 128-bit lanes
     t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
@@ -35,11 +35,18 @@ ASCEND_TRANSPOSE_TARGET void transpose16x16_store(__m512* r, float* dst, int64_t
     const __m512 x0 = _mm512_shuffle_f32x4(r[c], r[4 + c], 0x88), x1 = _mm512_shuffle_f32x4(r[c], r[4 + c], 0xdd);
     const __m512 y0 = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0x88);
     const __m512 y1 = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0xdd);
-    _mm512_storeu_ps(dst + (0 + c) * ldd, _mm512_shuffle_f32x4(x0, y0, 0x88));
-    _mm512_storeu_ps(dst + (8 + c) * ldd, _mm512_shuffle_f32x4(x0, y0, 0xdd));
-    _mm512_storeu_ps(dst + (4 + c) * ldd, _mm512_shuffle_f32x4(x1, y1, 0x88));
-    _mm512_storeu_ps(dst + (12 + c) * ldd, _mm512_shuffle_f32x4(x1, y1, 0xdd));
+    out[0 + c] = _mm512_shuffle_f32x4(x0, y0, 0x88);
+    out[8 + c] = _mm512_shuffle_f32x4(x0, y0, 0xdd);
+    out[4 + c] = _mm512_shuffle_f32x4(x1, y1, 0x88);
+    out[12 + c] = _mm512_shuffle_f32x4(x1, y1, 0xdd);
   }
+}
+
+// dst row j (16 floats at dst + j * ldd) = column j of the 16 rows r[0..15]; r is clobbered.
+ASCEND_TRANSPOSE_TARGET void transpose16x16_store(__m512* r, float* dst, int64_t ldd) {
+  __m512 out[16];
+  transpose16x16_regs(r, out);
+  for (int j = 0; j < 16; ++j) _mm512_storeu_ps(dst + j * ldd, out[j]);
 }
 
 // dst[j * ldd + i] = src[i * lds + j] (32-bit elements, j < 16) for i < rows; 0 for rows <= i < 16

@@ -28,7 +28,8 @@ def cpu_flags() -> set[str]:
 # wider storage whose columns past K are NaN (tiles must never read them), as Hugging Face [E, N, K] expert
 # views and nn.Linear [N, K] slices. Phases are marked so that the test can check with ONEDNN_VERBOSE
 # that the forced kernel, not oneDNN, ran; the denormal probe tells the tile units (which read denormal
-# bf16 as zero) from the AVX-512 FMA path (which keeps them).
+# bf16 as zero) from the AVX-512 FMA path (which keeps them). A "tile" phase runs the same edges through
+# the older AMX kernel that packs W (kernels/amx_gemm.cpp), which only ASCEND_PASSES_BF16_KERNEL=tile reaches.
 SCRIPT = textwrap.dedent(
     """
     import os, torch, ascend_passes.ops
@@ -48,7 +49,7 @@ SCRIPT = textwrap.dedent(
     def close(got, exact):
         want = exact.bfloat16().float()
         assert torch.equal(got.float().isfinite(), want.isfinite()), "non-finite values where the input has none"
-        if strict and os.environ.get("ASCEND_PASSES_BF16_KERNEL") == "swap":  # one rounding of the fp32 result
+        if strict and os.environ.get("ASCEND_PASSES_BF16_KERNEL") in ("swap", "tile"):  # one rounding of fp32
             torch.testing.assert_close(got.float(), want, atol=1e-4, rtol=2**-7, equal_nan=True)
         else:
             torch.testing.assert_close(got.float(), want, atol=1e-2, rtol=1e-2, equal_nan=True)
@@ -103,9 +104,9 @@ SCRIPT = textwrap.dedent(
         return K.grouped_matmul([tiny], [big], group_list=torch.tensor([9]), group_type=0,
                                 group_list_type=1)[0][0, 0].float().item()
 
-    for phase in ("swap", "rule"):
-        if phase == "swap":
-            os.environ["ASCEND_PASSES_BF16_KERNEL"] = "swap"
+    for phase in ("swap", "tile", "rule"):
+        if phase != "rule":
+            os.environ["ASCEND_PASSES_BF16_KERNEL"] = phase
         else:
             os.environ.pop("ASCEND_PASSES_BF16_KERNEL", None)
         print(f"MARK-BEGIN-{phase}", flush=True)
@@ -136,7 +137,8 @@ def test_amx_swap_kernel_edges_equal_fp32_products_rounded_once(isa):
     rounded once at every block edge (m, K tail, N tail), with bias/activation epilogues, never read a
     weight's bytes past K (NaN there), and keep NaN/Inf to the rows that have them; forced
     (ASCEND_PASSES_BF16_KERNEL=swap) and by the default rule; capped to avx512 the other paths give the
-    same results. Under amx no bf16 product of either phase goes to oneDNN (the swap kernel ran)."""
+    same results. Under amx no bf16 product of any phase goes to oneDNN (the swap kernel ran; the tile phase
+    runs amx_gemm.h's kernel, which packs W, on the grouped pieces: ASCEND_PASSES_BF16_KERNEL=tile)."""
     flags = cpu_flags()
     if isa == "amx" and not {"amx_bf16", "amx_tile", "avx512_bf16"} <= flags:
         if os.environ.get("ASCEND_PASSES_CI_STRICT") == "1":
@@ -154,7 +156,7 @@ def test_amx_swap_kernel_edges_equal_fp32_products_rounded_once(isa):
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "amx-swap-ok" in run.stdout
-    for phase in ("swap", "rule"):
+    for phase in ("swap", "tile", "rule"):
         part = run.stdout.split(f"MARK-BEGIN-{phase}")[1].split(f"MARK-END-{phase}")[0]
         calls = [line for line in part.splitlines() if ",exec," in line and "src:bf16" in line]
         probe = float(run.stdout.split(f"MARK-END-{phase} probe ")[1].split()[0])

@@ -666,7 +666,9 @@ def test_bf16_prefill_runs_on_amx_where_the_cpu_has_it(isa):
         assert bf16_calls == [], bf16_calls[:3]
 
 
-# The own AMX tile kernel (kernels/amx_gemm.cpp) for bf16 prefill pieces with the weight's K contiguous:
+# The own AMX kernel for bf16 prefill pieces with the weight's K contiguous (ASCEND_PASSES_GEMM=own: the
+# swapped-operand kernel of kernels/amx_swap.cpp since issue 18's second step; tests/test_amx_swap.py has
+# its block edges; this test keeps the edges of the tile kernel's blocking, which the swap kernel shares):
 # its edge cases against fp32 products rounded once to bf16 (what it computes: fp32 accumulation, one
 # rounding) and the reference. Groups of 8 rows (streaming kernel) and 9 (tile kernel) straddle the row
 # threshold; 32, 33 and 70 rows end in a full, a 1-row and a 6-row block of 32; K = 34, 290 (2 x odd),
@@ -800,8 +802,9 @@ def test_library_built_for_other_schemas_falls_back_instead_of_aborting():
 
 
 # bf16 decode (issue 18 goal 3): bf16 x bf16 streaming takes AVX512_BF16 dot products (vdpbf16ps) where
-# the CPU has them, the AVX-512F widening FMAs under ASCEND_PASSES_ISA=avx512; bf16 linear of 4+ rows runs
-# torch's linear (oneDNN on AMX) on an AMX CPU. Which path ran shows in the result of denormal inputs:
+# the CPU has them, the AVX-512F widening FMAs under ASCEND_PASSES_ISA=avx512; bf16 linear of 4-256 rows
+# runs the swapped-operand AMX kernel (kernels/amx_swap.h, no oneDNN call) on an AMX CPU, and grouped_matmul
+# decode pieces too. Which path ran shows in the result of denormal inputs:
 # vdpbf16ps (and the tile units) read a denormal bf16 as zero, the widening FMA path keeps it.
 BF16_DECODE_SCRIPT = textwrap.dedent(
     """
@@ -841,7 +844,8 @@ BF16_DECODE_SCRIPT = textwrap.dedent(
 def test_bf16_decode_streams_with_bf16_dot_products_where_the_cpu_has_them(isa):
     """bf16 linear and grouped_matmul decode equal the reference within the bf16 tolerance on both
     paths; uncapped on a CPU with avx512_bf16 the stream uses vdpbf16ps (denormal inputs read as 0),
-    capped at avx512 the widening FMAs (they add up); with AMX, 8 bf16 rows go to oneDNN's AMX kernel."""
+    capped at avx512 the widening FMAs (they add up); with AMX, 8 bf16 rows go to the swapped-operand AMX
+    kernel (not oneDNN)."""
     flags = set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").exists() else set()
     if not {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags:
         pytest.skip("this CPU lacks AVX-512: the bf16 streaming paths under test are AVX-512 ones")
@@ -863,8 +867,8 @@ def test_bf16_decode_streams_with_bf16_dot_products_where_the_cpu_has_them(isa):
         got = float(sums[path])
         assert got == 0.0 if dot else got == pytest.approx(denormal_sum, rel=0.02), (path, sums)
     bf16_mm = [line for line in rest.splitlines() if ",exec," in line and "bf16" in line]
-    if amx:  # 8 rows: oneDNN's AMX kernel (tile units read denormals as zero too)
-        assert bf16_mm and all("amx" in line for line in bf16_mm), rest[-3000:]
+    if amx:  # 8 rows: the swapped-operand AMX kernel (tile units read denormals as zero too), no oneDNN
+        assert bf16_mm == [], rest[-3000:]
         assert float(sums["eight-rows"]) == 0.0
     else:  # 8 rows stream through the widening FMAs
         assert float(sums["eight-rows"]) == pytest.approx(denormal_sum, rel=0.02), sums

@@ -359,15 +359,21 @@ Bf16Kernel bf16_kernel_override() {
 //   down (K=256, N=1024) m=1: 3.6 / 10.7 / 18.3 / 7.6      m=8: 8.7 / 20.0 / 18.5 / 15.4
 //                        m=24: 5.8 / 16.2 / 23.6           m=64: 9.5 / 20.4 / 19.7
 //                        m=128: 21.0 / 23.2 / 30.4         m=256: 57.0 / 57.3 / 73.7
-// The swapped kernel is the fastest (or tied) at every m of both shapes: grouped-matmul pieces take it.
+// The swapped kernel is the fastest (or tied) at every m of both shapes in this grid. But the real decode
+// call (8 tokens x top-6 over 64 experts: 36 experts of 1-2 rows, both threads, the up projection, 4 weight
+// copies alternated, minimum of 80) measured swap 15.9 / 15.9 / 9.9 (one thread) ms against the stream's
+// 14.0 / 12.1 / 8.9, and earlier runs 4.7 vs 8.4, 14.3 vs 18.0, 3.0 vs 2.3: no better at 1-2 rows, where the
+// stream's dot products are not yet the bound. So pieces below kSwapMinRows keep the stream (as linear).
 Bf16Kernel bf16_piece_kernel(GemmRoute route, Bf16Kernel forced, int64_t m, int64_t k, int64_t n) {
   (void)k, (void)n;
   if (forced != Bf16Kernel::kRule) return forced;
   switch (route) {
     case GemmRoute::kBlas:  // oneDNN, and the stream for the few-row pieces (the routes before the swap kernel)
       return m <= 8 ? Bf16Kernel::kStream : Bf16Kernel::kOneDnn;
-    default:
+    case GemmRoute::kOwn:
       return Bf16Kernel::kSwap;
+    default:
+      return m < kSwapMinRows ? Bf16Kernel::kStream : Bf16Kernel::kSwap;
   }
 }
 
@@ -395,7 +401,7 @@ Bf16Kernel bf16_linear_kernel(GemmRoute route, Bf16Kernel forced, int64_t m, int
     case GemmRoute::kBlas:  // the route before the swapped kernel: the stream below 4 rows, oneDNN above
       return m < 4 ? Bf16Kernel::kStream : Bf16Kernel::kOneDnn;
     default:
-      return m < 4 ? Bf16Kernel::kStream : m <= kSwapLinearMaxRows ? Bf16Kernel::kSwap : Bf16Kernel::kOneDnn;
+      return m < kSwapMinRows ? Bf16Kernel::kStream : m <= kSwapLinearMaxRows ? Bf16Kernel::kSwap : Bf16Kernel::kOneDnn;
   }
 }
 

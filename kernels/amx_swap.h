@@ -53,6 +53,7 @@ Bf16Kernel bf16_kernel_override();
 // AMX: `forced` if set, else the static rule under `route` (ASCEND_PASSES_GEMM: own -> the swapped
 // kernel, blas -> oneDNN and the stream for a few rows, the routes before it). kStream: the caller's
 // streaming kernel (skinny.h). The measurements are in amx_swap.cpp.
+constexpr int64_t kSwapMinRows = 4;  // fewer rows: the stream (kAuto), for pieces and linear alike
 Bf16Kernel bf16_piece_kernel(GemmRoute route, Bf16Kernel forced, int64_t m, int64_t k, int64_t n);
 // The same for ascend.linear (one product, all threads): kSwap, kOneDnn or kStream (never kTile).
 constexpr int64_t kSwapLinearMaxRows = 256;

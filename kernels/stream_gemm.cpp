@@ -23,8 +23,8 @@ namespace {
 
 // 4 x 4: one reduced vector of sums per block. Measured against 2 x 8 and 3 x 5 (same run, one thread,
 // CPU time, K = 256 and 1024, m = 16..96): never slower than either by more than the noise.
-constexpr int kMB = 4;  // rows of x per block
-constexpr int kNB = 4;  // rows of w per block
+constexpr int kMB = 4;         // rows of x per block
+constexpr int kNB = 4;         // rows of w per block
 constexpr int64_t kAhead = 2;  // weight blocks between the rows being prefetched and the rows in use
 
 #define ASCEND_AVX512 __attribute__((target("avx512f,avx512vl,avx512bw,avx512dq,fma")))
@@ -90,7 +90,8 @@ ASCEND_AVX512 void dot_block(const float* x, int64_t xs, const float* w, int64_t
   alignas(64) float out[16];
   _mm512_store_ps(out, sums);
   constexpr __mmask16 row_mask = static_cast<__mmask16>((1u << NB) - 1);
-  for (int i = 0; i < MB; ++i) _mm512_mask_storeu_ps(y + i * ys, row_mask, _mm512_maskz_loadu_ps(row_mask, out + i * NB));
+  for (int i = 0; i < MB; ++i)
+    _mm512_mask_storeu_ps(y + i * ys, row_mask, _mm512_maskz_loadu_ps(row_mask, out + i * NB));
 }
 
 // dot_block<rows, NB> for rows = 1..MB (a runtime count: the last block of x may be short)

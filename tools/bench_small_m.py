@@ -11,7 +11,13 @@ in one run, round-robin, the medians of:
 and prints GFLOP/s and each route's ratio to blas in the same rounds, plus a dense mm's GFLOP/s
 ([2048, 1024] x [1024, 4096], all threads) for scale. The machine may be shared: read the ratios.
 
+``--model TOKENS``: instead, the expert matmuls of tools/bench_model.py's DeepSeek-V3 model at a prefill of
+TOKENS (its routers' real, skewed counts per expert, read by hooks on the gates of one eager forward; up
+and down projection of each MoE layer), all threads, per route plus ``old`` (the rule before stream_gemm:
+own for K <= 512, blas above), as process CPU time and the fraction of the dense mm's CPU-time rate.
+
     python tools/bench_small_m.py [--rows 8,16,24,...] [--rounds 7]
+    python tools/bench_small_m.py --model 256 --rounds 15
 """
 
 from __future__ import annotations
@@ -19,7 +25,9 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -100,17 +108,76 @@ def bench(name: str, k: int, n: int, rows: list[int], rounds: int, threads: int)
             print(f"{m:>4} {kind:>7} " + " ".join(cells), flush=True)
 
 
+def routed_counts(tokens: int) -> list[torch.Tensor]:
+    """Tokens per expert of each MoE layer of bench_model's DeepSeek-V3 model at a 1 x tokens prefill."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import bench_model
+
+    factory, config, _ = bench_model.MODELS["deepseek_v3"]
+    model, (ids,) = factory("grouped_mm", num_layers=4, tokens=tokens, batch=1, dtype=torch.float32, **config)
+    counts = []
+    for name, module in model.named_modules():
+        if name.endswith("mlp.gate"):  # returns (router logits, top-k weights, top-k expert ids)
+            module.register_forward_hook(lambda m, i, o: counts.append(torch.bincount(o[2].flatten(), minlength=E)))
+    with torch.no_grad():
+        model(ids)
+    return counts
+
+
+def bench_model_experts(tokens: int, rounds: int) -> None:
+    counts = routed_counts(tokens)
+    calls, flops = [], 0
+    for c in counts:
+        print(
+            f"layer counts: min {int(c.min())} median {int(c.median())} max {int(c.max())}, "
+            f"{int((c > 8).sum())} experts above 8 rows, {int((c > 48).sum())} above 48"
+        )
+        for n, k in ((512, 1024), (1024, 256)):  # up (gate + up), down
+            w = (torch.randn(E, n, k) / k**0.5).transpose(1, 2)
+            calls.append((torch.randn(int(c.sum()), k), w, c))
+            flops += 2 * int(c.sum()) * k * n
+    routes = ("old",) + ROUTES
+    times: dict = {r: [] for r in routes}
+    with torch.no_grad():
+        for _ in range(rounds):
+            for r in routes:
+                t0 = time.process_time()
+                for x, w, c in calls:
+                    os.environ["ASCEND_PASSES_GEMM"] = r if r != "old" else ("own" if w.shape[1] <= 512 else "blas")
+                    K.grouped_matmul([x], [w], group_list=c, group_type=0, group_list_type=1)
+                times[r].append(time.process_time() - t0)
+    os.environ.pop("ASCEND_PASSES_GEMM", None)
+    a, b = torch.randn(2048, 1024), torch.randn(1024, 4096)
+    torch.mm(a, b)
+    dense = 2 * 2048 * 1024 * 4096 / min(timed(lambda: torch.mm(a, b), 3, time.process_time) for _ in range(3))
+    print(
+        f"1x{tokens} prefill: {flops / 1e9:.2f} GFLOP of expert matmuls; "
+        f"dense mm {dense / 1e9:.0f} GFLOP per CPU-second"
+    )
+    base = statistics.median(times["old"])
+    for r in routes:
+        t = statistics.median(times[r])
+        print(f"  {r:6s} {t * 1e3:8.1f} ms CPU ({base / t:4.2f}x old)  {flops / t / dense:4.0%} of the dense mm rate")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", default="8,16,24,32,48,64,96,128,192")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--shapes", default="up,down")
+    parser.add_argument("--model", type=int, default=0, metavar="TOKENS")
     args = parser.parse_args()
+    if args.model:
+        torch.manual_seed(0)
+        bench_model_experts(args.model, args.rounds)
+        return
     torch.manual_seed(0)
     threads = torch.get_num_threads()
     rows = [int(r) for r in args.rows.split(",")]
-    print(f"dense fp32 mm [2048,1024]x[1024,4096]: {dense_rate(threads):.0f} GFLOP/s ({threads} threads), "
-          f"{dense_rate(1):.0f} GFLOP/s (1 thread)")
+    print(
+        f"dense fp32 mm [2048,1024]x[1024,4096]: {dense_rate(threads):.0f} GFLOP/s ({threads} threads), "
+        f"{dense_rate(1):.0f} GFLOP/s (1 thread)"
+    )
     torch.set_num_threads(threads)
     print("cells: GFLOP/s (speed-up over blas in the same rounds)")
     with torch.no_grad():

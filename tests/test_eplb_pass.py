@@ -22,6 +22,10 @@ from ascend_passes.errors import ConfigError
 from ascend_passes.pass_manager import PassContext
 from ascend_passes.passes.eplb import EplbPass
 
+# one xdist worker runs the module: its ``deepseek`` fixture (three DeepSeek-V3 compiles) is built once, not
+# once per worker as when the tests are spread over both
+pytestmark = pytest.mark.xdist_group("eplb_pass")
+
 ops = torch.ops.ascend
 EAGER = {"compiler": "eager", "strict": True}
 EPLB = {**EAGER, "eplb": {"enabled": True}}

@@ -61,7 +61,8 @@ ASCEND_AMX_INLINE void pack_panel(const c10::BFloat16* w, int64_t ldw, int64_t r
     for (int64_t k0 = 0; k0 < k_full; k0 += kBlock)
       for (int half = 0; half < 2; ++half) {
         const int r = static_cast<int>(std::clamp<int64_t>(rows - 16 * half, 0, 16));
-        transpose16x16_u32(w32 + 16 * half * (ldw / 2) + k0 / 2, ldw / 2, r, panel + (k0 / 2) * kBlock + 16 * half, kBlock);
+        transpose16x16_u32(w32 + 16 * half * (ldw / 2) + k0 / 2, ldw / 2, r, panel + (k0 / 2) * kBlock + 16 * half,
+                           kBlock);
       }
   }
   const uint16_t* w16 = reinterpret_cast<const uint16_t*>(w);

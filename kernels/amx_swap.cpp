@@ -35,9 +35,9 @@ namespace {
 #define ASCEND_AMX_S __attribute__((target("amx-tile,amx-bf16,avx512f,avx512vl,avx512bw,avx512dq,avx512bf16")))
 #define ASCEND_AMX_S_INLINE ASCEND_AMX_S inline __attribute__((always_inline))
 
-constexpr int64_t kStep = 32;                // K per tile step
-constexpr int64_t kLine = 64;                // bytes per cache line
-constexpr int64_t kChunkBytes = 1 << 20;     // packed x per chunk of rows (L2: 2 MB per core)
+constexpr int64_t kStep = 32;             // K per tile step
+constexpr int64_t kLine = 64;             // bytes per cache line
+constexpr int64_t kChunkBytes = 1 << 20;  // packed x per chunk of rows (L2: 2 MB per core)
 using bf16 = c10::BFloat16;
 
 struct alignas(64) TileConfig {
@@ -85,7 +85,8 @@ ASCEND_AMX_S void pack_x(const bf16* x, int64_t ldx, int64_t m, int64_t k, int64
     int64_t p0 = 0;
     if (pairs) {
       const uint32_t* x32 = reinterpret_cast<const uint32_t*>(x) + 16 * b * (ldx / 2);
-      for (int64_t k0 = 0; k0 < k_full; k0 += kStep) transpose16x16_u32(x32 + k0 / 2, ldx / 2, rows, dst + k0 / 2 * 16, 16);
+      for (int64_t k0 = 0; k0 < k_full; k0 += kStep)
+        transpose16x16_u32(x32 + k0 / 2, ldx / 2, rows, dst + k0 / 2 * 16, 16);
       p0 = k_full / 2;
     }
     for (int64_t p = p0; p < half; ++p)  // K tail (or odd strides): pair by pair
@@ -110,10 +111,10 @@ struct Lines {
 
 // Where the A tile of one 16-row slice of W comes from at each K step.
 struct ATile {
-  const bf16* base;    // step s < full: base + s * 32, stride bytes apart
-  int64_t stride;      // bytes
-  int64_t full;        // steps read from base
-  const bf16* tail;    // the last step (K tail): a [16][32] zero-padded copy, 64 bytes apart
+  const bf16* base;  // step s < full: base + s * 32, stride bytes apart
+  int64_t stride;    // bytes
+  int64_t full;      // steps read from base
+  const bf16* tail;  // the last step (K tail): a [16][32] zero-padded copy, 64 bytes apart
   ASCEND_AMX_S_INLINE const void* at(int64_t s) const { return s < full ? base + s * kStep : tail; }
   ASCEND_AMX_S_INLINE int64_t stride_at(int64_t s) const { return s < full ? stride : kStep * 2; }
 };
@@ -135,7 +136,8 @@ ASCEND_AMX_S_INLINE void store_rows(const float* c, int64_t ldc, int64_t rows, i
       if (bias != nullptr) {
         const __mmask32 bm = (cnt >= 32 ? ~__mmask32(0) : (__mmask32(1) << cnt) - 1);
         const __m512i b = _mm512_maskz_loadu_epi16(bm, bias + j);
-        lo = _mm512_add_ps(lo, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(b)), 16)));
+        lo = _mm512_add_ps(
+            lo, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(b)), 16)));
         hi = _mm512_add_ps(
             hi, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(b, 1)), 16)));
       }
@@ -193,8 +195,8 @@ ASCEND_AMX_S void swap_run(const uint32_t* xp, int64_t m, int64_t k, int64_t kp,
         pf = {reinterpret_cast<const char*>(w + (n0 + kCols) * ldw), ldw * 2, (k * 2 + kLine - 1) / kLine, 0, 0};
         pf.total = std::min(kCols, n_hi - n0 - kCols) * pf.per_row;
       } else if (next.w != nullptr && m1c == m) {
-        pf = {static_cast<const char*>(next.w), next.ldw * next.elem_bytes, (next.k * next.elem_bytes + kLine - 1) / kLine,
-              0, 0};
+        pf = {static_cast<const char*>(next.w), next.ldw * next.elem_bytes,
+              (next.k * next.elem_bytes + kLine - 1) / kLine, 0, 0};
         pf.total = std::min(kCols, next.rows) * pf.per_row;
       }
       const int64_t share = (pf.total + passes * k_steps - 1) / std::max<int64_t>(1, passes * k_steps);
@@ -347,7 +349,10 @@ Bf16Kernel bf16_kernel_override() {
   const std::string c(env);
   TORCH_CHECK_VALUE(c == "swap" || c == "tile" || c == "onednn" || c == "stream",
                     "ASCEND_PASSES_BF16_KERNEL must be one of swap, tile, onednn, stream; got '", c, "'");
-  return c == "swap" ? Bf16Kernel::kSwap : c == "tile" ? Bf16Kernel::kTile : c == "onednn" ? Bf16Kernel::kOneDnn : Bf16Kernel::kStream;
+  return c == "swap"     ? Bf16Kernel::kSwap
+         : c == "tile"   ? Bf16Kernel::kTile
+         : c == "onednn" ? Bf16Kernel::kOneDnn
+                         : Bf16Kernel::kStream;
 }
 
 // The static rules. Measured with tools/bench_kernels.py's grid on the 2-core Xeon with AMX (shared with

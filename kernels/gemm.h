@@ -54,7 +54,6 @@ GemmRoute fp32_gemm_route();
 // Whether an fp32 piece of depth k takes gemm_nt under `route` (and gemm_nt is available here).
 bool fp32_piece_takes_own_gemm(GemmRoute route, int64_t k);
 
-
 // Whether gemm_nt runs here (isa_level() is AVX-512 or above, see common.h); callers use BLAS otherwise.
 bool gemm_nt_available();
 

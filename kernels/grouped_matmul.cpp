@@ -26,7 +26,6 @@
 #include "kernels.h"
 #include "skinny.h"
 #include "stream_gemm.h"
-#include "stream_gemm.h"
 
 #include <algorithm>
 #include <atomic>
@@ -145,11 +144,6 @@ void mm_f32(const at::Tensor& x, const at::Tensor& w, at::Tensor& y, const NextW
   if (gemm && w.scalar_type() == at::kBFloat16) {
     gemm_nt(x.const_data_ptr<float>(), x.stride(0), w.const_data_ptr<c10::BFloat16>(), w.stride(1), y.data_ptr<float>(),
             y.stride(0), m, n, k, next);
-    return;
-  }
-  if (gemm && w.scalar_type() == at::kFloat && fp32_piece_takes_stream_gemm(route, m, k, n)) {  // stream_gemm.h
-    stream_gemm_nt(x.const_data_ptr<float>(), x.stride(0), w.const_data_ptr<float>(), w.stride(1), y.data_ptr<float>(),
-                   y.stride(0), m, n, k, next);
     return;
   }
   if (gemm && w.scalar_type() == at::kFloat && fp32_piece_takes_stream_gemm(route, m, k, n)) {  // stream_gemm.h
@@ -332,7 +326,7 @@ std::vector<at::Tensor> grouped_matmul(at::TensorList x, at::TensorList weight, 
   ASCEND_CHECK(!output_dtype.has_value() || *output_dtype == x[0].scalar_type(), kGmm,
                "output_dtype=", output_dtype.has_value() ? dtype_name(*output_dtype) : "None",
                " must be None or the dtype of x (", dtype_name(x[0].scalar_type()), ")");
-  const GemmRoute route = fp32_gemm_route();  // ASCEND_PASSES_GEMM, read (and checked) on this thread
+  const GemmRoute route = fp32_gemm_route();         // ASCEND_PASSES_GEMM, read (and checked) on this thread
   const Bf16Kernel forced = bf16_kernel_override();  // ASCEND_PASSES_BF16_KERNEL, likewise
 
   if (!group_list.has_value()) {  // independent matmuls, one per (x[i], weight[i])
@@ -434,8 +428,8 @@ std::vector<at::Tensor> grouped_matmul(at::TensorList x, at::TensorList weight, 
             bool raw_here = true;
             if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
               // the swapped AMX kernel where the rule (or ASCEND_PASSES_BF16_KERNEL) takes these rows
-              const Bf16Kernel kern =
-                  raw && amx_swap_available() ? bf16_piece_kernel(route, forced, counts[g], k, cols) : Bf16Kernel::kStream;
+              const Bf16Kernel kern = raw && amx_swap_available() ? bf16_piece_kernel(route, forced, counts[g], k, cols)
+                                                                  : Bf16Kernel::kStream;
               if (kern == Bf16Kernel::kSwap) {
                 amx_swap_nt(x0.const_data_ptr<scalar_t>() + begin[g] * k, k,
                             w.const_data_ptr<scalar_t>() + g * w.stride(0) + c0 * w.stride(2), w.stride(2), bias_g,

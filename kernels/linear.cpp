@@ -72,8 +72,8 @@ at::Tensor linear(const at::Tensor& input, const at::Tensor& weight, const std::
   // ASCEND_PASSES_GEMM / ASCEND_PASSES_BF16_KERNEL read (and checked) on every bf16 call, AMX or not
   const GemmRoute route = dtype == at::kBFloat16 ? fp32_gemm_route() : GemmRoute::kAuto;
   const Bf16Kernel forced = dtype == at::kBFloat16 ? bf16_kernel_override() : Bf16Kernel::kRule;
-  if (dtype == at::kBFloat16 && input.size(0) > 0 && input.size(1) > 0 && weight.size(0) > 0 &&
-      weight.stride(1) == 1 && amx_swap_available() && at::globalContext().userEnabledMkldnn()) {
+  if (dtype == at::kBFloat16 && input.size(0) > 0 && input.size(1) > 0 && weight.size(0) > 0 && weight.stride(1) == 1 &&
+      amx_swap_available() && at::globalContext().userEnabledMkldnn()) {
     switch (bf16_linear_kernel(route, forced, input.size(0), input.size(1), weight.size(0))) {
       case Bf16Kernel::kSwap:
         return swap_linear(input, weight, bias);

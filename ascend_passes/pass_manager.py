@@ -409,11 +409,14 @@ class PassManager:
         if check_numerics:
             reference = _run_graph(gm, ctx.real_inputs)
         results: dict[str, PassResult] = {}
-        for p in self.passes:
-            if not p.enabled(ctx):
-                log.debug("pass %s: nothing to do for this config/target, skipped", p.name)
-                continue
-            results[p.name] = self._run_one(p, gm, ctx, hooks, reference if cfg.verify_each else None)
+        from .passes._nodes import matcher_node_check  # lazy: the passes import the pass manager
+
+        with matcher_node_check():  # torch's per-node type check, answered once per fake tensor
+            for p in self.passes:
+                if not p.enabled(ctx):
+                    log.debug("pass %s: nothing to do for this config/target, skipped", p.name)
+                    continue
+                results[p.name] = self._run_one(p, gm, ctx, hooks, reference if cfg.verify_each else None)
         gm.recompile()  # once for the pipeline (the checks after each pass need only the graph)
         verified = None
         if check_numerics:

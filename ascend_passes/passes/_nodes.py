@@ -122,3 +122,88 @@ def not_constant(what: str, value: object) -> str:
     if isinstance(value, torch.SymInt):
         return f"{what} is not a constant: it is the symbolic size {value} (a dynamic shape)"
     return f"{what} is not a constant: {value!r}"
+
+
+# ---------------------------------------------------------------- the matcher's per-node check
+# torch's ``PatternMatcherPass.apply`` asks Inductor's ``fallback_node_due_to_unsupported_type``
+# of every candidate node (complex / meta / sparse / fp8 values, CPU outputs without C++ codegen:
+# not matched).  On a fake tensor ``is_meta`` and ``is_cpu`` are each a dispatch to the fake
+# mode (``prim.device``), several per node: a tenth of a warm pipeline at 16 layers.  Inside
+# ``matcher_node_check()`` the same questions are answered from the tensor's ``device`` property
+# (what that dispatch returns) for the plain dtypes; complex, float8 and float8_e8m0fnu values
+# (answers that depend on the node or on Triton) are asked of torch's functions as before.
+import contextlib  # noqa: E402
+import threading  # noqa: E402
+from collections.abc import Iterator  # noqa: E402
+
+_CHECK = threading.local()  # .active: inside matcher_node_check() on this thread
+_INSTALLED: list[object] = []  # torch's function, once the delegating one is in place
+_ASK_TORCH = frozenset(
+    {
+        torch.float8_e4m3fn,
+        torch.float8_e5m2,
+        torch.float8_e4m3fnuz,
+        torch.float8_e5m2fnuz,
+        torch.float8_e8m0fnu,
+    }
+)
+
+
+def _unsupported(t: torch.Tensor, node: fx.Node, is_output: bool) -> bool:
+    """``unsupported_output_tensor`` / ``unsupported_input_tensor`` of a fake tensor (same answer)."""
+    from torch._inductor import config as inductor_config
+    from torch._inductor.lowering import unsupported_input_tensor, unsupported_output_tensor
+
+    dtype = t.dtype
+    if dtype.is_complex or dtype in _ASK_TORCH:
+        return unsupported_output_tensor(t, node) if is_output else unsupported_input_tensor(t, node)
+    kind = t.device.type  # what t.is_meta / t.is_cpu dispatch to on a fake tensor
+    if kind == "meta" or t.is_sparse:
+        return True
+    return is_output and kind == "cpu" and bool(inductor_config.disable_cpp_codegen)
+
+
+def _fallback_node(node: fx.Node, allow_cpu_inputs: bool = True) -> bool:
+    """``fallback_node_due_to_unsupported_type``, without a fake-mode dispatch per tensor."""
+    original = _INSTALLED[0]
+    if not getattr(_CHECK, "active", False):
+        return original(node, allow_cpu_inputs=allow_cpu_inputs)  # type: ignore[operator]
+    import torch.utils._pytree as pytree
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    aten_ = torch.ops.aten
+    if node.target is aten_.view_as_complex.default or node.op == "placeholder":
+        return False
+    if node.target is aten_.lift_fresh_copy.default:
+        return False
+
+    def skip(value: object, is_output: bool) -> bool:
+        if not isinstance(value, fx.Node) or "val" not in value.meta:
+            return False
+        val = value.meta["val"]
+        for meta in (val,) if isinstance(val, torch.Tensor) else pytree.tree_leaves(val):
+            if isinstance(meta, FakeTensor) and _unsupported(meta, node, is_output):
+                return True
+        return False
+
+    for arg in pytree.arg_tree_leaves(*node.args, **node.kwargs):
+        if skip(arg, False):
+            return True
+    return skip(node, True)
+
+
+@contextlib.contextmanager
+def matcher_node_check() -> Iterator[None]:
+    """Within it (this thread), torch's pattern matcher answers its per-node type check without a
+    fake-mode dispatch per tensor; the answers are torch's."""
+    from torch._inductor import pattern_matcher as pm
+
+    if not _INSTALLED:
+        _INSTALLED.append(pm.fallback_node_due_to_unsupported_type)
+        pm.fallback_node_due_to_unsupported_type = _fallback_node
+    outer = getattr(_CHECK, "active", False)
+    _CHECK.active = True
+    try:
+        yield
+    finally:
+        _CHECK.active = outer

@@ -580,10 +580,58 @@ def _output_signature(graph: fx.Graph) -> list[tuple[Any, Any] | None]:
     return sig
 
 
+def lint(graph: fx.Graph) -> None:
+    """``graph.lint()``'s checks (ownership, the side table, def-before-use, unique names, call
+    targets and attributes) in one walk without hashing a target per node; when one fails,
+    ``graph.lint()`` itself raises its message.  torch's ``lint`` costs a pass manager as much as
+    a small pass: it runs after every pass."""
+    from torch.fx.graph import _legal_ops
+
+    owner = graph.owning_module
+    indexed: set[fx.Node] = set()
+    for (op, target), entries in graph._find_nodes_lookup_table.table.items():
+        for n in entries:  # a node counts under its own key only, as torch's lookup asks
+            if n.op == op and (n.target == target if op == "call_function" else target is None):
+                indexed.add(n)
+    seen: set[fx.Node] = set()
+    names: set[str] = set()
+    ok = True
+    for node in graph.nodes:
+        if node.op not in _legal_ops or node.graph is not graph or node not in indexed or node.name in names:
+            ok = False
+            break
+        if not all(a.graph is graph and a in seen for a in node._input_nodes):
+            ok = False
+            break
+        seen.add(node)
+        names.add(node.name)
+        if owner is None:
+            continue
+        if node.op == "call_function":
+            if not callable(node.target):
+                ok = False
+                break
+        elif not isinstance(node.target, str):
+            ok = False
+            break
+        elif node.op in ("get_attr", "call_module"):
+            obj: Any = owner
+            for atom in node.target.split("."):
+                obj = getattr(obj, atom, None)
+                if obj is None or (node.op == "call_module" and not isinstance(obj, torch.nn.Module)):
+                    ok = False
+                    break
+            if not ok:
+                break
+    if not ok:
+        graph.lint()  # raises torch's message
+        raise RuntimeError("the graph is malformed (fx lint)")  # not reached while both agree
+
+
 def _check_graph(gm: fx.GraphModule, snapshot: _Snapshot) -> None:
     """Lint, check the outputs kept their shapes and dtypes, and re-run on fake values what the
     pass changed (a view of strides a replacement no longer gives fails here)."""
-    gm.graph.lint()
+    lint(gm.graph)
     check_fake_values(gm, snapshot.node_inputs)
     after = _output_signature(gm.graph)
     before = snapshot.outputs

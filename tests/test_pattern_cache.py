@@ -194,3 +194,26 @@ def test_compile_same_rewrites_and_numbers_with_loaded_patterns(cache, monkeypat
     assert {n: r.counts() for n, r in report2.passes.items()} == {n: r.counts() for n, r in report1.passes.items()}
     assert torch.equal(out2, out1)
     torch.testing.assert_close(out1, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_entry_naming_a_function_outside_the_allowed_list_runs_nothing(cache, monkeypatch, tmp_path):
+    """A well-formed entry (right magic, right checksum) whose pickle names ``os.makedirs`` through
+    a torch module's imports (``torch.serialization`` + ``os.makedirs``: protocol 4 resolves dotted
+    names) is refused before anything is called, counted as damaged, and the pattern traced again."""
+    import hashlib
+    import pickle
+
+    marker = tmp_path / "created_by_the_entry"
+    payload = b"\x80\x04ctorch.serialization\nos.makedirs\n(V" + str(marker).encode() + b"\ntR."
+    pickle.loads(payload)  # the payload is live: plain pickle runs it
+    assert marker.is_dir()
+    marker.rmdir()
+
+    traced = trace(search_fn(True))
+    (entry,) = cache.iterdir()
+    entry.write_bytes(_pattern._MAGIC + hashlib.sha256(payload).hexdigest().encode() + b"\n" + payload)
+    new_process(monkeypatch)
+    again, delta = counted(lambda: trace(search_fn(True)))
+    assert not marker.exists()
+    assert delta == {"disk_errors": 1, "traced": 1, "disk_writes": 1}
+    assert again.identity == traced.identity

@@ -429,21 +429,81 @@ class _Pickler(pickle.Pickler):
         return NotImplemented
 
 
-_SAFE_MODULES = ("torch", "operator", "_operator", "math")
-_SAFE_BUILTINS = frozenset({"slice", "list", "tuple", "dict", "set", "frozenset", "int", "float", "complex", "bool"})
 _MAGIC = b"ascend_passes pattern\n"
+_SAFE_BUILTINS = frozenset({"slice", "list", "tuple", "dict", "set", "frozenset", "int", "float", "complex", "bool"})
+# the functions an entry may name: operator's arithmetic and indexing (never attrgetter / methodcaller /
+# call, which would reach arbitrary attributes), math's functions, torch's layout helper and the
+# pattern classes' flatten functions (pytree registrations of the pattern matcher)
+_SAFE_FUNCTIONS = frozenset(
+    {
+        (m, n)
+        for m in ("operator", "_operator")
+        for n in (
+            "getitem",
+            "add",
+            "sub",
+            "mul",
+            "truediv",
+            "floordiv",
+            "mod",
+            "pow",
+            "neg",
+            "pos",
+            "abs",
+            "invert",
+            "and_",
+            "or_",
+            "xor",
+            "lshift",
+            "rshift",
+            "matmul",
+            "eq",
+            "ne",
+            "lt",
+            "le",
+            "gt",
+            "ge",
+            "not_",
+            "truth",
+        )
+    }
+    | {("torch.serialization", "_get_layout")}
+    | {("torch._inductor.pattern_matcher", f"_TargetArgsExpr.{n}") for n in ("pytree_flatten", "simple_flatten")}
+)
+# modules whose classes an entry may hold: pattern nodes, pytree specs and fx's immutable containers
+_SAFE_CLASS_MODULES = frozenset(
+    {
+        "torch._inductor.pattern_matcher",
+        "torch.utils._pytree",
+        "torch.fx.immutable_collections",
+        "torch.utils._ordered_set",
+    }
+)
 
 
 class _Unpickler(pickle.Unpickler):
-    """Loads only what an entry holds: containers, numbers, torch's pattern classes, dtypes,
-    devices and operators, ``operator`` functions, and this module's ``_op`` / ``_multiple`` /
-    ``_Ref``."""
+    """Loads only what an entry holds: containers and numbers, the pattern matcher's pattern classes,
+    pytree specs, dtypes / memory formats / layouts / devices, a fixed list of ``operator`` and
+    ``math`` functions, and this module's ``_op`` / ``_multiple`` / ``_Ref``.  Each global is checked
+    after it is looked up (a dotted name such as ``torch.serialization`` + ``os.system`` resolves
+    through a module's imports, so the module name alone proves nothing) and before anything calls
+    it."""
 
     def find_class(self, module: str, name: str) -> Any:
         if module == __name__ and name in ("_op", "_multiple", "_Ref"):
             return globals()[name]
-        if (module == "builtins" and name in _SAFE_BUILTINS) or module.partition(".")[0] in _SAFE_MODULES:
+        if module == "builtins" and name in _SAFE_BUILTINS:
             return super().find_class(module, name)
+        if (module, name) in _SAFE_FUNCTIONS or (module == "math" and "." not in name):
+            obj = super().find_class(module, name)
+            if callable(obj) and not isinstance(obj, type):
+                return obj
+        elif module.partition(".")[0] == "torch":
+            obj = super().find_class(module, name)
+            if isinstance(obj, (torch.dtype, torch.memory_format, torch.layout)) or obj is torch.device:
+                return obj
+            if isinstance(obj, type) and obj.__module__ in _SAFE_CLASS_MODULES:
+                return obj
         raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a pattern cache entry")
 
 

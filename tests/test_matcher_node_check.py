@@ -37,7 +37,7 @@ def _graph() -> fx.Graph:
         n.meta["val"] = val
         nodes[name] = n
     with mode:
-        for name, n in list(nodes.items()):
+        for n in list(nodes.values()):
             v = n.meta["val"]
             for target, args in (
                 (aten.clone.default, (n,)),
@@ -88,9 +88,7 @@ def test_no_fake_dispatch_per_tensor(monkeypatch):
 
     monkeypatch.setattr(torch._subclasses.fake_tensor.FakeTensor, "__torch_dispatch__", classmethod(counting))
     plain = [
-        n
-        for n in g.nodes
-        if n.op == "call_function" and {a.name for a in n.all_input_nodes} <= {"f32", "bf16", "i64"}
+        n for n in g.nodes if n.op == "call_function" and {a.name for a in n.all_input_nodes} <= {"f32", "bf16", "i64"}
     ]
     assert plain
     with _nodes.matcher_node_check():

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.fx as fx
 from torch._inductor import config as inductor_config
+from torch._inductor import lowering
 from torch._inductor import pattern_matcher as pm
 from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -63,6 +64,8 @@ def _graph() -> fx.Graph:
 @pytest.mark.parametrize("disable_cpp", [False, True])
 def test_answers_are_torchs(disable_cpp, monkeypatch):
     monkeypatch.setattr(inductor_config, "disable_cpp_codegen", disable_cpp)
+    # torch's own check installed (a process that imported vLLM has vLLM's: see the last test)
+    monkeypatch.setattr(pm, "fallback_node_due_to_unsupported_type", lowering.fallback_node_due_to_unsupported_type)
     g = _graph()
     with _nodes.matcher_node_check():
         torchs = _nodes._INSTALLED[0]
@@ -86,6 +89,7 @@ def test_no_fake_dispatch_per_tensor(monkeypatch):
         calls.append(func)
         return real(cls, func, types, args, kwargs)
 
+    monkeypatch.setattr(pm, "fallback_node_due_to_unsupported_type", lowering.fallback_node_due_to_unsupported_type)
     monkeypatch.setattr(torch._subclasses.fake_tensor.FakeTensor, "__torch_dispatch__", classmethod(counting))
     plain = [
         n for n in g.nodes if n.op == "call_function" and {a.name for a in n.all_input_nodes} <= {"f32", "bf16", "i64"}
@@ -98,3 +102,27 @@ def test_no_fake_dispatch_per_tensor(monkeypatch):
     for n in plain:
         _nodes._INSTALLED[0](n, allow_cpu_inputs=False)
     assert calls  # torch's own function dispatches (the test can see a dispatch)
+
+
+def test_another_librarys_check_stays_in_place(monkeypatch):
+    """A check another library installed (vLLM's ``env_override`` wraps torch's so that custom ops
+    are always matchable) is neither replaced nor bypassed inside the context, and torch's own
+    check comes back after it (found by CI: a worker that had imported vLLM)."""
+    seen = []
+
+    def libraries_check(node, allow_cpu_inputs=True):
+        seen.append(node)
+        return False
+
+    monkeypatch.setattr(pm, "fallback_node_due_to_unsupported_type", libraries_check)
+    g = _graph()
+    with _nodes.matcher_node_check():
+        assert pm.fallback_node_due_to_unsupported_type is libraries_check
+        assert not any(pm.fallback_node_due_to_unsupported_type(n) for n in g.nodes)
+    assert len(seen) == len(g.nodes)
+    assert pm.fallback_node_due_to_unsupported_type is libraries_check
+
+    monkeypatch.setattr(pm, "fallback_node_due_to_unsupported_type", lowering.fallback_node_due_to_unsupported_type)
+    with _nodes.matcher_node_check():
+        assert pm.fallback_node_due_to_unsupported_type is _nodes._fallback_node
+    assert pm.fallback_node_due_to_unsupported_type is lowering.fallback_node_due_to_unsupported_type

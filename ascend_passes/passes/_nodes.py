@@ -137,7 +137,7 @@ import threading  # noqa: E402
 from collections.abc import Iterator  # noqa: E402
 
 _CHECK = threading.local()  # .active: inside matcher_node_check() on this thread
-_INSTALLED: list[object] = []  # torch's function, once the delegating one is in place
+_INSTALLED: list[object] = []  # torch's function, while the delegating one is (or was last) in place
 _ASK_TORCH = frozenset(
     {
         torch.float8_e4m3fn,
@@ -195,11 +195,17 @@ def _fallback_node(node: fx.Node, allow_cpu_inputs: bool = True) -> bool:
 @contextlib.contextmanager
 def matcher_node_check() -> Iterator[None]:
     """Within it (this thread), torch's pattern matcher answers its per-node type check without a
-    fake-mode dispatch per tensor; the answers are torch's."""
+    fake-mode dispatch per tensor; the answers are torch's.  Only torch's own function is replaced,
+    and only for the duration: where another library installed its own check (vLLM's
+    ``env_override`` makes custom ops always matchable), that check stays and answers as it would
+    without us."""
+    from torch._inductor import lowering
     from torch._inductor import pattern_matcher as pm
 
-    if not _INSTALLED:
-        _INSTALLED.append(pm.fallback_node_due_to_unsupported_type)
+    current = pm.fallback_node_due_to_unsupported_type
+    installed_here = current is lowering.fallback_node_due_to_unsupported_type
+    if installed_here:
+        _INSTALLED[:] = [current]
         pm.fallback_node_due_to_unsupported_type = _fallback_node
     outer = getattr(_CHECK, "active", False)
     _CHECK.active = True
@@ -207,3 +213,5 @@ def matcher_node_check() -> Iterator[None]:
         yield
     finally:
         _CHECK.active = outer
+        if installed_here and pm.fallback_node_due_to_unsupported_type is _fallback_node:
+            pm.fallback_node_due_to_unsupported_type = current

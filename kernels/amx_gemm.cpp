@@ -16,6 +16,8 @@
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #include <immintrin.h>
+
+#include "amx_tiles.h"
 #define ASCEND_AMX_GEMM 1
 #endif
 
@@ -30,25 +32,7 @@ namespace {
 constexpr int64_t kBlock = 32;  // rows of x and columns of y per 2x2 tile block; K per tile step
 constexpr int64_t kLine = 64;
 constexpr int64_t kChunkBytes = 512 << 10;  // packed weight panels per chunk of N (in L2)
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// tiles 0-3: fp32 accumulators (16 x 16), 4-5: A (16 rows x 32 bf16), 6-7: B (16 pairs x 16 columns)
-ASCEND_AMX void configure_tiles() {
-  TileConfig cfg;
-  for (int t = 0; t < 8; ++t) {
-    cfg.colsb[t] = 64;
-    cfg.rows[t] = 16;
-  }
-  asm volatile("" : : "r"(&cfg) : "memory");  // GCC 12 drops the stores to cfg without this (seen: SIGILL)
-  _tile_loadconfig(&cfg);
-}
+// tiles (amx_tiles.h) 0-3: fp32 accumulators (16 x 16), 4-5: A (16 rows x 32 bf16), 6-7: B (16 pairs x 16 columns)
 
 // panel[p * 32 + j] = (w[j][2p], w[j][2p + 1]) as one 32-bit pair for j < rows (<= 32) and 2p < k; zero
 // elsewhere, up to p < kp / 2 (kp: k rounded up to 32). w: rows of k bf16, ldw apart.
@@ -151,7 +135,7 @@ ASCEND_AMX void amx_gemm(const c10::BFloat16* x, int64_t ldx, const c10::BFloat1
   alignas(64) float c[kBlock * kBlock];
   const int64_t k_steps = kp / kBlock, n_pad = (n + kBlock - 1) / kBlock * kBlock;
   const int64_t panel_elems = kp / 2 * kBlock;
-  configure_tiles();
+  configure_amx_tiles();
   // one 32x32 block: c = the 32 rows of x from m0 times panel `pan`; `pf_lines` lines from `pf` prefetched
   const auto block = [&](int64_t m0, const uint32_t* pan, const char* pf, int64_t pf_lines) ASCEND_AMX {
     const bool full = m0 + kBlock <= m;

@@ -24,6 +24,8 @@
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #include <immintrin.h>
+
+#include "amx_tiles.h"
 #define ASCEND_AMX_SWAP 1
 #endif
 
@@ -39,25 +41,6 @@ constexpr int64_t kStep = 32;             // K per tile step
 constexpr int64_t kLine = 64;             // bytes per cache line
 constexpr int64_t kChunkBytes = 1 << 20;  // packed x per chunk of rows (L2: 2 MB per core)
 using bf16 = c10::BFloat16;
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// all 8 tiles 16 rows x 64 bytes: 0-3 fp32 accumulators, 4-7 bf16 operands
-ASCEND_AMX_S void configure_tiles() {
-  TileConfig cfg;
-  for (int t = 0; t < 8; ++t) {
-    cfg.colsb[t] = 64;
-    cfg.rows[t] = 16;
-  }
-  asm volatile("" : : "r"(&cfg) : "memory");  // GCC 12 drops the stores to cfg without this (amx_gemm.cpp)
-  _tile_loadconfig(&cfg);
-}
 
 struct Scratch {  // per thread, grown on demand, 64-byte aligned
   std::vector<char> bytes;
@@ -279,7 +262,7 @@ int64_t packed_elems(int64_t m, int64_t kp) { return round_up(m, 32) / 16 * (kp 
 ASCEND_AMX_S void run_packed(const uint32_t* xp, int64_t m, int64_t k, int64_t kp, const bf16* w, int64_t ldw,
                              const bf16* bias, int64_t act, bf16* y, int64_t ldy, int64_t n_lo, int64_t n_hi,
                              Bf16Epilogue epi, const NextWeight& next) {
-  configure_tiles();
+  configure_amx_tiles();
   if (m <= 16)
     swap_run<4, 1>(xp, m, k, kp, w, ldw, bias, act, y, ldy, n_lo, n_hi, epi, next);
   else

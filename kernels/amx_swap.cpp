@@ -3,12 +3,22 @@
 //    16x16 register transposes of x's pair view; zero past m and past k, K rounded up to 32);
 //  * W runs in blocks of NT tiles of 16 rows (16 output columns each); per block, every 16*MT rows of x
 //    run over it: per 32 of K, NT A tiles loaded straight from W's rows, MT B tiles from xp, NT*MT
-//    tdpbf16ps into [16 n x 16 m] fp32 accumulators, stored, transposed to [m][n] and rounded to bf16;
+//    tdpbf16ps into [16 n x 16 m] fp32 accumulators, stored; the epilogue (store_pair_rows) rounds each
+//    pair of accumulator rows (two output columns) to bf16 pairs and transposes the pairs once, straight
+//    into y's rows, and runs after the next block's tile instructions are issued (its AVX-512 work under
+//    their dot products); each block's output lines are prefetched for writing under its dot products;
 //  * NT x MT = 2 x 2 (32 columns x 32 rows) when x has more than 16 rows, 4 x 1 (64 columns, bandwidth-
 //    bound: the W tile loads are the whole cost) for up to 16 rows;
 //  * while a block runs, the next block's W rows (the next weight's first rows after the last block) are
-//    prefetched into L2, spread over the block's tile steps, so that the cold weight streams in under the
-//    compute; x longer than kChunkBytes packed runs in chunks of rows, each over all of N.
+//    prefetched into L2, spread over the block's tile steps, where the hardware prefetcher falls behind:
+//    short rows (K <= kShortRowK) or several passes of x per block; x longer than kChunkBytes packed runs
+//    in chunks of rows, each over all of N.
+// Session 9 measurements (tools/bench_kernels.py's A/B rows, ASCEND_PASSES_BF16_SCHEDULE=v8 = session 8's
+// schedule, same process; 2-core Xeon shared with other jobs, so one thread timed by its CPU time, minimum
+// of 8-40 calls): T=2048 down (K=256, ~192 rows per expert) 16.2 vs 22.9 ms, up 19.3 vs 35.9 ms; T=256
+// (~24 rows per expert, 4 weight copies) up 5.8 vs 7.5 ms, down 3.5 vs 3.9 ms. Skipping the epilogue
+// altogether was only ~5% faster than the new one; without the output-line prefetch the down projection
+// at T=2048 ran 1.4x slower (each 64-byte row store waited on its line's read-for-ownership).
 // W's K tail (k % 32) and a last block's rows past N come from zero-padded copies (masked loads): tiles
 // read only bytes inside [0, N) x [0, K) of W.
 #include "amx_swap.h"
@@ -34,12 +44,13 @@ namespace ascend_kernels {
 #if ASCEND_AMX_SWAP
 namespace {
 
-#define ASCEND_AMX_S __attribute__((target("amx-tile,amx-bf16,avx512f,avx512vl,avx512bw,avx512dq,avx512bf16")))
+#define ASCEND_AMX_S __attribute__((target("amx-tile,amx-bf16,avx512f,avx512vl,avx512bw,avx512dq,avx512bf16,prfchw")))
 #define ASCEND_AMX_S_INLINE ASCEND_AMX_S inline __attribute__((always_inline))
 
 constexpr int64_t kStep = 32;             // K per tile step
 constexpr int64_t kLine = 64;             // bytes per cache line
 constexpr int64_t kChunkBytes = 1 << 20;  // packed x per chunk of rows (L2: 2 MB per core)
+constexpr int64_t kShortRowK = 512;       // W rows of at most this K: the next block prefetched in software
 using bf16 = c10::BFloat16;
 
 struct Scratch {  // per thread, grown on demand, 64-byte aligned
@@ -54,6 +65,8 @@ struct Scratch {  // per thread, grown on demand, 64-byte aligned
 };
 
 int64_t round_up(int64_t v, int64_t to) { return (v + to - 1) / to * to; }
+
+bool swap_v8() { return bf16_schedule_v8(); }
 
 // xp[b][p][j] = (x[16b + j][2p], x[16b + j][2p + 1]) for blocks b in [b_lo, b_hi), p < kp / 2; zero for rows
 // >= m and k >= the real k. x: rows ldx apart.
@@ -130,27 +143,97 @@ ASCEND_AMX_S_INLINE void store_rows(const float* c, int64_t ldc, int64_t rows, i
   }
 }
 
+// The bf16 rows of a 16-row block of x over 32 columns of W, from the fp32 accumulator tiles lo (columns
+// 0-15 of the block as its 16 rows, the 16 rows of x as its columns) and hi (columns 16-31): bias added,
+// each pair of columns rounded to bf16 and interleaved into one 32-bit lane (vcvtne2ps2bf16 + vpermw),
+// then one 16x16 transpose of those pairs gives the rows of y directly: half the transposes of rounding
+// after the transpose, and no fp32 [m][n] copy. rows (1-16) and cols (1-32) mask the stores.
+ASCEND_AMX_S_INLINE void store_pair_rows(const float* lo, const float* hi, const bf16* bias, int64_t rows, int64_t cols,
+                                         bf16* y, int64_t ldy) {
+  alignas(64) static constexpr uint16_t kInterleave[32] = {0,  16, 1,  17, 2,  18, 3,  19, 4,  20, 5,
+                                                           21, 6,  22, 7,  23, 8,  24, 9,  25, 10, 26,
+                                                           11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512i perm = _mm512_load_si512(kInterleave);
+  alignas(64) float bf[32];
+  if (bias != nullptr) {
+    const __mmask32 bm = cols >= 32 ? ~__mmask32(0) : (__mmask32(1) << cols) - 1;
+    const __m512i b = _mm512_maskz_loadu_epi16(bm, bias);
+    _mm512_store_ps(bf, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(b)), 16)));
+    _mm512_store_ps(bf + 16,
+                    _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(b, 1)), 16)));
+  }
+  __m512 r[16], out[16];
+  for (int q = 0; q < 16; ++q) {
+    const float* t = (q < 8 ? lo : hi) + 32 * (q % 8);  // rows 2q and 2q + 1 of the block's columns
+    __m512 a = _mm512_load_ps(t), b = _mm512_load_ps(t + 16);
+    if (bias != nullptr) {
+      a = _mm512_add_ps(a, _mm512_set1_ps(bf[2 * q]));
+      b = _mm512_add_ps(b, _mm512_set1_ps(bf[2 * q + 1]));
+    }
+    r[q] = _mm512_castsi512_ps(_mm512_permutexvar_epi16(perm, (__m512i)_mm512_cvtne2ps_pbh(b, a)));
+  }
+  transpose16x16_regs(r, out);
+  const __mmask32 cm = cols >= 32 ? ~__mmask32(0) : (__mmask32(1) << cols) - 1;
+  for (int64_t i = 0; i < rows; ++i) _mm512_mask_storeu_epi16(y + i * ldy, cm, _mm512_castps_si512(out[i]));
+}
+
+// One block's results waiting in `acc` (the accumulator tiles stored, 16 x 16 fp32 each) for their epilogue,
+// which runs after the next block's tile instructions are issued, so that the AVX-512 work of rounding and
+// transposing overlaps the tile unit's dot products instead of following them.
+struct Pending {
+  bf16* y = nullptr;  // the block's first output row and column
+  const bf16* bias = nullptr;
+  int64_t rows = 0, cols = 0;
+};
+
+// Writes a pending block of NT x MT accumulator tiles (tile 2i + j for MT = 2, i for MT = 1: columns 16i,
+// rows 16j): bias-only through store_pair_rows; with an activation through a [m][n] fp32 copy and `epi`.
+template <int NT, int MT>
+ASCEND_AMX_S_INLINE void finish(const float* acc, const Pending& p, int64_t act, Bf16Epilogue epi, int64_t ldy,
+                                float* cm, bool v8) {
+  constexpr int64_t kCols = NT * 16;
+  if (p.y == nullptr) return;
+  const auto tile = [&](int i, int j) { return acc + 256 * (MT == 2 ? 2 * i + j : i); };
+  if (act == 0 && !v8) {
+    for (int j = 0; j < MT; ++j) {
+      const int64_t rows = std::min<int64_t>(16, p.rows - 16 * j);
+      if (rows <= 0) break;
+      for (int i = 0; i < NT; i += 2) {
+        const int64_t cols = std::min<int64_t>(32, p.cols - 16 * i);
+        if (cols <= 0) break;
+        store_pair_rows(tile(i, j), tile(i + 1, j), p.bias ? p.bias + 16 * i : nullptr, rows, cols,
+                        p.y + 16 * j * ldy + 16 * i, ldy);
+      }
+    }
+    return;
+  }
+  for (int i = 0; i < NT; ++i)  // accumulator (i, j): [16 n][16 m] -> cm[16 j + mm][16 i + nn]
+    for (int j = 0; j < MT; ++j)
+      transpose16x16_u32(reinterpret_cast<const uint32_t*>(tile(i, j)), 16, 16,
+                         reinterpret_cast<uint32_t*>(cm + 16 * j * kCols + 16 * i), kCols);
+  store_rows(cm, kCols, p.rows, p.cols, p.bias, act, epi, p.y, ldy);
+}
+
 // y[:, n_lo:n_hi] for the m rows packed in xp (K padded to kp), tile config loaded by the caller.
 template <int NT, int MT>
 ASCEND_AMX_S void swap_run(const uint32_t* xp, int64_t m, int64_t k, int64_t kp, const bf16* w, int64_t ldw,
                            const bf16* bias, int64_t act, bf16* y, int64_t ldy, int64_t n_lo, int64_t n_hi,
-                           Bf16Epilogue epi, const NextWeight& next) {
-  static_assert(NT * MT <= 4 && MT <= 2, "four accumulator tiles");
+                           Bf16Epilogue epi, const NextWeight& next, bool v8) {
+  static_assert(NT * MT == 4 && MT <= 2 && NT % 2 == 0, "four accumulator tiles, columns in pairs of tiles");
   constexpr int64_t kCols = NT * 16, kRows = MT * 16;
   thread_local Scratch pad_mem;
   const int64_t k_steps = kp / kStep, k_full = k / kStep, k_tail = k % kStep, half = kp / 2;
-  const int64_t blocks16 = round_up(m, kRows) / 16;  // packed x blocks, MT-aligned
   // per chunk of rows: packed x rows per chunk, a multiple of kRows
   const int64_t chunk = std::max(kRows, kChunkBytes / (kp * 2) / kRows * kRows);
   bf16* tails = pad_mem.get<bf16>(NT * 16 * kStep + NT * 16 * kp);  // [NT][16][32] tails, then [NT][16][kp] pads
   bf16* pads = tails + NT * 16 * kStep;
-  alignas(64) float tile[16 * 16];
-  alignas(64) float cm[kRows * kCols];  // [m][n] of one block
-  const int64_t passes_per_chunk_max = chunk / kRows;
+  alignas(64) float acc[4 * 16 * 16];   // the pending block's accumulator tiles
+  alignas(64) float cm[kRows * kCols];  // [m][n] of one block (activation epilogue)
+  Pending pending;
+  const bool pipelined = !v8, prefetch_y = !v8;
   for (int64_t m0c = 0; m0c < m; m0c += chunk) {
     const int64_t m1c = std::min(m, m0c + chunk);
     const int64_t passes = (m1c - m0c + kRows - 1) / kRows;
-    (void)passes_per_chunk_max;
     for (int64_t n0 = n_lo; n0 < n_hi; n0 += kCols) {
       ATile a[NT];
       for (int t = 0; t < NT; ++t) {
@@ -182,6 +265,11 @@ ASCEND_AMX_S void swap_run(const uint32_t* xp, int64_t m, int64_t k, int64_t kp,
               (next.k * next.elem_bytes + kLine - 1) / kLine, 0, 0};
         pf.total = std::min(kCols, next.rows) * pf.per_row;
       }
+      // in software only where the hardware prefetcher falls behind: short rows (K <= kShortRowK: a few lines
+      // per row stream) or several passes of x over each block (compute-bound, the block's next rows needed
+      // early). One pass over long rows (K = 1024 at ~24 rows per expert) ran 1.1-1.25x faster without it:
+      // the L2 streamer follows the 16-32 row streams of the tile loads, and the extra streams only compete.
+      if (!v8 && passes == 1 && k > kShortRowK) pf.total = 0;
       const int64_t share = (pf.total + passes * k_steps - 1) / std::max<int64_t>(1, passes * k_steps);
       for (int64_t pass = 0; pass < passes; ++pass) {
         const int64_t mr0 = m0c + pass * kRows;
@@ -190,8 +278,16 @@ ASCEND_AMX_S void swap_run(const uint32_t* xp, int64_t m, int64_t k, int64_t kp,
         _tile_zero(1);
         _tile_zero(2);
         _tile_zero(3);
+        // this block's output lines, fetched for writing under its dot products (the stores of its epilogue
+        // would otherwise wait on each line's read-for-ownership: ~half the time of a K = 256 product)
+        const int64_t y_rows = std::min(kRows, m - mr0);
+        const int64_t y_share = (y_rows * (NT / 2) + k_steps - 1) / k_steps;
+        int64_t y_done = prefetch_y ? 0 : y_rows * (NT / 2);
+        char* y_block = reinterpret_cast<char*>(y + mr0 * ldy + n0);
         for (int64_t s = 0; s < k_steps; ++s) {
           const uint32_t* xs = xb + s * 16 * 16;
+          for (int64_t e = y_done + y_share; y_done < std::min(e, y_rows * (NT / 2)); ++y_done)
+            _m_prefetchw(y_block + (y_done / (NT / 2)) * ldy * 2 + kLine * (y_done % (NT / 2)));
           if constexpr (MT == 2) {  // 2 x 2: A tiles 4, 5; B tiles 6, 7; accumulator 2 * i + j
             _tile_loadd(4, a[0].at(s), a[0].stride_at(s));
             _tile_loadd(6, xs, 64);
@@ -201,59 +297,35 @@ ASCEND_AMX_S void swap_run(const uint32_t* xp, int64_t m, int64_t k, int64_t kp,
             _tile_loadd(5, a[1].at(s), a[1].stride_at(s));
             _tile_dpbf16ps(2, 5, 6);
             _tile_dpbf16ps(3, 5, 7);
-          } else {  // NT x 1: B tile 4; A tiles 5, 6, 7, 5; accumulator i
+          } else {  // 4 x 1: B tile 4; A tiles 5, 6, 7, 5; accumulator i
             _tile_loadd(4, xs, 64);
             _tile_loadd(5, a[0].at(s), a[0].stride_at(s));
             _tile_dpbf16ps(0, 5, 4);
-            if constexpr (NT >= 2) {
-              _tile_loadd(6, a[1].at(s), a[1].stride_at(s));
-              _tile_dpbf16ps(1, 6, 4);
-            }
-            if constexpr (NT >= 3) {
-              _tile_loadd(7, a[2].at(s), a[2].stride_at(s));
-              _tile_dpbf16ps(2, 7, 4);
-            }
-            if constexpr (NT >= 4) {
-              _tile_loadd(5, a[3].at(s), a[3].stride_at(s));
-              _tile_dpbf16ps(3, 5, 4);
-            }
+            _tile_loadd(6, a[1].at(s), a[1].stride_at(s));
+            _tile_dpbf16ps(1, 6, 4);
+            _tile_loadd(7, a[2].at(s), a[2].stride_at(s));
+            _tile_dpbf16ps(2, 7, 4);
+            _tile_loadd(5, a[3].at(s), a[3].stride_at(s));
+            _tile_dpbf16ps(3, 5, 4);
           }
           pf.issue(share);
         }
-        // accumulator (i, j): [16 n][16 m] -> cm[16 j + mm][16 i + nn] (the tile number must be a literal)
-        const auto to_cm = [&](int i, int j) ASCEND_AMX_S {
-          transpose16x16_u32(reinterpret_cast<const uint32_t*>(tile), 16, 16,
-                             reinterpret_cast<uint32_t*>(cm + 16 * j * kCols + 16 * i), kCols);
-        };
-        _tile_stored(0, tile, 64);
-        to_cm(0, 0);
-        if constexpr (MT == 2) {
-          _tile_stored(1, tile, 64);
-          to_cm(0, 1);
-          _tile_stored(2, tile, 64);
-          to_cm(1, 0);
-          _tile_stored(3, tile, 64);
-          to_cm(1, 1);
-        } else {
-          if constexpr (NT >= 2) {
-            _tile_stored(1, tile, 64);
-            to_cm(1, 0);
-          }
-          if constexpr (NT >= 3) {
-            _tile_stored(2, tile, 64);
-            to_cm(2, 0);
-          }
-          if constexpr (NT >= 4) {
-            _tile_stored(3, tile, 64);
-            to_cm(3, 0);
-          }
+        // the previous block's epilogue under this block's dot products, then this block's tiles stored
+        if (pipelined) finish<NT, MT>(acc, pending, act, epi, ldy, cm, v8);
+        _tile_stored(0, acc, 64);
+        _tile_stored(1, acc + 256, 64);
+        _tile_stored(2, acc + 512, 64);
+        _tile_stored(3, acc + 768, 64);
+        pending = {y + mr0 * ldy + n0, bias ? bias + n0 : nullptr, std::min(kRows, m - mr0),
+                   std::min(kCols, n_hi - n0)};
+        if (!pipelined) {
+          finish<NT, MT>(acc, pending, act, epi, ldy, cm, v8);
+          pending = {};
         }
-        const int64_t rows = std::min(kRows, m - mr0), cols = std::min(kCols, n_hi - n0);
-        store_rows(cm, kCols, rows, cols, bias ? bias + n0 : nullptr, act, epi, y + mr0 * ldy + n0, ldy);
       }
     }
   }
-  (void)blocks16;
+  finish<NT, MT>(acc, pending, act, epi, ldy, cm, v8);
 }
 
 // Packed x for m rows: blocks of 16 rows rounded up to 32 (the 2 x 2 kernel reads pairs of blocks).
@@ -261,12 +333,12 @@ int64_t packed_elems(int64_t m, int64_t kp) { return round_up(m, 32) / 16 * (kp 
 
 ASCEND_AMX_S void run_packed(const uint32_t* xp, int64_t m, int64_t k, int64_t kp, const bf16* w, int64_t ldw,
                              const bf16* bias, int64_t act, bf16* y, int64_t ldy, int64_t n_lo, int64_t n_hi,
-                             Bf16Epilogue epi, const NextWeight& next) {
+                             Bf16Epilogue epi, const NextWeight& next, bool v8) {
   configure_amx_tiles();
   if (m <= 16)
-    swap_run<4, 1>(xp, m, k, kp, w, ldw, bias, act, y, ldy, n_lo, n_hi, epi, next);
+    swap_run<4, 1>(xp, m, k, kp, w, ldw, bias, act, y, ldy, n_lo, n_hi, epi, next, v8);
   else
-    swap_run<2, 2>(xp, m, k, kp, w, ldw, bias, act, y, ldy, n_lo, n_hi, epi, next);
+    swap_run<2, 2>(xp, m, k, kp, w, ldw, bias, act, y, ldy, n_lo, n_hi, epi, next, v8);
   _tile_release();
 }
 
@@ -278,7 +350,7 @@ ASCEND_AMX_S void swap_single(const bf16* x, int64_t ldx, const bf16* w, int64_t
   const int64_t elems = packed_elems(m, kp);
   uint32_t* xp = x_mem.get<uint32_t>(elems);
   pack_x(x, ldx, m, k, kp, xp, 0, elems / (kp / 2 * 16));
-  run_packed(xp, m, k, kp, w, ldw, bias, act, y, ldy, 0, n, epi, next);
+  run_packed(xp, m, k, kp, w, ldw, bias, act, y, ldy, 0, n, epi, next, swap_v8());
 }
 
 }  // namespace
@@ -303,6 +375,7 @@ void amx_swap_nt_parallel(const bf16* x, int64_t ldx, const bf16* w, int64_t ldw
     swap_single(x, ldx, w, ldw, bias, act, y, ldy, m, n, k, epilogue, {});
     return;
   }
+  const bool v8 = swap_v8();
   std::vector<uint32_t> packed(elems + 16);
   uint32_t* xp = packed.data() + ((16 - (reinterpret_cast<uintptr_t>(packed.data()) & 63) / 4) & 15);
   at::parallel_for(0, blocks, std::max<int64_t>(1, blocks / threads),
@@ -311,7 +384,7 @@ void amx_swap_nt_parallel(const bf16* x, int64_t ldx, const bf16* w, int64_t ldw
   const int64_t col_blocks = (n + 63) / 64;
   const int64_t grain = std::max<int64_t>(1, col_blocks / (threads * 2));
   at::parallel_for(0, col_blocks, grain, [&](int64_t lo, int64_t hi) {
-    run_packed(xp, m, k, kp, w, ldw, bias, act, y, ldy, lo * 64, std::min(n, hi * 64), epilogue, {});
+    run_packed(xp, m, k, kp, w, ldw, bias, act, y, ldy, lo * 64, std::min(n, hi * 64), epilogue, {}, v8);
   });
 }
 
@@ -325,6 +398,11 @@ void amx_swap_nt_parallel(const c10::BFloat16*, int64_t, const c10::BFloat16*, i
                           c10::BFloat16*, int64_t, int64_t, int64_t, int64_t, Bf16Epilogue) {}
 
 #endif
+
+bool bf16_schedule_v8() {
+  const char* e = std::getenv("ASCEND_PASSES_BF16_SCHEDULE");
+  return e != nullptr && std::strcmp(e, "v8") == 0;
+}
 
 Bf16Kernel bf16_kernel_override() {
   const char* env = std::getenv("ASCEND_PASSES_BF16_KERNEL");
@@ -352,8 +430,14 @@ Bf16Kernel bf16_kernel_override() {
 // copies alternated, minimum of 80) measured swap 15.9 / 15.9 / 9.9 (one thread) ms against the stream's
 // 14.0 / 12.1 / 8.9, and earlier runs 4.7 vs 8.4, 14.3 vs 18.0, 3.0 vs 2.3: no better at 1-2 rows, where the
 // stream's dot products are not yet the bound. So pieces below kSwapMinRows keep the stream (as linear).
+// Session 9 (the new schedules, decode T=8: 1-3 rows per expert, 4 weight copies, one thread's CPU time,
+// min of 40; ms, rule / swap forced / stream forced with session 8's schedule): down (K=256) 1.69-2.03 /
+// 1.83 / 2.36-2.50, the swapped kernel ahead of the stream by 1.3x (rows of 8 lines: the stream's hardware
+// prefetch restarts every few rows), so pieces of K <= kSwapShortK take it from one row; up (K=1024)
+// 2.44-2.95 (the stream, now prefetching its next rows) / 2.34-2.63 / 3.62-3.73: tied, the stream stays.
+// Both threads, wall time, min of 100: the layer 2.77 ms against 3.39 with session 8's routes and schedules.
 Bf16Kernel bf16_piece_kernel(GemmRoute route, Bf16Kernel forced, int64_t m, int64_t k, int64_t n) {
-  (void)k, (void)n;
+  (void)n;
   if (forced != Bf16Kernel::kRule) return forced;
   switch (route) {
     case GemmRoute::kBlas:  // oneDNN, and the stream for the few-row pieces (the routes before the swap kernel)
@@ -361,7 +445,7 @@ Bf16Kernel bf16_piece_kernel(GemmRoute route, Bf16Kernel forced, int64_t m, int6
     case GemmRoute::kOwn:
       return Bf16Kernel::kSwap;
     default:
-      return m < kSwapMinRows ? Bf16Kernel::kStream : Bf16Kernel::kSwap;
+      return m < kSwapMinRows && k > kSwapShortK ? Bf16Kernel::kStream : Bf16Kernel::kSwap;
   }
 }
 

@@ -49,11 +49,18 @@ enum class Bf16Kernel : int { kRule = 0, kSwap = 1, kTile = 2, kOneDnn = 3, kStr
 // ASCEND_PASSES_BF16_KERNEL=swap|tile|onednn|stream read now (unset/empty: kRule, the static rule).
 Bf16Kernel bf16_kernel_override();
 
+// ASCEND_PASSES_BF16_SCHEDULE=v8, read now: session 8's schedules of the swapped kernel (each block's results
+// transposed in fp32 and rounded right after its dot products, no prefetch of the output lines, the next
+// block's weight rows always prefetched) and of the bf16 stream (no prefetch of the next weight rows), to
+// time both in one process (tools/bench_kernels.py). Same results either way (bitwise).
+bool bf16_schedule_v8();
+
 // The kernel of a bf16 product of m rows, depth k and n columns with a K-contiguous weight on a CPU with
 // AMX: `forced` if set, else the static rule under `route` (ASCEND_PASSES_GEMM: own -> the swapped
 // kernel, blas -> oneDNN and the stream for a few rows, the routes before it). kStream: the caller's
 // streaming kernel (skinny.h). The measurements are in amx_swap.cpp.
-constexpr int64_t kSwapMinRows = 4;  // fewer rows: the stream (kAuto), for pieces and linear alike
+constexpr int64_t kSwapMinRows = 4;   // fewer rows: the stream (kAuto), for linear, and pieces of K > kSwapShortK
+constexpr int64_t kSwapShortK = 512;  // pieces of K up to this: the swapped kernel from one row (amx_swap.cpp)
 Bf16Kernel bf16_piece_kernel(GemmRoute route, Bf16Kernel forced, int64_t m, int64_t k, int64_t n);
 // The same for ascend.linear (one product, all threads): kSwap, kOneDnn or kStream (never kTile).
 constexpr int64_t kSwapLinearMaxRows = 256;

@@ -8,6 +8,8 @@
 // ASCEND_PASSES_ISA=avx512, two-instruction widening to fp32 and FMAs.
 #include "skinny.h"
 
+#include "amx_swap.h"  // bf16_schedule_v8
+
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -208,7 +210,9 @@ ASCEND_AVX512 ASCEND_INLINE void block_widen(const float* x, int64_t xs, const c
 // adjacent pair of products into one fp32 lane, so a step covers 32 elements of K with half the
 // instructions of the widening path (products of bf16 are exact in fp32; sums are fp32, rounded to
 // nearest even; the instruction treats denormal inputs and outputs as zero)
-template <int MB, int NB>
+// PF: the next NB rows of w (the next block's) are prefetched, one line per row per step: the hardware
+// prefetcher restarts its streams at every block of a few rows and falls behind (bf16_stream_prefetch()).
+template <int MB, int NB, bool PF = false>
 ASCEND_AVX512BF16 ASCEND_INLINE void block_dot(const c10::BFloat16* x, int64_t xs, const c10::BFloat16* w, int64_t ws,
                                                float* y, int64_t ys, int64_t k) {
   __m512 acc[MB][NB];
@@ -218,6 +222,8 @@ ASCEND_AVX512BF16 ASCEND_INLINE void block_dot(const c10::BFloat16* x, int64_t x
     const __mmask32 mask = k - kk >= 32 ? __mmask32(0xffffffffu) : __mmask32((1u << (k - kk)) - 1);
     __m512i wv[NB];
     for (int j = 0; j < NB; ++j) wv[j] = _mm512_maskz_loadu_epi16(mask, w + j * ws + kk);
+    if constexpr (PF)
+      for (int j = 0; j < NB; ++j) _mm_prefetch(reinterpret_cast<const char*>(w + (NB + j) * ws + kk), _MM_HINT_T0);
     for (int i = 0; i < MB; ++i) {
       const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + i * xs + kk);
       for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, (__m512bh)wv[j]);
@@ -276,6 +282,12 @@ ASCEND_AVX512BF16 ASCEND_INLINE void block_dot(const c10::BFloat16* x, int64_t x
   }
 ASCEND_BF16_COLS(cols_widen, block_widen, float, ASCEND_AVX512)
 ASCEND_BF16_COLS(cols_dot, block_dot, c10::BFloat16, ASCEND_AVX512BF16)
+template <int MB, int NB>
+ASCEND_AVX512BF16 ASCEND_INLINE void block_dot_pf(const c10::BFloat16* x, int64_t xs, const c10::BFloat16* w,
+                                                  int64_t ws, float* y, int64_t ys, int64_t k) {
+  block_dot<MB, NB, true>(x, xs, w, ws, y, ys, k);
+}
+ASCEND_BF16_COLS(cols_dot_pf, block_dot_pf, c10::BFloat16, ASCEND_AVX512BF16)
 #undef ASCEND_BF16_COLS
 #endif
 
@@ -361,7 +373,12 @@ void skinny_nt(const c10::BFloat16* x, int64_t xs, const c10::BFloat16* w, int64
                int64_t k, int64_t n_lo, int64_t n_hi) {
 #ifdef ASCEND_SKINNY_X86
   if (skinny_bf16_dot()) {
-    cols_dot_rows(x, xs, w, ws, y, ys, m, k, n_lo, n_hi);
+    // the next rows prefetched in software (measured at decode, 1-3 rows per expert: see
+    // bf16_piece_kernel); ASCEND_PASSES_BF16_SCHEDULE=v8 without, as in session 8
+    if (bf16_schedule_v8())
+      cols_dot_rows(x, xs, w, ws, y, ys, m, k, n_lo, n_hi);
+    else
+      cols_dot_pf_rows(x, xs, w, ws, y, ys, m, k, n_lo, n_hi);
     return;
   }
 #endif

@@ -445,7 +445,8 @@ Bf16Kernel bf16_piece_kernel(GemmRoute route, Bf16Kernel forced, int64_t m, int6
     case GemmRoute::kOwn:
       return Bf16Kernel::kSwap;
     default:
-      return m < kSwapMinRows && k > kSwapShortK ? Bf16Kernel::kStream : Bf16Kernel::kSwap;
+      // (ASCEND_PASSES_BF16_SCHEDULE=v8: session 8's route, the stream for every piece of 1-3 rows)
+      return m < kSwapMinRows && (k > kSwapShortK || bf16_schedule_v8()) ? Bf16Kernel::kStream : Bf16Kernel::kSwap;
   }
 }
 

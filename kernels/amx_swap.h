@@ -52,7 +52,8 @@ Bf16Kernel bf16_kernel_override();
 // ASCEND_PASSES_BF16_SCHEDULE=v8, read now: session 8's schedules of the swapped kernel (each block's results
 // transposed in fp32 and rounded right after its dot products, no prefetch of the output lines, the next
 // block's weight rows always prefetched) and of the bf16 stream (no prefetch of the next weight rows), to
-// time both in one process (tools/bench_kernels.py). Same results either way (bitwise).
+// time both in one process (tools/bench_kernels.py), and session 8's route of bf16 pieces of 1-3 rows (the
+// stream at any K). Same results either way (bitwise) wherever the route is the same.
 bool bf16_schedule_v8();
 
 // The kernel of a bf16 product of m rows, depth k and n columns with a K-contiguous weight on a CPU with

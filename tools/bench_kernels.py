@@ -19,6 +19,8 @@ swapped kernel, the tile kernel of kernels/amx_gemm.h that packs W per call, one
 paired with the dense mm of its dtype, so the rule can be checked on the machine at hand (the bf16 rows
 print the % of the dense bf16 mm). A short bf16 prefill (T=256, ~24 rows per expert) is memory-bound:
 its rows print the % of a copy's bandwidth over the expert weights read, per bf16 kernel.
+``ASCEND_PASSES_BF16_SCHEDULE=v8`` rows time session 8's bf16 schedules and route in the same run (prefill
+projections, T=256, the decode MoE layer) against the default ones: an A/B of session 9's change.
 
 Run: ``python tools/bench_kernels.py [--quick]``.  Timings are the minimum over repetitions,
 interleaved so that load from other processes affects kernels and limits alike.
@@ -102,6 +104,12 @@ BF16_KERNELS = (
     ("tile", "AMX tile kernel, W packed per call"),
     ("onednn", "oneDNN bf16 mm, W reordered per call"),
 )
+
+
+# session 8's bf16 schedules and route (kernels/amx_swap.h bf16_schedule_v8), timed in the same run as the
+# default ones: the swapped kernel's epilogue, output-line and weight prefetch, the stream's row prefetch, and
+# the stream for every expert piece of 1-3 rows
+BF16_V8 = ("ASCEND_PASSES_BF16_SCHEDULE", "v8", "session 8's schedules and route")
 
 
 @dataclass
@@ -291,10 +299,10 @@ def bench_case(tokens: int, dtype: torch.dtype, quick: bool) -> list[Row]:
     if slow and dtype == torch.bfloat16:
         # each bf16 kernel forced on a CPU with AMX (the rows above: the default rule, the swapped-operand
         # kernel); without AMX every row runs the same AVX-512 GEMM
-        for kernel, name in BF16_KERNELS:
+        for env, kernel, name in (BF16_V8, *(("ASCEND_PASSES_BF16_KERNEL", k, n) for k, n in BF16_KERNELS)):
             for step, flops, weight, x in (("up", up_flops, L.w13, ex), ("down", down_flops, L.w2, act)):
-                with env_set("ASCEND_PASSES_BF16_KERNEL", kernel):
-                    label = f"grouped_matmul {step}, ASCEND_PASSES_BF16_KERNEL={kernel} ({name})"
+                with env_set(env, kernel):
+                    label = f"grouped_matmul {step}, {env}={kernel} ({name})"
                     r = gemm(label, (0.0, 0.0), flops, weight, x)
                 r.ref_ms = None
                 rows.append(r)
@@ -347,6 +355,19 @@ def bench_case(tokens: int, dtype: torch.dtype, quick: bool) -> list[Row]:
         layer.limit = 2 * src.numel() * src.element_size() / t_copy
     layer.naive_ms = t_naive * 1e3
     rows.append(layer)
+    if not slow and dtype == torch.bfloat16:  # the same layer under session 8's bf16 schedules and route
+        with env_set(BF16_V8[0], BF16_V8[1]):
+            t_kernel, t_copy = paired_best(lambda: cpp["layer"](pick()), lambda: dst.copy_(src), 2 * budget)
+        v8 = row(
+            f"MoE layer, {BF16_V8[0]}={BF16_V8[1]} ({BF16_V8[2]})",
+            (t_kernel, 0.0),
+            "memory",
+            experts_touched * per_expert,
+            f" ({experts_touched} experts)",
+        )
+        v8.ref_ms = None
+        v8.limit = 2 * src.numel() * src.element_size() / t_copy
+        rows.append(v8)
     return rows
 
 
@@ -365,16 +386,18 @@ def bench_small_prefill(tokens: int, quick: bool) -> list[Row]:
     src = torch.ones(16 * 1024 * 1024)
     dst = torch.empty_like(src)
     rows = []
-    for kernel, name in (("", "rule"), *BF16_KERNELS):
+    variants = (("ASCEND_PASSES_BF16_KERNEL", "", "rule"), BF16_V8)
+    variants += tuple(("ASCEND_PASSES_BF16_KERNEL", k, n) for k, n in BF16_KERNELS)
+    for env, kernel, name in variants:
         for step, x, attr in (("up", ex, "w13"), ("down", act, "w2")):
             weight = getattr(L, attr)
-            with env_set("ASCEND_PASSES_BF16_KERNEL", kernel):
+            with env_set(env, kernel):
                 t_kernel, t_copy = paired_best(
                     lambda x=x, attr=attr: cpp["gmm"](x, getattr(copies[next(turn) % 4], attr), counts),
                     lambda: dst.copy_(src),
                     0.3 if quick else 0.8,
                 )
-            label = f"grouped_matmul {step}" + (f", ASCEND_PASSES_BF16_KERNEL={kernel} ({name})" if kernel else "")
+            label = f"grouped_matmul {step}" + (f", {env}={kernel} ({name})" if kernel else "")
             r = Row(
                 f"prefill T={tokens}",
                 "bfloat16",

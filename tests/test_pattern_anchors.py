@@ -17,7 +17,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import ascend_passes.ops  # noqa: F401  (torch.ops.ascend, in the post-norm experts searches)
 from ascend_passes.models import deepseek_v3, qwen3_moe
 from ascend_passes.pass_manager import PassResult
-from ascend_passes.passes import _pattern, moe
+from ascend_passes.passes import _pattern, _shipped, moe
 
 aten = torch.ops.aten
 
@@ -27,6 +27,7 @@ def cache(tmp_path, monkeypatch):
     """A fresh on-disk cache folder and a fresh in-process pattern cache (as in a new process)."""
     monkeypatch.setenv(_pattern.CACHE_DIR_ENV, str(tmp_path / "patterns"))
     monkeypatch.delenv(_pattern.CACHE_ENV, raising=False)
+    monkeypatch.setenv(_shipped.SHIPPED_ENV, "0")  # traced and cached here, not shipped
     monkeypatch.setattr(_pattern, "_TRACED", _pattern._Lru(4096))
     monkeypatch.setattr(moe, "_patterns", moe._patterns.__wrapped__)  # no process-wide memo either
     return tmp_path / "patterns"

@@ -18,7 +18,7 @@ from ascend_passes.patterns import norm
 from torch._inductor import pattern_matcher as pm
 
 from ascend_passes.models import deepseek_v3
-from ascend_passes.passes import _pattern
+from ascend_passes.passes import _pattern, _shipped
 
 
 @pytest.fixture
@@ -27,6 +27,7 @@ def cache(tmp_path, monkeypatch):
     folder = tmp_path / "patterns"
     monkeypatch.setenv(_pattern.CACHE_DIR_ENV, str(folder))
     monkeypatch.delenv(_pattern.CACHE_ENV, raising=False)
+    monkeypatch.setenv(_shipped.SHIPPED_ENV, "0")  # this file is about the user's cache: nothing shipped
     new_process(monkeypatch)
     return folder
 
@@ -144,6 +145,7 @@ print(json.dumps({"stats": dict(_pattern.STATS), "patterns": patterns}))
 def test_second_process_traces_no_pattern(tmp_path):
     env = {**os.environ, _pattern.CACHE_DIR_ENV: str(tmp_path / "patterns"), "OMP_NUM_THREADS": "1"}
     env.pop(_pattern.CACHE_ENV, None)
+    env[_shipped.SHIPPED_ENV] = "0"
     runs = []
     for _ in range(2):
         proc = subprocess.run([sys.executable, "-c", _CHILD], env=env, capture_output=True, text=True, timeout=300)

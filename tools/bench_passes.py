@@ -10,14 +10,17 @@ most 10% of tracing, warm and cold, and grows linearly with the node count).
                                                    # (cold with an empty ASCEND_PASSES_PATTERN_CACHE_DIR,
                                                    # disk with a filled one)
 
-Each size runs in its own process so that "cold" is a real first compile (every pattern of the
-pattern passes is traced once per process, in this run), with an empty on-disk pattern cache (a
-fresh temporary ``ASCEND_PASSES_PATTERN_CACHE_DIR``); then a second process compiles the same
-model with the cache that first one wrote ("disk": the first compile of a process on a machine
-that has compiled before, patterns loaded instead of traced); "warm" is the best of ``--warm``
-further runs of a fresh PassManager over a fresh copy of the same ATen graph in the first
-process (a second compile).  Times are CPU seconds of the process (``time.process_time``: the machine may
-be shared; wall seconds are in the JSON), Dynamo + AOT tracing included.  Prints both ratios
+Each size runs in its own process so that "cold" is a real first compile, what a user's first
+compile is: the search functions' traces loaded from the patterns shipped with the package
+(``tools/gen_patterns.py``), an empty on-disk pattern cache (a fresh temporary
+``ASCEND_PASSES_PATTERN_CACHE_DIR``), so the re-traces on the match's shapes and the replacement
+graphs are made; "cold, unshipped" is the same with ``ASCEND_PASSES_SHIPPED_PATTERNS=0`` (every
+pattern traced: the cold of sessions before 9); then a second process compiles the same model with
+the cache the cold one wrote ("disk": the first compile of a process on a machine that has
+compiled before, nothing traced); "warm" is the best of ``--warm`` further runs of a fresh
+PassManager over a fresh copy of the same ATen graph in the first process (a second compile).
+Times are CPU seconds of the process (``time.process_time``: the machine may be shared; wall
+seconds are in the JSON), Dynamo + AOT tracing included.  Prints both ratios
 to tracing, seconds per 1,000 graph nodes (per pass too, from the pass manager's own timing)
 and the targets: pipeline time grows at most linearly with the node count (largest ≤
 largest/smallest × smallest-time × 1.3) and stays ≤ 10% of the Dynamo + AOT tracing time.
@@ -109,9 +112,10 @@ def measure(num_layers: int, warm_runs: int, profile: str | None = None) -> dict
     return out
 
 
-def _child(num_layers: int, warm_runs: int, cache_dir: str) -> dict[str, Any]:
+def _child(num_layers: int, warm_runs: int, cache_dir: str, shipped: bool = True) -> dict[str, Any]:
     env = {**os.environ, "ASCEND_PASSES_PATTERN_CACHE_DIR": cache_dir}
     env.pop("ASCEND_PASSES_PATTERN_CACHE", None)
+    env["ASCEND_PASSES_SHIPPED_PATTERNS"] = "1" if shipped else "0"
     proc = subprocess.run(
         [sys.executable, __file__, "--one", str(num_layers), "--warm", str(warm_runs)],
         capture_output=True,
@@ -129,28 +133,39 @@ TARGET = 0.10  # issue 18 goal 4: pipeline / (Dynamo + AOT tracing)
 def report(rows: list[dict[str, Any]]) -> list[str]:
     lines = [
         "CPU seconds (time.process_time); ratios are pipeline / Dynamo+AOT tracing of the same process;",
-        "cold: first compile of a process, empty pattern cache; disk: first compile of a second process,",
-        "patterns loaded from the on-disk cache; warm: a further compile in the first process",
+        "cold: first compile of a process, shipped patterns, empty pattern cache; unshipped: the same with",
+        "ASCEND_PASSES_SHIPPED_PATTERNS=0 (every pattern traced); disk: first compile of a second process,",
+        "patterns loaded from the on-disk cache the cold one wrote; warm: a further compile in the first process",
         "",
         (
-            f"{'layers':>6} {'nodes':>6} {'dynamo+aot s':>12} {'cold s':>8} {'disk s':>8} {'warm s':>8} "
-            f"{'cold/trace':>10} {'disk/trace':>10} {'warm/trace':>10} {'cold s/1k':>9} {'disk s/1k':>9} "
-            f"{'warm s/1k':>9} {'rewrites':>8}"
+            f"{'layers':>6} {'nodes':>6} {'dynamo+aot s':>12} {'unship s':>8} {'cold s':>8} {'disk s':>8} "
+            f"{'warm s':>8} {'unship/tr':>9} {'cold/trace':>10} {'disk/trace':>10} {'warm/trace':>10} "
+            f"{'cold s/1k':>9} {'disk s/1k':>9} {'warm s/1k':>9} {'rewrites':>8}"
         ),
     ]
+    nan = float("nan")
     for r in rows:
         k = r["nodes"] / 1000
-        disk = r.get("disk_s", float("nan"))
+        disk = r.get("disk_s", nan)
+        unshipped = r.get("unshipped_s", nan)
         lines.append(
-            f"{r['layers']:>6} {r['nodes']:>6} {r['trace_s']:>12.2f} {r['cold_s']:>8.2f} {disk:>8.2f} "
-            f"{r['warm_s']:>8.2f} {r['cold_s'] / r['trace_s']:>10.3f} {disk / r.get('disk_trace_s', 1.0):>10.3f} "
+            f"{r['layers']:>6} {r['nodes']:>6} {r['trace_s']:>12.2f} {unshipped:>8.2f} {r['cold_s']:>8.2f} "
+            f"{disk:>8.2f} {r['warm_s']:>8.2f} {unshipped / r.get('unshipped_trace_s', 1.0):>9.3f} "
+            f"{r['cold_s'] / r['trace_s']:>10.3f} {disk / r.get('disk_trace_s', 1.0):>10.3f} "
             f"{r['warm_s'] / r['trace_s']:>10.3f} {r['cold_s'] / k:>9.3f} {disk / k:>9.3f} "
             f"{r['warm_s'] / k:>9.3f} {r['matches']:>8}"
         )
     for r in rows:
-        lines.append(
-            f"patterns at {r['layers']} layers: cold {r.get('pattern_stats', {})}, disk {r.get('disk_stats', {})}"
-        )
+        for kind, stats in (("unshipped", "unshipped_stats"), ("cold", "pattern_stats"), ("disk", "disk_stats")):
+            if stats not in r:
+                continue
+            s = r[stats]
+            lines.append(
+                f"patterns at {r['layers']} layers, {kind}: traced {s.get('traced', 0)} searches, "
+                f"{s.get('specific_traced', 0)} shape re-traces, {s.get('replacement_traced', 0)} replacement graphs; "
+                f"loaded {s.get('shipped_hits', 0)} shipped, {s.get('disk_hits', 0)} + {s.get('specific_hits', 0)} + "
+                f"{s.get('replacement_hits', 0)} from disk; {s.get('absent_anchor', 0)} searches skipped (anchors)"
+            )
     lines.append(
         "importing the passes (torch._inductor.pattern_matcher included; once per process, not in the "
         "times above): " + ", ".join(f"{r.get('import_s', float('nan')):.2f} s" for r in rows)
@@ -172,8 +187,11 @@ def report(rows: list[dict[str, Any]]) -> list[str]:
                 f"{'/1k':>6} " + " ".join(f"{r[f'{kind}_pass_s'].get(p, 0.0) * 1e3 / k:>11.1f}" for p in passes)
             )
     for r in rows:
-        if r.get("disk_matches", r["matches"]) != r["matches"]:
-            lines.append(f"REWRITES DIFFER at {r['layers']} layers: cold {r['matches']}, disk {r['disk_matches']}")
+        for kind in ("disk", "unshipped"):
+            if r.get(f"{kind}_matches", r["matches"]) != r["matches"]:
+                lines.append(
+                    f"REWRITES DIFFER at {r['layers']} layers: cold {r['matches']}, {kind} {r[f'{kind}_matches']}"
+                )
     bad = {p for r in rows for p, s in r["status"].items() if s != "ok"}
     if bad:
         lines.append(f"passes rolled back: {', '.join(sorted(bad))}")
@@ -191,10 +209,10 @@ def report(rows: list[dict[str, Any]]) -> list[str]:
                 f"{ratio:.2f} x {small[f'{kind}_s']:.2f} s x 1.3 = {limit:.2f} s: "
                 f"{'yes' if ok else 'NO'}"
             )
-    for kind in ("warm", "disk", "cold"):
+    for kind in ("warm", "disk", "cold", "unshipped"):
         if not all(f"{kind}_s" in r for r in rows):
             continue
-        trace = "disk_trace_s" if kind == "disk" else "trace_s"
+        trace = f"{kind}_trace_s" if kind in ("disk", "unshipped") else "trace_s"
         worst = max(r[f"{kind}_s"] / r[trace] for r in rows)
         lines.append(
             f"pipeline <= {TARGET:.0%} of Dynamo+AOT tracing ({kind}): worst {worst:.1%}: "
@@ -234,8 +252,18 @@ def main() -> int:
     for n in args.layers:
         print(f"measuring {n} layers …", file=sys.stderr, flush=True)
         with tempfile.TemporaryDirectory(prefix="bench_passes_patterns_") as cache:
-            row = _child(n, args.warm, cache)  # empty pattern cache: cold, and warm
-            disk = _child(n, 0, cache)  # a second process: patterns from the disk cache
+            row = _child(n, args.warm, cache)  # shipped patterns, empty pattern cache: cold, and warm
+            disk = _child(n, 0, cache)  # a second process: the rest from the disk cache
+        with tempfile.TemporaryDirectory(prefix="bench_passes_patterns_") as cache:
+            unshipped = _child(n, 0, cache, shipped=False)  # every pattern traced
+        row.update(
+            unshipped_s=unshipped["cold_s"],
+            unshipped_wall_s=unshipped["cold_wall_s"],
+            unshipped_pass_s=unshipped["cold_pass_s"],
+            unshipped_trace_s=unshipped["trace_s"],
+            unshipped_stats=unshipped["pattern_stats"],
+            unshipped_matches=unshipped["matches"],
+        )
         row.update(
             disk_s=disk["cold_s"],
             disk_wall_s=disk["cold_wall_s"],

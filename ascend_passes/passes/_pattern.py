@@ -63,6 +63,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..fake_values import run_fake
 from ..pass_manager import Pass, PassContext, PassResult
+from . import _shipped
 from ._nodes import copy_location  # the one copy of a node's location (re-exported)
 from .layers import layer_of, module_path
 
@@ -155,17 +156,24 @@ class _Lru:
 class TracedPattern:
     """A search function traced once on example inputs: the ``PatternExpr`` (ints, floats,
     dtypes, devices ignored), what tells two equal-looking patterns apart (torch's duplicate
-    check: the pretty-printed pattern and the traced graph's text) and the operators a graph
-    must hold for the pattern to match there (``required_ops``)."""
+    check: ``identity``, a sha256 of the pretty-printed pattern and the traced graph's text),
+    the operators a graph must hold for the pattern to match there (``required_ops``) and the
+    traced graph's text (empty for a shipped pattern: ``_shipped``)."""
 
     pattern: pm.PatternExpr
-    pattern_repr: str
-    graph_text: str
+    identity: str
     requires: frozenset[frozenset[Any]] = frozenset()
+    graph_text: str = ""
+
+    @staticmethod
+    def of(pattern: pm.PatternExpr, graph_text: str) -> TracedPattern:
+        text = pm.PatternPrettyPrinter.run(pattern) + "\0" + graph_text
+        return TracedPattern(pattern, hashlib.sha256(text.encode()).hexdigest()[:32], required_ops(pattern), graph_text)
 
     @property
-    def identity(self) -> tuple[str, str]:
-        return self.pattern_repr, self.graph_text
+    def pattern_repr(self) -> str:
+        """The pattern as torch's pretty printer writes it."""
+        return pm.PatternPrettyPrinter.run(self.pattern)
 
     def possible(self, targets: Collection[Any]) -> bool:
         """Whether a graph whose call_function targets are ``targets`` (``graph_targets``) can
@@ -235,12 +243,13 @@ CACHE_ENV = "ASCEND_PASSES_PATTERN_CACHE"
 CACHE_DIR_ENV = "ASCEND_PASSES_PATTERN_CACHE_DIR"
 """Directory of the on-disk pattern cache; default ``$XDG_CACHE_HOME/ascend_passes/patterns``
 (``~/.cache/ascend_passes/patterns``)."""
-_FORMAT = 2  # bump when the entry layout changes (2: the pickled pattern, not the node list)
+_FORMAT = 3  # bump when the entry layout changes (2: the pickled pattern, not the node list; 3: identity digest)
 
 STATS: collections.Counter[str] = collections.Counter()
 """This process's pattern preparation: ``traced`` (search functions traced on example inputs),
-``disk_hits``, ``disk_writes``, ``disk_errors`` (unreadable or inconsistent entries, traced
-again and rewritten), ``not_cacheable`` (keys that cannot be described across processes),
+``shipped_hits`` (loaded from the patterns shipped with the package: ``_shipped``),
+``disk_hits``, ``disk_writes``, ``disk_errors`` (unreadable or inconsistent entries, traced again
+and rewritten), ``not_cacheable`` (keys that cannot be described across processes),
 ``absent_anchor`` (searches neither traced nor loaded: the graph lacks one of their declared
 anchor operators)."""
 
@@ -278,12 +287,15 @@ def _code_digest(code: types.CodeType) -> str:
     return h.hexdigest()
 
 
-def _describe(obj: Any, modules: set[str], depth: int = 0) -> Any:
+def _describe(obj: Any, modules: set[str], depth: int = 0, code: bool = True) -> Any:
     """A description of ``obj`` that is equal in any process exactly when ``obj`` means the same
-    there (given equal sources of ``modules``, which collects the modules functions come from)."""
+    there (given equal sources of ``modules``, which collects the modules functions come from).
+    ``code=False`` names functions by module, qualified name (and first line, for a function
+    defined inside another) without their bytecode, which differs between Python versions: the
+    shipped patterns check the modules' sources instead."""
     if depth > 16:
         raise _NotStable("nested too deeply")
-    d = functools.partial(_describe, modules=modules, depth=depth + 1)
+    d = functools.partial(_describe, modules=modules, depth=depth + 1, code=code)
     if obj is None or isinstance(obj, (bool, int, float, str, bytes)):
         return obj
     if isinstance(obj, (torch.dtype, torch.device, torch.memory_format, torch.layout)):
@@ -311,7 +323,7 @@ def _describe(obj: Any, modules: set[str], depth: int = 0) -> Any:
             "function",
             obj.__module__,
             obj.__qualname__,
-            _code_digest(obj.__code__),
+            _code_digest(obj.__code__) if code else ("<" in obj.__qualname__ and obj.__code__.co_firstlineno),
             d(obj.__defaults__),
             d(obj.__kwdefaults__),
             tuple(cells),
@@ -687,7 +699,7 @@ def _trace_initial(
                 return loaded
     gm = _trace_graph(fn, example_inputs, argnames, decompositions, scalars, fake_inputs, transform)
     pattern = pm.fx_to_pattern(gm, ignore_types=ignore_types, argnames=list(argnames), scalar_workaround=dict(scalars))
-    traced = TracedPattern(pattern, pm.PatternPrettyPrinter.run(pattern), str(gm.graph), required_ops(pattern))
+    traced = TracedPattern.of(pattern, str(gm.graph))
     if directory is not None and disk is not None:
         _store_entry(directory / disk[0], disk[1], _traced_to_entry(traced))
     return traced
@@ -696,7 +708,7 @@ def _trace_initial(
 def _traced_to_entry(traced: TracedPattern) -> dict[str, Any]:
     return {
         "pattern": traced.pattern,
-        "pattern_repr": traced.pattern_repr,
+        "identity": traced.identity,
         "graph_text": traced.graph_text,
         "requires": traced.requires,
     }
@@ -704,7 +716,7 @@ def _traced_to_entry(traced: TracedPattern) -> dict[str, Any]:
 
 def _traced_from_entry(entry: Mapping[str, Any]) -> TracedPattern | None:
     try:
-        traced = TracedPattern(entry["pattern"], entry["pattern_repr"], entry["graph_text"], entry["requires"])
+        traced = TracedPattern(entry["pattern"], entry["identity"], entry["requires"], entry["graph_text"])
         if not (isinstance(traced.pattern, pm.PatternExpr) and isinstance(traced.requires, frozenset)):
             raise ValueError("the entry holds no pattern")
     except (KeyError, ValueError) as exc:
@@ -764,10 +776,28 @@ def traced_pattern(
     parts = (key, fn, decompositions, tuple(sorted(stand_ins.items())), ignore_types, fake_inputs, transform)
 
     def make() -> TracedPattern:
-        disk = _disk_key(("initial", parts, example_inputs, names)) if cache_dir() is not None else None
-        return _trace_initial(
-            fn, example_inputs, names, decompositions, stand_ins, ignore_types, fake_inputs, transform, disk
+        recording = _shipped.RECORDER is not None
+        shipped_key = (
+            _shipped.key(("initial", parts, example_inputs, names)) if _shipped.enabled() or recording else None
         )
+        if shipped_key is not None and not recording:
+            found = _shipped.lookup(shipped_key[0])
+            if found is not None:
+                STATS["shipped_hits"] += 1
+                pattern, identity = found
+                return TracedPattern(pattern, identity, required_ops(pattern))
+        disk = _disk_key(("initial", parts, example_inputs, names)) if cache_dir() is not None else None
+        recorder = _shipped.RECORDER
+        if recorder is None or shipped_key is None:
+            return _trace_initial(
+                fn, example_inputs, names, decompositions, stand_ins, ignore_types, fake_inputs, transform, disk
+            )
+        with recorder.tracing() as files:  # tools/gen_patterns.py: what ran while tracing
+            traced = _trace_initial(
+                fn, example_inputs, names, decompositions, stand_ins, ignore_types, fake_inputs, transform, None
+            )
+        recorder.add(shipped_key, traced, files, _shipped.label(key, fn, decompositions))
+        return traced
 
     return _TRACED.get(parts, make)
 
@@ -1099,6 +1129,30 @@ def _input_from_match(match: pm.Match, inputs: Iterable[fx.Node]) -> str | None:
     return None
 
 
+def rewrite_pattern(rw: Rewrite, dtype: torch.dtype, decompositions: str) -> TracedPattern:
+    """The traced pattern of ``rw``'s search function for ``dtype`` (``traced_pattern``)."""
+    argnames = tuple(inspect.signature(rw.search).parameters)
+    scalars = dict(rw.scalars)
+
+    def example() -> Sequence[Any]:
+        example = list(rw.example_inputs(dtype))
+        if len(example) + len(scalars) != len(argnames):
+            raise TypeError(
+                f"rewrite {rw.name!r}: example_inputs give {len(example)} tensors, "
+                f"the search function takes {list(argnames)} ({list(scalars)} are scalars)"
+            )
+        return example
+
+    return traced_pattern(
+        (rw.example_inputs, dtype),
+        rw.search,
+        example,
+        decompositions=decompositions,
+        argnames=argnames,
+        scalars=scalars,
+    )
+
+
 def _register(
     matcher: pm.PatternMatcherPass,
     seen: set[tuple[str, str]],
@@ -1118,24 +1172,7 @@ def _register(
     same shapes."""
     argnames = tuple(inspect.signature(rw.search).parameters)
     scalars = dict(rw.scalars)
-
-    def example() -> Sequence[Any]:
-        example = list(rw.example_inputs(dtype))
-        if len(example) + len(scalars) != len(argnames):
-            raise TypeError(
-                f"rewrite {rw.name!r}: example_inputs give {len(example)} tensors, "
-                f"the search function takes {list(argnames)} ({list(scalars)} are scalars)"
-            )
-        return example
-
-    traced = traced_pattern(
-        (rw.example_inputs, dtype),
-        rw.search,
-        example,
-        decompositions=decompositions,
-        argnames=argnames,
-        scalars=scalars,
-    )
+    traced = rewrite_pattern(rw, dtype, decompositions)
     if targets is not None and not traced.possible(targets):
         return False
     if traced.identity in seen:
@@ -1201,5 +1238,6 @@ __all__ = [
     "module_path",
     "replace",
     "replacement_graph",
+    "rewrite_pattern",
     "traced_pattern",
 ]

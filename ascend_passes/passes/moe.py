@@ -73,16 +73,28 @@ def _patterns(
     or vanish; ``dtypes``: those of ``_dtype_combinations``, default all); identical traces are
     kept once.  Traced once per process (``_pattern.traced_pattern``, on real example inputs: the
     expert searches have data-dependent shapes)."""
+    seen: dict[str, TracedPattern] = {}
+    for trace in _pattern_traces(name, decompositions, dtypes):
+        traced = trace()
+        seen.setdefault(traced.identity, traced)
+    return tuple(seen.values())
+
+
+def _pattern_traces(
+    name: str, decompositions: str, dtypes: tuple[tuple[torch.dtype, ...], ...] | None = None
+) -> list[Callable[[], TracedPattern]]:
+    """The ``traced_pattern`` calls of ``_patterns``, one per variant, dtype combination and
+    transform (``tools/gen_patterns.py`` makes each one on its own)."""
     spec = _SEARCH[name]
-    seen: dict[tuple[str, str], TracedPattern] = {}
     transforms: tuple[Any, ...] = (None,)
     if decompositions == "inductor":
         # routers: also the form before Inductor's post-grad passes (views not yet reshapes): the
         # ahead-of-time route runs the pipeline in compile_fx's inner_compile, before them
         transforms = (_as_post_grad, _as_joint_graph) if name in _ROUTERS else (_as_post_grad,)
     combinations = spec.dtypes if dtypes is None else dtypes
-    for variant, combo, transform in ((v, d, t) for v in spec.variants for d in combinations for t in transforms):
-        traced = traced_pattern(
+    return [
+        functools.partial(
+            traced_pattern,
             (name, tuple(sorted(variant.items())), combo),
             functools.partial(spec.fn, **variant),
             functools.partial(spec.example_inputs, *combo),
@@ -91,8 +103,8 @@ def _patterns(
             fake_inputs=False,
             transform=transform,
         )
-        seen.setdefault(traced.identity, traced)
-    return tuple(seen.values())
+        for variant, combo, transform in ((v, d, t) for v in spec.variants for d in combinations for t in transforms)
+    ]
 
 
 def _dtype_combinations(name: str, present: set[torch.dtype]) -> tuple[tuple[torch.dtype, ...], ...]:

@@ -1,0 +1,622 @@
+"""Pre-traced patterns shipped with the package: the search functions of every pattern pass traced
+by ``python tools/gen_patterns.py`` and written, as Python source that rebuilds each
+``PatternExpr``, to ``_shipped_patterns.py``; a process's first compile looks a pattern up there
+before it traces anything (``_pattern.traced_pattern``).
+
+An entry is found by the description of what was traced (``key``: the search function, its
+example-input maker, transform, dtypes, decompositions and scalar stand-ins, named by module and
+qualified name, never by bytecode, so one file serves every Python version) and used only when
+everything else the trace depended on is unchanged:
+- torch (version and git revision) and the tracing code (``_pattern._trace_graph`` and the other
+  functions ``MACHINERY`` names), checked once for the whole file;
+- per entry, the source of every ``ascend_passes`` module whose code ran while it was traced
+  (recorded by the generator with a profile hook: the search function's module, its helpers, the
+  ascend ops' fake implementations, a transform), with every module of ``ascend_passes.patterns``
+  and ``ascend_passes.ops`` they import, and the version of any other package whose code ran
+  (transformers).
+Anything else (another torch, an edited pattern module, a pattern the file does not hold) falls
+back to tracing, with one INFO line per reason and process.  ``ASCEND_PASSES_SHIPPED_PATTERNS=0``
+switches the file off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import importlib
+import importlib.metadata
+import inspect
+import logging
+import math
+import operator
+import os
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch._inductor import pattern_matcher as pm
+from torch.fx.immutable_collections import immutable_dict, immutable_list
+
+log = logging.getLogger("ascend_passes.passes.pattern")
+
+SHIPPED_ENV = "ASCEND_PASSES_SHIPPED_PATTERNS"
+"""``0`` / ``off`` / ``false`` / ``no``: ignore the shipped pre-traced patterns (trace, or use the
+on-disk cache, as before)."""
+MODULE = "ascend_passes.passes._shipped_patterns"
+"""The generated module (``tools/gen_patterns.py`` writes it)."""
+FORMAT = 1
+"""Bump when the generated module's layout or the key's description changes."""
+MACHINERY = ("_trace_graph", "_trace_initial", "_decomp_fn", "required_ops", "traced_pattern")
+"""Functions of ``_pattern`` that make a trace and whose source enters the file's header key."""
+_PATTERN_LIBRARY = ("ascend_passes.patterns", "ascend_passes.ops")
+
+
+def enabled() -> bool:
+    return os.environ.get(SHIPPED_ENV, "").strip().lower() not in ("0", "off", "false", "no")
+
+
+# ------------------------------------------------------------------------------- keys
+def key(parts: Any) -> tuple[str, str] | None:
+    """``(sha256, description)`` of an initial trace's parts (``traced_pattern``), or None when
+    they cannot be described across processes."""
+    from . import _pattern
+
+    try:
+        text = repr((FORMAT, _pattern._describe(parts, set(), code=False)))
+    except _pattern._NotStable:
+        return None
+    return hashlib.sha256(text.encode()).hexdigest()[:32], text
+
+
+@functools.cache
+def header() -> dict[str, str]:
+    """What the whole file depends on: torch and the tracing code."""
+    from . import _pattern
+
+    machinery = hashlib.sha256()
+    for name in MACHINERY:
+        machinery.update(inspect.getsource(getattr(_pattern, name)).encode())
+    return {
+        "format": str(FORMAT),
+        "torch": torch.__version__,
+        "torch_git": str(torch.version.git_version),
+        "machinery": machinery.hexdigest(),
+    }
+
+
+@functools.cache
+def module_digest(name: str) -> str | None:
+    """sha256 of module ``name``'s source file, or None where it has none."""
+    from ..pass_manager import _module_file
+
+    path = _module_file(name)
+    if path is None:
+        return None
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+@functools.cache
+def package_version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return getattr(sys.modules.get(name), "__version__", None)
+
+
+# ------------------------------------------------------------------------------- lookup
+_LOCK = threading.Lock()
+_LOGGED: set[str] = set()
+
+
+def _info_once(reason: str, message: str, *args: Any) -> None:
+    with _LOCK:
+        if reason in _LOGGED:
+            return
+        _LOGGED.add(reason)
+    log.info(message, *args)
+
+
+@functools.cache
+def _shipped() -> Any:
+    """The generated module, or None (absent, or made for another torch / tracing code)."""
+    try:
+        module = importlib.import_module(MODULE)
+    except ImportError:
+        _info_once("absent", "no shipped pre-traced patterns (%s): patterns are traced", MODULE)
+        return None
+    now = header()
+    if module.HEADER != now:
+        differs = ", ".join(f"{k} {module.HEADER.get(k)} -> {v}" for k, v in now.items() if module.HEADER.get(k) != v)
+        _info_once(
+            "header",
+            "shipped pre-traced patterns not used (%s); patterns are traced: run python tools/gen_patterns.py",
+            differs,
+        )
+        return None
+    return module
+
+
+def _stale(entry: tuple[Any, ...], module: Any) -> str | None:
+    """Why a shipped entry's sources or packages differ from this installation, or None."""
+    modules, packages = module.DEPENDS[entry[2]]
+    for name in modules:
+        if module_digest(name) != module.SOURCES.get(name):
+            return f"{name} changed since the patterns were generated"
+    for name in packages:
+        if package_version(name) != module.PACKAGES.get(name):
+            return f"{name} {package_version(name)} is not {module.PACKAGES.get(name)}"
+    return None
+
+
+def lookup(digest: str) -> tuple[Any, str] | None:
+    """``(pattern, identity)`` of the shipped entry ``digest``, or None (switched off, absent,
+    stale: traced instead)."""
+    if not enabled():
+        return None
+    module = _shipped()
+    if module is None:
+        return None
+    entry = module.ENTRIES.get(digest)
+    if entry is None:
+        return None
+    reason = _stale(entry, module)
+    if reason is not None:
+        _info_once(
+            f"stale {reason}",
+            "shipped pre-traced patterns not used where %s; those are traced: run python tools/gen_patterns.py",
+            reason,
+        )
+        return None
+    try:
+        pattern = entry[0]()
+    except Exception as exc:  # an operator this process does not have: trace instead
+        log.debug("shipped pattern %s not built (%s: %s)", digest, type(exc).__name__, exc)
+        return None
+    return pattern, entry[1]
+
+
+# ------------------------------------------------------------------------------- recording
+class Recorder:
+    """What the generator collects: per traced entry, the description, the pattern, its identity
+    and the code that ran while it was traced."""
+
+    def __init__(self) -> None:
+        self.entries: dict[str, tuple[str, Any, str, frozenset[str], str]] = {}
+
+    @contextlib.contextmanager
+    def tracing(self) -> Iterator[set[str]]:
+        files: set[str] = set()
+
+        def profile(frame: Any, event: str, arg: Any) -> None:
+            if event == "call" and frame.f_code.co_name != "<module>":  # not a module's import
+                files.add(frame.f_code.co_filename)
+
+        old = sys.getprofile()
+        torch.manual_seed(0)  # real example inputs: the same ones in every generation
+        sys.setprofile(profile)
+        try:
+            yield files
+        finally:
+            sys.setprofile(old)
+
+    def add(self, shipped_key: tuple[str, str], traced: Any, files: set[str], text: str) -> None:
+        self.entries[shipped_key[0]] = (shipped_key[1], traced.pattern, traced.identity, frozenset(files), text)
+
+
+RECORDER: Recorder | None = None
+"""Set by the generator: traces then record what ran (``_pattern.traced_pattern``)."""
+
+
+def _module_names() -> dict[str, str]:
+    """``{resolved source file: module name}`` of the imported modules."""
+    out = {}
+    for name, module in list(sys.modules.items()):
+        path = getattr(module, "__file__", None)
+        if path and path.endswith(".py"):
+            out.setdefault(str(Path(path).resolve()), name)
+    return out
+
+
+_NOT_TRACE_INPUTS = ("torch", "typing_extensions", "tqdm", "jinja2", "setuptools", "pkg_resources")
+"""Packages whose code may run during a trace without shaping it (progress bars, templates, import
+hooks)."""
+_TORCH_DIR = str(Path(torch.__file__).resolve().parent)
+_STDLIB = str(Path(os.__file__).resolve().parent)
+
+
+def code_that_ran(files: frozenset[str], names: dict[str, str]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """``(ascend_passes modules, other packages)`` whose code ran, from the files the profile hook
+    saw: the machinery (``_pattern``, this module) is in the header instead; every module of the
+    pattern library and op schemas an ascend_passes module of the list imports is added."""
+    from ..pass_manager import _imports, _module_file
+
+    modules: set[str] = set()
+    packages: set[str] = set()
+    for file in files:
+        if not file.endswith(".py"):
+            continue
+        resolved = str(Path(file).resolve())
+        if resolved.startswith(_TORCH_DIR) or resolved.startswith(_STDLIB) and "site-packages" not in resolved:
+            continue
+        name = names.get(resolved)
+        if name is None:
+            continue
+        top = name.partition(".")[0]
+        if top == "ascend_passes":
+            if name not in ("ascend_passes.passes._pattern", __name__):
+                modules.add(name)
+        elif not top.startswith("_") and top not in sys.stdlib_module_names and top not in _NOT_TRACE_INPUTS:
+            packages.add(top)
+    # the pattern library and op schemas the recorded modules import (constants read from them)
+    todo = sorted(modules)
+    seen = set(todo)
+    while todo:
+        name = todo.pop()
+        path = _module_file(name)
+        if path is None:
+            continue
+        for imported in _imports(name, path):
+            if imported in seen or not imported.startswith(_PATTERN_LIBRARY):
+                continue
+            if _module_file(imported) is None:
+                continue
+            seen.add(imported)
+            modules.add(imported)
+            todo.append(imported)
+    return tuple(sorted(modules)), tuple(sorted(packages))
+
+
+# ------------------------------------------------------------------------------- source
+class _Writer:
+    """Python source that rebuilds one ``PatternExpr`` (a function body): every call node, and every
+    leaf used more than once, is a variable, so the rebuilt pattern shares what the traced one
+    shares."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+        self.names: dict[int, str] = {}
+        self.uses: dict[int, int] = {}
+        self.counter = 0
+
+    def count(self, obj: Any) -> None:
+        if isinstance(obj, pm.PatternExpr):
+            self.uses[id(obj)] = self.uses.get(id(obj), 0) + 1
+            if self.uses[id(obj)] > 1:
+                return
+            for child in self.children(obj):
+                self.count(child)
+        elif isinstance(obj, (list, tuple)):
+            for x in obj:
+                self.count(x)
+        elif isinstance(obj, dict):
+            for x in obj.values():
+                self.count(x)
+
+    @staticmethod
+    def children(obj: pm.PatternExpr) -> list[Any]:
+        if isinstance(obj, pm._TargetArgsExpr):
+            return [*obj.args, *obj.kwargs.values()]
+        if isinstance(obj, pm.MultiOutputPattern):
+            return [x for x in obj.outputs if x is not None]
+        if isinstance(obj, pm.ListOf):
+            return [obj.pattern]
+        return []
+
+    def expr(self, obj: Any) -> str:
+        if isinstance(obj, pm.PatternExpr):
+            if id(obj) in self.names:
+                return self.names[id(obj)]
+            text = self.construct(obj)
+            if isinstance(obj, (pm._TargetArgsExpr, pm.MultiOutputPattern)) or self.uses.get(id(obj), 0) > 1:
+                self.counter += 1
+                name = f"p{self.counter}"
+                self.lines.append(f"{name} = {text}")
+                self.names[id(obj)] = name
+                return name
+            return text
+        return literal(obj)
+
+    def construct(self, obj: pm.PatternExpr) -> str:
+        kind = type(obj)
+        if kind is pm.CallFunction:
+            args = [fns_literal(obj.fns), *(self.expr(a) for a in obj.args)]
+            args += [f"{k}={self.expr(v)}" for k, v in obj.kwargs.items()]
+            if obj.users is pm.MULTIPLE:
+                args.append("_users=MULTIPLE")
+            elif obj.users != 1:
+                args.append(f"_users={obj.users!r}")
+            return f"CallFunction({', '.join(args)})"
+        if kind in (pm.KeywordArg, pm.ExclusiveKeywordArg, pm.Ignored, pm.Arg):
+            text = (
+                f"{kind.__name__}({obj.name!r})"
+                if kind in (pm.KeywordArg, pm.ExclusiveKeywordArg)
+                else f"{kind.__name__}()"
+            )
+            if "users" in vars(obj):  # fx_to_pattern counts a placeholder's users too
+                text = f"users({text}, {literal(obj.users)})"
+            return text
+        if kind is pm.MultiOutputPattern:
+            return f"MultiOutputPattern([{', '.join(self.expr(x) for x in obj.outputs)}])"
+        if kind is pm.ListOf:
+            return f"ListOf({self.expr(obj.pattern)}, partial={obj.partial!r})"
+        raise ValueError(f"no source for a {kind.__qualname__}")
+
+
+def fns_literal(fns: list[Any]) -> str:
+    if len(fns) == 1:
+        return literal(fns[0])
+    return "[" + ", ".join(literal(f) for f in fns) + "]"
+
+
+def literal(obj: Any) -> str:
+    """Python source of a constant of a pattern."""
+    if obj is None or isinstance(obj, (bool, int, str)):
+        return repr(obj)
+    if isinstance(obj, float):
+        return repr(obj) if math.isfinite(obj) else f"float({str(obj)!r})"
+    if isinstance(obj, torch._ops.OpOverload):
+        namespace, name = obj._schema.name.split("::")
+        overload = obj._overloadname or "default"
+        prefix = namespace if namespace in ("aten", "prims") else f"torch.ops.{namespace}"
+        if name.isidentifier() and overload.isidentifier():
+            return f"{prefix}.{name}.{overload}"
+        return f"_op({obj._schema.name!r}, {overload!r})"
+    if isinstance(obj, (torch.dtype, torch.memory_format, torch.layout)):
+        text = str(obj)
+        assert eval(text, {"torch": torch}) is obj
+        return text
+    if isinstance(obj, torch.device):
+        return f"torch.device({str(obj)!r})"
+    if obj is pm.MULTIPLE:
+        return "MULTIPLE"
+    if isinstance(obj, list):
+        text = "[" + ", ".join(map(literal_or_raise, obj)) + "]"
+        return f"immutable_list({text})" if type(obj) is immutable_list else text
+    if isinstance(obj, tuple):
+        return "(" + "".join(f"{literal_or_raise(x)}, " for x in obj) + ")"
+    if isinstance(obj, dict):
+        text = "{" + ", ".join(f"{literal_or_raise(k)}: {literal_or_raise(v)}" for k, v in obj.items()) + "}"
+        return f"immutable_dict({text})" if type(obj) is immutable_dict else text
+    if callable(obj) and getattr(obj, "__module__", None) in ("operator", "_operator", "math"):
+        module = "operator" if obj.__module__ == "_operator" else obj.__module__
+        if getattr(sys.modules[module], obj.__name__, None) is obj:
+            return f"{module}.{obj.__name__}"
+    raise ValueError(f"no source for {obj!r} ({type(obj).__qualname__})")
+
+
+_CURRENT: _Writer | None = None
+
+
+def literal_or_raise(obj: Any) -> str:
+    if isinstance(obj, pm.PatternExpr):
+        assert _CURRENT is not None
+        return _CURRENT.expr(obj)
+    return literal(obj)
+
+
+def pattern_source(pattern: pm.PatternExpr) -> list[str]:
+    """Lines that rebuild ``pattern`` and ``return`` it."""
+    global _CURRENT
+    writer = _Writer()
+    writer.count(pattern)
+    _CURRENT = writer
+    try:
+        out = writer.expr(pattern)
+    finally:
+        _CURRENT = None
+    return [*writer.lines, f"return {out}"]
+
+
+def users(leaf: pm.PatternExpr, count: Any) -> pm.PatternExpr:
+    """``leaf`` with the user count ``fx_to_pattern`` gave it."""
+    leaf.users = count  # type: ignore[attr-defined]
+    return leaf
+
+
+def _op(qualname: str, overload: str) -> torch._ops.OpOverload:
+    namespace, name = qualname.split("::")
+    return getattr(getattr(getattr(torch.ops, namespace), name), overload)
+
+
+NAMESPACE: dict[str, Any] = {
+    "torch": torch,
+    "aten": torch.ops.aten,
+    "prims": torch.ops.prims,
+    "operator": operator,
+    "math": math,
+    "CallFunction": pm.CallFunction,
+    "KeywordArg": pm.KeywordArg,
+    "ExclusiveKeywordArg": pm.ExclusiveKeywordArg,
+    "Ignored": pm.Ignored,
+    "Arg": pm.Arg,
+    "MultiOutputPattern": pm.MultiOutputPattern,
+    "ListOf": pm.ListOf,
+    "MULTIPLE": pm.MULTIPLE,
+    "immutable_list": immutable_list,
+    "immutable_dict": immutable_dict,
+    "users": users,
+    "_op": _op,
+}
+
+
+def rebuild(lines: list[str]) -> pm.PatternExpr:
+    """Run ``pattern_source``'s lines (the generator's round-trip check)."""
+    body = "".join(f"    {line}\n" for line in lines)
+    scope: dict[str, Any] = dict(NAMESPACE)
+    exec(f"def _build():\n{body}", scope)
+    return scope["_build"]()
+
+
+# ------------------------------------------------------------------------------- generation
+def label(key: Any, fn: Any, decompositions: str) -> str:
+    """A short readable name of an initial trace (a comment in the generated module)."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    dtypes: list[str] = []
+
+    def collect(obj: Any) -> None:
+        if isinstance(obj, torch.dtype):
+            dtypes.append(str(obj).removeprefix("torch."))
+        elif isinstance(obj, (tuple, list)):
+            for x in obj:
+                collect(x)
+        elif isinstance(obj, str):
+            dtypes.append(obj)
+
+    collect(key)
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', '?')} [{', '.join(dtypes)}] {decompositions}"
+
+
+def trace_all() -> None:
+    """Ask ``traced_pattern`` for every initial trace the pattern passes can ask for: each
+    ``REWRITES`` row of every pattern pass in each of its dtypes, every MoE search in each variant,
+    dtype combination and transform, every MLA form in the dtypes it is traced in; both graph
+    forms (plain AOT and Inductor post-grad)."""
+    from . import PASS_TABLE, _pattern, mla, moe, pass_class
+
+    with contextlib.suppress(ImportError):  # torch.ops.transformers.grouped_mm_fallback
+        importlib.import_module("transformers.integrations.moe")
+    requests: list[tuple[Callable[..., Any], tuple[Any, ...]]] = []
+    for decompositions in ("none", "inductor"):
+        for name in PASS_TABLE:
+            cls = pass_class(name)
+            if isinstance(cls, type) and issubclass(cls, _pattern.PatternPass) and cls.patterns:
+                for rw in importlib.import_module(cls.patterns).REWRITES:
+                    requests += [(_pattern.rewrite_pattern, (rw, dtype, decompositions)) for dtype in rw.dtypes]
+        requests += [(trace, ()) for name in moe._SEARCH for trace in moe._pattern_traces(name, decompositions)]
+        for form in mla.patterns.FORMS:
+            for dtype in _pattern.FLOAT_DTYPES if form.norm == "hf" else (torch.float32,):
+                requests.append((mla._pattern, (form, dtype, decompositions)))
+    for fn, args in requests:
+        try:
+            fn(*args)
+        except Exception as exc:  # not traceable here: traced (or failing) at run time as before
+            what = (
+                label(fn.args[0], fn.args[1], fn.keywords["decompositions"])
+                if isinstance(fn, functools.partial)
+                else args
+            )
+            log.warning("not traced: %s (%s: %s)", what, type(exc).__name__, exc)
+
+
+def _clear(memo: Any) -> None:
+    if hasattr(memo, "cache_clear"):  # functools.cache (a test may have swapped it out)
+        memo.cache_clear()
+
+
+@contextlib.contextmanager
+def _isolated() -> Iterator[None]:
+    """No shipped patterns, no on-disk cache, empty in-process caches (as in a new process)."""
+    from . import _pattern, moe
+
+    saved = {k: os.environ.get(k) for k in (SHIPPED_ENV, _pattern.CACHE_ENV)}
+    traced = _pattern._TRACED
+    os.environ[SHIPPED_ENV] = "0"
+    os.environ[_pattern.CACHE_ENV] = "0"
+    _pattern._TRACED = _pattern._Lru(traced.size)
+    _clear(moe._patterns)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        _pattern._TRACED = traced
+        _clear(moe._patterns)
+
+
+def generate() -> str:
+    """The source of the generated module: every pattern ``trace_all`` traces in this process
+    (tools/gen_patterns.py writes it)."""
+    global RECORDER
+    recorder = Recorder()
+    with _isolated():
+        RECORDER = recorder
+        try:
+            trace_all()
+        finally:
+            RECORDER = None
+    names = _module_names()
+    bodies: dict[str, str] = {}  # function body -> function name (equal traces share one)
+    functions: list[str] = []
+    rows: list[str] = []
+    sources: dict[str, str] = {}
+    packages: dict[str, str | None] = {}
+    depends: dict[tuple[tuple[str, ...], tuple[str, ...]], int] = {}
+    skipped = 0
+    for digest in sorted(recorder.entries):
+        description, pattern, identity, files, text = recorder.entries[digest]
+        try:
+            lines = pattern_source(pattern)
+            rebuilt = rebuild(lines)
+            if not (pattern.pattern_eq(rebuilt) and pattern_source(rebuilt) == lines):
+                raise ValueError("the rebuilt pattern differs")
+        except Exception as exc:  # traced at run time instead
+            log.warning("not shipped: %s (%s)", text, exc)
+            skipped += 1
+            continue
+        body = "".join(f"    {line}\n" for line in lines)
+        name = bodies.get(body)
+        if name is None:
+            name = bodies[body] = f"_p{len(bodies)}"
+            functions.append(f"def {name}():\n{body}")
+        modules, others = code_that_ran(files, names)
+        for module in modules:
+            source = module_digest(module)
+            assert source is not None, module
+            sources[module] = source
+        for package in others:
+            packages[package] = package_version(package)
+        index = depends.setdefault((modules, others), len(depends))
+        rows.append(f"    {digest!r}: ({name}, {identity!r}, {index}),  # {text}\n")
+    head = header()
+    out = [
+        '"""Pre-traced patterns of the pattern passes (``_shipped``), generated by ``python tools/gen_patterns.py``',
+        f'for torch {head["torch"]}: do not edit; regenerate after changing a pattern or torch."""',
+        "# ruff: noqa",
+        "# fmt: off",
+        "import operator",
+        "",
+        "import torch",
+        "from torch._inductor.pattern_matcher import (",
+        "    MULTIPLE, Arg, CallFunction, ExclusiveKeywordArg, Ignored, KeywordArg, ListOf, MultiOutputPattern,",
+        ")",
+        "from torch.fx.immutable_collections import immutable_dict, immutable_list",
+        "",
+        "from ascend_passes.passes._shipped import _op, users",
+        "",
+        "aten = torch.ops.aten",
+        "prims = torch.ops.prims",
+        "",
+        f"HEADER = {head!r}",
+        "SOURCES = {",
+        *(f"    {k!r}: {sources[k]!r}," for k in sorted(sources)),
+        "}",
+        "PACKAGES = {",
+        *(f"    {k!r}: {packages[k]!r}," for k in sorted(packages)),
+        "}",
+        "# (modules whose source a trace depends on, other packages whose code ran while tracing)",
+        "DEPENDS = [",
+        *(f"    {d!r},  # {i}" for d, i in depends.items()),
+        "]",
+        f"# {len(rows)} traces, {len(functions)} distinct patterns, {skipped} not shipped",
+        "",
+        "",
+        *(f"{f}\n\n" for f in functions),
+        "# sha256 of the trace's description: (pattern, identity, DEPENDS index)",
+        "ENTRIES = {",
+        "".join(rows) + "}",
+        "",
+    ]
+    return "\n".join(out)
+
+
+def generated_path() -> Path:
+    """Where the generated module lives (beside this one)."""
+    return Path(__file__).with_name(MODULE.rpartition(".")[2] + ".py")

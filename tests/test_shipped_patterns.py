@@ -1,0 +1,174 @@
+"""The pre-traced patterns shipped with the package (``ascend_passes/passes/_shipped.py``, written by
+``python tools/gen_patterns.py``): they are current (every pattern the passes can ask for is served
+from the file and equals a fresh trace), a first compile with an empty on-disk cache traces nothing
+for a DeepSeek-V3 graph, and an entry whose key no longer fits (an edited pattern module, another
+torch) is not used: the pattern is traced, with one INFO line, and the compile rewrites the same."""
+
+from __future__ import annotations
+
+import collections
+import importlib
+import logging
+
+import pytest
+import torch
+from _helpers import compile_and_run
+
+from ascend_passes.models import deepseek_v3
+from ascend_passes.passes import _pattern, _shipped, moe
+
+REGENERATE = "run python tools/gen_patterns.py"
+
+
+@pytest.fixture
+def new_process(tmp_path, monkeypatch):
+    """Empty in-process pattern caches, an empty on-disk cache, the shipped patterns on and their
+    one-per-process log lines not yet written."""
+    monkeypatch.setenv(_pattern.CACHE_DIR_ENV, str(tmp_path / "patterns"))
+    monkeypatch.delenv(_pattern.CACHE_ENV, raising=False)
+    monkeypatch.delenv(_shipped.SHIPPED_ENV, raising=False)
+    monkeypatch.setattr(_pattern, "_TRACED", _pattern._Lru(4096))
+    monkeypatch.setattr(moe, "_patterns", moe._patterns.__wrapped__)
+    monkeypatch.setattr(_shipped, "_LOGGED", set())
+
+
+def counted(fn):
+    before = collections.Counter(_pattern.STATS)
+    out = fn()
+    return out, {k: v - before[k] for k, v in _pattern.STATS.items() if v != before[k]}
+
+
+def shipped_module():
+    return importlib.import_module(_shipped.MODULE)
+
+
+def test_shipped_patterns_are_current(new_process, monkeypatch):
+    """Every pattern the passes can ask for (``_shipped.trace_all``) comes from the file; one that
+    would be traced instead (an edited pattern, a new rewrite) fails with the tool to run, and an
+    entry nothing asks for any more (a removed rewrite) too."""
+    module = shipped_module()
+    assert module.HEADER == _shipped.header(), f"shipped patterns made for {module.HEADER}: {REGENERATE}"
+    monkeypatch.setenv(_pattern.CACHE_ENV, "0")
+    stale: list[str] = []
+    real = _pattern._trace_initial
+
+    def trace_initial(fn, *args, **kwargs):
+        traced = real(fn, *args, **kwargs)  # the ones that cannot be traced here raise: not shippable
+        stale.append(_shipped.label((), fn, args[2]))
+        return traced
+
+    monkeypatch.setattr(_pattern, "_trace_initial", trace_initial)
+    _, delta = counted(_shipped.trace_all)
+    assert not stale, f"patterns not in the shipped file or changed since it was made: {stale}: {REGENERATE}"
+    assert delta.get("shipped_hits", 0) == len(module.ENTRIES), f"entries nothing asks for: {REGENERATE}"
+
+
+def _retraced(requests) -> dict[str, tuple]:
+    recorder = _shipped.Recorder()
+    with _shipped._isolated():
+        _shipped.RECORDER = recorder
+        try:
+            for fn, args in requests:
+                fn(*args)
+        finally:
+            _shipped.RECORDER = None
+    return recorder.entries
+
+
+def test_shipped_patterns_equal_fresh_traces(new_process):
+    """The norm table (both graph forms) and a MoE router (real example inputs) traced now: the same
+    keys, identities and patterns as the file holds (the tracing code's own changes, which the keys
+    do not see, are caught here)."""
+    from ascend_passes.patterns import norm
+
+    requests = [
+        (_pattern.rewrite_pattern, (rw, dtype, decompositions))
+        for decompositions in ("none", "inductor")
+        for rw in norm.REWRITES
+        for dtype in rw.dtypes
+    ]
+    entries = _retraced([*requests, (moe._patterns, ("deepseek_router", "none"))])
+    assert len(entries) > 10
+    module = shipped_module()
+    for digest, (_, pattern, identity, _, text) in entries.items():
+        assert digest in module.ENTRIES, f"{text} is not shipped: {REGENERATE}"
+        build, shipped_identity, _ = module.ENTRIES[digest]
+        assert shipped_identity == identity, f"{text} traces differently now: {REGENERATE}"
+        assert _shipped.pattern_source(build()) == _shipped.pattern_source(pattern), text
+
+
+def test_cold_compile_traces_nothing(new_process):
+    """The first compile of a process with an empty on-disk cache: every pattern of a DeepSeek-V3 graph
+    comes from the shipped file (no search function traced), the output as the model's."""
+    model, inputs = deepseek_v3("grouped_mm", num_layers=2)
+    with torch.no_grad():
+        ref = model(*inputs)
+    (out, reports), delta = counted(lambda: compile_and_run(model, inputs, compiler="eager"))
+    assert "traced" not in delta and delta["shipped_hits"] >= 50, delta
+    ops = reports[0].rewritten_ops()
+    assert ops["ascend.moe_finalize_routing"] == 1 and ops["ascend.mla_prolog"] == 2, ops
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+
+
+def _compile(model, inputs):
+    (out, reports), delta = counted(lambda: compile_and_run(model, inputs, compiler="eager"))
+    report = reports[0]
+    return out, report.rewritten_ops(), {n: r.counts() for n, r in report.passes.items()}, delta
+
+
+def test_mismatched_entries_are_traced_with_the_same_rewrites(new_process, monkeypatch, caplog):
+    """An edited pattern module (its source digest differs from the file's) and another torch: those
+    patterns are traced instead, one INFO line says why and what to run, and the compile gives the
+    same rewrites and output as with the shipped patterns."""
+    model, inputs = deepseek_v3("grouped_mm", num_layers=1)
+    shipped = _compile(model, inputs)
+    assert "traced" not in shipped[3]
+
+    def fresh():
+        monkeypatch.setattr(_pattern, "_TRACED", _pattern._Lru(4096))  # moe._patterns: unmemoised (fixture)
+
+    fresh()
+    monkeypatch.setitem(shipped_module().SOURCES, "ascend_passes.patterns.norm", "0" * 64)
+    with caplog.at_level(logging.INFO, logger="ascend_passes.passes.pattern"):
+        edited = _compile(model, inputs)
+    lines = [r.getMessage() for r in caplog.records if "shipped" in r.getMessage()]
+    assert len(lines) == 1 and "ascend_passes.patterns.norm changed" in lines[0] and "gen_patterns" in lines[0]
+    assert 0 < edited[3]["traced"] < shipped[3]["shipped_hits"] and edited[3]["shipped_hits"] > 0
+    assert edited[1:3] == shipped[1:3]
+    assert torch.equal(edited[0], shipped[0])
+
+    fresh()
+    caplog.clear()
+    monkeypatch.setattr(_shipped, "header", lambda: {**shipped_module().HEADER, "torch": "2.99.0"})
+    monkeypatch.setattr(_shipped, "_shipped", _shipped._shipped.__wrapped__)
+    with caplog.at_level(logging.INFO, logger="ascend_passes.passes.pattern"):
+        other_torch = _compile(model, inputs)
+    lines = [r.getMessage() for r in caplog.records if "shipped" in r.getMessage()]
+    assert len(lines) == 1 and "2.99.0" in lines[0] and "gen_patterns" in lines[0], lines
+    # every pattern traced, or loaded from the on-disk cache where the norm ones were written above
+    assert "shipped_hits" not in other_torch[3]
+    assert other_torch[3]["traced"] + other_torch[3].get("disk_hits", 0) == shipped[3]["shipped_hits"]
+    assert other_torch[1:3] == shipped[1:3]
+    assert torch.equal(other_torch[0], shipped[0])
+
+
+def test_pattern_source_round_trip():
+    """What the generator writes rebuilds the pattern: call nodes shared by several users stay shared,
+    a placeholder's user count and fx's immutable lists survive, numbers are exact."""
+    from torch._inductor import pattern_matcher as pm
+
+    def search(x, w):
+        y = torch.relu(x)
+        return torch.cat([torch.mm(y, w), y * 2.5], dim=1).sum(-1)
+
+    traced = _pattern.traced_pattern(
+        "test_pattern_source", search, lambda: [torch.randn(4, 8), torch.randn(8, 8)], ignore_types=()
+    )
+    lines = _shipped.pattern_source(traced.pattern)
+    rebuilt = _shipped.rebuild(lines)
+    assert traced.pattern.pattern_eq(rebuilt) and _shipped.pattern_source(rebuilt) == lines
+    text = "\n".join(lines)
+    assert "immutable_list([" in text and "_users=2" in text and "2.5" in text and "users(KeywordArg('x'), 1)" in text
+    assert isinstance(rebuilt, pm.CallFunction)
+    with pytest.raises(ValueError, match="no source"):
+        _shipped.literal(object())

@@ -8,7 +8,7 @@ keeps process-wide state (compilation counters, the Dynamo cache, the platform) 
 ``LLM`` in one process would inherit.  The checkpoint and the reference run (vLLM's own Inductor
 route) are made once per pytest process and shared with tests/test_vllm_plugin.py
 (``shared_checkpoint``, ``reference_run``); every run gets fresh vLLM and Inductor caches (a cache hit
-would skip the passes).
+would skip the passes); only the C++ compiler's outputs are shared (``fresh_caches``).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _cxx_cache import compiler_env
 from _helpers import skip_unless
 
 try:
@@ -128,9 +130,33 @@ _RUNNER = textwrap.dedent("""
 
 def fresh_caches(name: str) -> dict[str, str]:
     """Environment of a run with vLLM and Inductor caches of its own (under this pytest process's
-    temporary folder): a cache hit would skip the passes; runs given one ``name`` share them."""
+    temporary folder): a cache hit would skip the passes; runs given one ``name`` share them.
+
+    Only ``g++``'s outputs are shared by every run of the pytest process (tests/_cxx_cache.py: the
+    same sources and flags give the same binary; Dynamo, the passes and Inductor's code generation
+    still run): each cold engine would otherwise spend ~55 CPU-s compiling the kernels and the
+    precompiled header the runs before it compiled already.  A new cache also starts with the model
+    registry's answer of an earlier run (``_seed_model_info``)."""
     root = Path(_shared_tmp()) / "caches" / name
-    return {"VLLM_CACHE_ROOT": str(root / "vllm"), "TORCHINDUCTOR_CACHE_DIR": str(root / "inductor")}
+    _seed_model_info(root / "vllm")
+    return {
+        "VLLM_CACHE_ROOT": str(root / "vllm"),
+        "TORCHINDUCTOR_CACHE_DIR": str(root / "inductor"),
+        **compiler_env(Path(_shared_tmp()) / "cxx"),
+    }
+
+
+def _seed_model_info(vllm_root: Path) -> None:
+    """Copy an earlier run's ``modelinfos`` (vLLM's model registry: the capabilities of the
+    DeepseekV3ForCausalLM class, keyed by the hash of vLLM's model file) into a new vLLM cache: vLLM
+    otherwise imports itself once more in a subprocess to inspect the class (~16 CPU-s per engine).
+    Nothing compiled is copied: ``torch_compile_cache``, which the warm-start tests read, starts empty."""
+    if (vllm_root / "modelinfos").exists():
+        return
+    for earlier in sorted((Path(_shared_tmp()) / "caches").glob("*/vllm/modelinfos")):
+        if any(earlier.glob("*.json")):
+            shutil.copytree(earlier, vllm_root / "modelinfos")
+            return
 
 
 def _generate(

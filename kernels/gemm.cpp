@@ -182,11 +182,12 @@ GemmRoute fp32_gemm_route() {
   const char* env = std::getenv("ASCEND_PASSES_GEMM");
   if (env == nullptr || *env == '\0') return GemmRoute::kAuto;
   const std::string choice(env);
-  TORCH_CHECK_VALUE(choice == "auto" || choice == "own" || choice == "blas" || choice == "stream",
-                    "ASCEND_PASSES_GEMM must be one of auto, own, blas, stream; got '", choice, "'");
+  TORCH_CHECK_VALUE(choice == "auto" || choice == "own" || choice == "blas" || choice == "stream" || choice == "swap",
+                    "ASCEND_PASSES_GEMM must be one of auto, own, blas, stream, swap; got '", choice, "'");
   return choice == "own"      ? GemmRoute::kOwn
          : choice == "blas"   ? GemmRoute::kBlas
          : choice == "stream" ? GemmRoute::kStream
+         : choice == "swap"   ? GemmRoute::kSwap
                               : GemmRoute::kAuto;
 }
 

@@ -44,7 +44,8 @@ struct NextWeight {
 // bf16 mm, K = 256: tile 33-43% / oneDNN 17-39%; K = 1024: tile 37-82% / oneDNN 41-70%.)
 // ASCEND_PASSES_GEMM=stream forces stream_gemm.h's kernel (no packing) for every fp32 piece it can run
 // (kAuto picks it for small pieces, by the rule in stream_gemm.cpp); other pieces then follow kAuto.
-enum class GemmRoute : int { kAuto = 0, kOwn = 1, kBlas = 2, kStream = 3 };
+// ASCEND_PASSES_GEMM=swap likewise forces swap_gemm.h's kernel (y^T = W x^T, W read in place).
+enum class GemmRoute : int { kAuto = 0, kOwn = 1, kBlas = 2, kStream = 3, kSwap = 4 };
 constexpr int64_t kOwnGemmMaxK = 512;
 
 // ASCEND_PASSES_GEMM read now (unset or empty: kAuto); any other value raises ValueError naming the

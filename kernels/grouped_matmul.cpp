@@ -26,6 +26,7 @@
 #include "kernels.h"
 #include "skinny.h"
 #include "stream_gemm.h"
+#include "swap_gemm.h"
 
 #include <algorithm>
 #include <atomic>
@@ -144,6 +145,11 @@ void mm_f32(const at::Tensor& x, const at::Tensor& w, at::Tensor& y, const NextW
   if (gemm && w.scalar_type() == at::kBFloat16) {
     gemm_nt(x.const_data_ptr<float>(), x.stride(0), w.const_data_ptr<c10::BFloat16>(), w.stride(1), y.data_ptr<float>(),
             y.stride(0), m, n, k, next);
+    return;
+  }
+  if (gemm && w.scalar_type() == at::kFloat && fp32_piece_takes_swap_gemm(route, m, k, n)) {  // swap_gemm.h
+    swap_gemm_nt(x.const_data_ptr<float>(), x.stride(0), w.const_data_ptr<float>(), w.stride(1), y.data_ptr<float>(),
+                 y.stride(0), m, n, k, next);
     return;
   }
   if (gemm && w.scalar_type() == at::kFloat && fp32_piece_takes_stream_gemm(route, m, k, n)) {  // stream_gemm.h

@@ -883,9 +883,9 @@ GEMM_ROUTE_SCRIPT = textwrap.dedent(
     from ascend_passes.ops import reference
     K = torch.ops.ascend_kernels
     torch.manual_seed(3)
-    # groups at the streaming kernel's row bound + 1 and above; the 500-row group is cut into pieces of
-    # ceil(532 / (4 * 2 threads)) = 67 rows, above stream_gemm's bound (48), so k=513 still reaches MKL
-    group_list = torch.tensor([9, 500, 0, 23])
+    # groups at the streaming kernel's row bound + 1 and above; the 900-row group is cut into pieces of
+    # ceil(932 / (4 * 2 threads)) = 117 rows, above swap_gemm's bound (96), so k=513 still reaches MKL
+    group_list = torch.tensor([9, 900, 0, 23])
     for k in (512, 513):
         x = torch.randn(int(group_list.sum()), k)
         w = (torch.randn(4, 70, k) / 23).transpose(1, 2)  # HF's [E, N, K] storage
@@ -922,7 +922,7 @@ def test_fp32_prefill_gemm_route_switches_to_blas_above_the_depth_threshold():
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "gemm-route-ok" in run.stdout
-    assert "ASCEND_PASSES_GEMM must be one of auto, own, blas, stream; got 'fast'" in run.stdout
+    assert "ASCEND_PASSES_GEMM must be one of auto, own, blas, stream, swap; got 'fast'" in run.stdout
     sgemm_calls = {}
     for block in run.stdout.split("MARK ")[1:]:
         name, body = block.split("\n", 1)

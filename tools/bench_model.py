@@ -15,7 +15,10 @@ in the same run: the model's matmul FLOPs (FlopCounterMode on the ``batched_mm``
 the experts' bmm), a dense ``torch.mm`` [2048,1024]x[1024,4096] in each dtype and the fraction of
 that roofline each prefill reaches; for decode, the bytes the forward must read (all weights but
 the experts no token routes to and the embedding rows not looked up) and the fraction of copy
-bandwidth; and issue 18's ratios (bf16 prefill vs fp32 prefill and vs the best bf16 peer).
+bandwidth; and issue 18's ratios (bf16 prefill vs fp32 prefill and vs the best bf16 peer).  For prefill
+a "limits" line adds what a FLOP-only roofline leaves out: per matmul (``matmul_census``) its FLOPs at the
+dense mm rate and its weight bytes at copy bandwidth, summed as max(both) (the honest limit: at 1x256 an
+expert gets ~24 rows and its weight takes about as long to read as to multiply) and as their sum (no overlap).
 
 ``--model deepseek_v4`` (issue 19): Hugging Face DeepseekV4 at the same sizes where they apply (H=1024,
 moe_intermediate=256, 64 routed experts top-6, one shared expert, 4 layers: 1 hash-routed + 3
@@ -205,12 +208,61 @@ def model_facts(model: torch.nn.Module, batched: torch.nn.Module, ids: torch.Ten
     return float(counter.get_total_flops()), float(total)
 
 
+def matmul_census(model: torch.nn.Module, ids: torch.Tensor) -> list[tuple[float, float]]:
+    """(FLOPs, weight bytes) of every matmul of one eager forward of the ``grouped_mm`` model: mm / addmm /
+    bmm / attention by FlopCounterMode's formulas, ``_grouped_mm`` one entry per expert that gets rows (2 *
+    rows * K * N, its K * N weight); the bytes are those of the operands that are parameters, 0 for
+    matmuls of activations only (attention). At prefill an expert gets ~24 rows, so reading its weight takes about as
+    long as multiplying it: a FLOP-only roofline leaves that out."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils.flop_counter import flop_registry
+
+    aten = torch.ops.aten
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    census: list[tuple[float, float]] = []
+
+    def param_bytes(t: Any) -> int:
+        is_param = isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in params
+        return t.numel() * t.element_size() if is_param else 0
+
+    class Census(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            out = func(*args, **kwargs)
+            packet = func._overloadpacket
+            if packet is aten._grouped_mm:  # one entry per expert that gets rows
+                x, w = args[0], args[1]
+                offs = kwargs.get("offs", args[2] if len(args) > 2 else None)
+                rows = [x.shape[0]] if offs is None else torch.diff(offs, prepend=offs.new_zeros(1)).tolist()
+                weight = w[0].numel() * w.element_size() if param_bytes(w) else 0
+                census.extend((2.0 * r * w.shape[-2] * w.shape[-1], float(weight)) for r in rows if r > 0)
+            elif packet in flop_registry:
+                flops = flop_registry[packet](*args, **kwargs, out_val=out)
+                census.append((float(flops), float(sum(param_bytes(a) for a in args))))
+            return out
+
+    with torch.no_grad(), Census():
+        model(ids)
+    return census
+
+
 @dataclass
 class Facts:
     flops: float
     bytes_read: float
     mm_gflops: float
     copy_gbs: float
+    # (FLOPs, weight bytes) per matmul of the forward (matmul_census)
+    matmuls: list[tuple[float, float]] = dataclasses.field(default_factory=list)
+
+    def limits_ms(self) -> tuple[float, float, float]:
+        """(FLOPs / mm rate: issue 18's roofline, sum over matmuls of max(FLOPs / mm rate, weight bytes /
+        copy BW), sum of both with no overlap) in ms, from this cell's rates."""
+        rate, bw = self.mm_gflops * 1e9, self.copy_gbs * 1e9
+        flop = sum(f for f, _ in self.matmuls) / rate
+        most = sum(max(f / rate, b / bw) for f, b in self.matmuls)
+        both = flop + sum(b for _, b in self.matmuls) / bw
+        return 1e3 * flop, 1e3 * most, 1e3 * both
 
 
 def _total_memory() -> int:
@@ -245,6 +297,7 @@ def bench(
             model, (ids,) = factory("grouped_mm", num_layers=4, tokens=tokens, batch=batch, dtype=dtype, **config)
             batched, _ = factory("batched_mm", num_layers=4, tokens=tokens, batch=batch, dtype=dtype, **config)
             flops, bytes_read = model_facts(model, batched, ids)
+            matmuls = matmul_census(model, ids)
             mm_rates, copy_rates = [dense_mm_flops(dtype)], [copy_bandwidth()]
             reference = None
             for variant in variants:
@@ -282,7 +335,7 @@ def bench(
                 mm_rates.append(dense_mm_flops(dtype, 0.2))
                 copy_rates.append(copy_bandwidth(0.2))
                 fn = out = reports = None  # freed before the next variant compiles
-            facts[(shape, dtype_name)] = Facts(flops, bytes_read, max(mm_rates), max(copy_rates))
+            facts[(shape, dtype_name)] = Facts(flops, bytes_read, max(mm_rates), max(copy_rates), matmuls)
             del model, batched, reference
             torch._dynamo.reset()
             gc.collect()
@@ -334,7 +387,7 @@ def print_table(rows: list[Row], facts: dict[tuple[str, str], Facts], model_name
     console.print(table)
     console.print(
         "'vs best peer': against the fastest of the non-ascend variants of that shape and dtype; "
-        "'of limit': prefill = matmul FLOPs / time / dense mm rate (roofline), decode = bytes the "
+        "'of limit': prefill = matmul FLOPs / time / dense mm rate (FLOP-only roofline), decode = bytes the "
         "forward must read / time / copy bandwidth"
     )
     for (shape, dtype), f in facts.items():
@@ -343,6 +396,16 @@ def print_table(rows: list[Row], facts: dict[tuple[str, str], Facts], model_name
             f"(roofline {1e3 * f.flops / (f.mm_gflops * 1e9):.1f} ms), must read {f.bytes_read / 1e6:.1f} MB, "
             f"copy {f.copy_gbs:.1f} GB/s ({1e3 * f.bytes_read / (f.copy_gbs * 1e9):.2f} ms)"
         )
+        ours = best(shape, dtype, True)
+        if shape != "decode" and f.matmuls and ours:
+            flop, most, both = f.limits_ms()
+            weights = sum(b for _, b in f.matmuls)
+            console.print(
+                f"    limits: FLOP-only roofline {flop:.1f} ms ({100 * flop / ours:.0f}% reached, issue 18's "
+                f"fraction); per matmul max(FLOPs / mm rate, weight bytes / copy BW) {most:.1f} ms "
+                f"({100 * most / ours:.0f}%); FLOPs + weight reads with no overlap {both:.1f} ms "
+                f"({weights / 1e6:.0f} MB of weights); best ascend {ours:.1f} ms"
+            )
     for shape in {r.shape for r in rows}:
         ours_bf16, ours_fp32 = best(shape, "bfloat16", True), best(shape, "float32", True)
         peer_bf16 = best(shape, "bfloat16", False)
@@ -374,6 +437,7 @@ def _read_cell(path: Path) -> tuple[list[Row], dict[tuple[str, str], Facts]]:
                 rows.append(Row(**item["row"]))
             else:
                 shape, dtype, fact = item["facts"]
+                fact["matmuls"] = [tuple(m) for m in fact.get("matmuls", [])]
                 facts[(shape, dtype)] = Facts(**fact)
     return rows, facts
 

@@ -85,20 +85,23 @@ SCRIPT = textwrap.dedent(
 
     # decode schedule (at most 8 rows per group): 1-3 rows on the swapped kernel for K <= 512
     for k in (256, 31, 1, 96, 1024):
-        for n in (20, 100, 1024):
+        for n in (20, 100):
             grouped([1, 2, 3, 0, 0, 8, 1], k, n, 0, False, 2)
+    for k, n in ((256, 1024), (1024, 512)):  # the bench model's down / up projections
+        grouped([1, 2, 3, 0, 0, 8, 1], k, n, 0, False, 2)
     grouped([3, 0, 2, 1], 256, 100, 5, True, 2)
     grouped([2, 1, 0, 3], 33, 48, 1, False, 1)
     # prefill schedule: rows 15, 16, 17, 33 and skewed lists (empty groups, one hot group)
     for k in (64, 256, 31, 1):
-        for n in (20, 100, 1024):
+        for n in (20, 100):
             grouped([1, 15, 16, 17, 33, 0], k, n, 0, False, 1)
             grouped([0, 60, 0, 0, 2, 24, 0, 1], k, n, 0, n == 100, 2)
+    grouped([0, 60, 0, 0, 2, 24, 0, 1], 256, 1024, 0, False, 2)
     grouped([17, 0, 33, 3], 256, 100, 5, True, 2)
     grouped([40, 9, 0], 1000, 68, 1, False, 2)
     # linear (the parallel swapped kernel: N split over the threads)
     for m in (1, 2, 3, 4, 15, 16, 17, 33, 100):
-        for k, n in ((256, 20), (31, 100), (1024, 1000)):
+        for k, n in ((256, 20), (31, 100), (1024, 1000) if m in (4, 33) else (96, 70)):
             x, w = torch.randn(m, k).bfloat16(), padded((n,), k)
             b = torch.randn(n).bfloat16() if m % 2 else None
             exact = x.float() @ w.float().t() + (b.float() if b is not None else 0)

@@ -13,12 +13,14 @@
 //    prefetched into L2, spread over the block's tile steps, where the hardware prefetcher falls behind:
 //    short rows (K <= kShortRowK) or several passes of x per block; x longer than kChunkBytes packed runs
 //    in chunks of rows, each over all of N.
-// Session 9 measurements (tools/bench_kernels.py's A/B rows, ASCEND_PASSES_BF16_SCHEDULE=v8 = session 8's
-// schedule, same process; 2-core Xeon shared with other jobs, so one thread timed by its CPU time, minimum
-// of 8-40 calls): T=2048 down (K=256, ~192 rows per expert) 16.2 vs 22.9 ms, up 19.3 vs 35.9 ms; T=256
-// (~24 rows per expert, 4 weight copies) up 5.8 vs 7.5 ms, down 3.5 vs 3.9 ms. Skipping the epilogue
-// altogether was only ~5% faster than the new one; without the output-line prefetch the down projection
-// at T=2048 ran 1.4x slower (each 64-byte row store waited on its line's read-for-ownership).
+// Session 9 measurements (session 8's schedule, ASCEND_PASSES_BF16_SCHEDULE=v8, interleaved in the same
+// process; the 2-core Xeon was shared with other jobs, so one thread timed by its CPU time, minimum of 8-40
+// calls; bench_kernels layer shapes): T=2048 down (K=256, ~192 rows per expert) 16.2 vs 22.9 ms, up 19.3 vs
+// 35.9 ms (tools/bench_kernels.py, two threads, wall: 1.16-1.35x down, 1.27x up); T=256 (~24 rows per
+// expert, 4 weight copies) up 5.8 vs 7.5 ms, down 3.5 vs 3.9 ms; the bench model's real routed counts at
+// 1x256 (0-115 rows per expert) 1.12-1.14x. Skipping the epilogue altogether was only ~5% faster than the
+// new one; without the output-line prefetch the down projection at T=2048 ran 1.4x slower (each 64-byte
+// row store waited on its line's read-for-ownership).
 // W's K tail (k % 32) and a last block's rows past N come from zero-padded copies (masked loads): tiles
 // read only bytes inside [0, N) x [0, K) of W.
 #include "amx_swap.h"

@@ -128,17 +128,19 @@ _RUNNER = textwrap.dedent("""
 """)
 
 
-def fresh_caches(name: str) -> dict[str, str]:
+def fresh_caches(name: str, *, model_info: bool = True) -> dict[str, str]:
     """Environment of a run with vLLM and Inductor caches of its own (under this pytest process's
     temporary folder): a cache hit would skip the passes; runs given one ``name`` share them.
 
     Only ``g++``'s outputs are shared by every run of the pytest process (tests/_cxx_cache.py: the
     same sources and flags give the same binary; Dynamo, the passes and Inductor's code generation
     still run): each cold engine would otherwise spend ~55 CPU-s compiling the kernels and the
-    precompiled header the runs before it compiled already.  A new cache also starts with the model
-    registry's answer of an earlier run (``_seed_model_info``)."""
+    precompiled header the runs before it compiled already.  With ``model_info`` a new cache also
+    starts with the model registry's answer of an earlier run (``_seed_model_info``); the warm-start
+    tests pass ``model_info=False``: their first run is a user's first run, registry inspection included."""
     root = Path(_shared_tmp()) / "caches" / name
-    _seed_model_info(root / "vllm")
+    if model_info:
+        _seed_model_info(root / "vllm")
     return {
         "VLLM_CACHE_ROOT": str(root / "vllm"),
         "TORCHINDUCTOR_CACHE_DIR": str(root / "inductor"),

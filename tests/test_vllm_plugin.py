@@ -169,7 +169,7 @@ def test_piecewise_route_compiles_then_loads_from_cache(checkpoint: Path, vllm_i
     """(c) The platform plugin keeps mode 3 and vLLM's piecewise backend compiles every piece with
     AscendCompiler (one report per piece, distinct ids); a second process on the same cache
     directory compiles nothing and gives the same tokens."""
-    env = {**fresh_caches("piecewise"), "ASCEND_PASSES_VLLM": "1"}
+    env = {**fresh_caches("piecewise", model_info=False), "ASCEND_PASSES_VLLM": "1"}
     llm = {"compilation_config": {"mode": 3, "custom_ops": ["none"]}, "additional_config": {"ascend_passes": OPTIONS}}
     cold = _generate(checkpoint, llm, env)
     assert cold["platform"] == "AscendCpuPlatform" and cold["mode"] == 3, cold
@@ -201,7 +201,11 @@ def test_piecewise_route_loads_every_piece_by_its_cache_handle(
     (no report), writes no dump, and gives the first run's tokens.  The first run's ``dump_dir``
     holds one folder per piece, named by its report id (pieces never overwrite each other)."""
     dumps = tmp_path / "dumps"
-    env = {**fresh_caches("piecewise_handles"), "ASCEND_PASSES_VLLM": "1", "VLLM_USE_AOT_COMPILE": "0"}
+    env = {
+        **fresh_caches("piecewise_handles", model_info=False),
+        "ASCEND_PASSES_VLLM": "1",
+        "VLLM_USE_AOT_COMPILE": "0",
+    }
     options = {**OPTIONS, "dump_dir": str(dumps)}
     llm = {"compilation_config": {"mode": 3, "custom_ops": ["none"]}, "additional_config": {"ascend_passes": options}}
     cold = _generate(checkpoint, llm, env)

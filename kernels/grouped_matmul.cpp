@@ -10,7 +10,8 @@
 // [E, N, K] storage passed as its transpose) -> the weight-streaming kernel of skinny.h (fp32, bf16);
 // other few-row bf16/fp16 pieces -> a streaming kernel that converts on the fly; the rest: bf16 on a
 // CPU with AMX (isa_level() kAmx) -> with the weight's K contiguous, amx_swap.h's swapped-operand kernel
-// for pieces of kSwapMinRows (4) rows or more, decode included (W's rows loaded as tiles in place, x packed once per
+// for pieces of kSwapMinRows (4) rows or more, and of 1-3 rows where K <= kSwapShortK (512), decode included (W's
+// rows loaded as tiles in place, x packed once per
 // piece, fp32 accumulation, the next group's weight prefetched; bf16_piece_kernel has the measurements;
 // ASCEND_PASSES_GEMM=blas gives the routes before it, ASCEND_PASSES_BF16_KERNEL=swap|tile|onednn|stream
 // forces one kernel, tile being amx_gemm.h's, which packs W per call), else torch's bf16 mm into the

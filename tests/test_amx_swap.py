@@ -10,17 +10,9 @@ import os
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
-
-
-def cpu_flags() -> set[str]:
-    try:
-        return set(Path("/proc/cpuinfo").read_text().split())
-    except OSError:
-        return set()
-
+from _gemm_cases import cpu_flags
 
 # Edges: m = 1, 15, 16, 17, 31, 32, 33 rows (the 16-row x tiles, the 4x1 kernel up to 16 rows and the 2x2
 # one above); K = 64, 96 (multiples of the 32-deep step), 30 (2 x odd), 31 and 1 (odd: the zero-padded tail

@@ -20,17 +20,9 @@ import os
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
-
-
-def cpu_flags() -> set[str]:
-    try:
-        return set(Path("/proc/cpuinfo").read_text().split())
-    except OSError:
-        return set()
-
+from _gemm_cases import cpu_flags
 
 SCRIPT = textwrap.dedent(
     """

@@ -10,10 +10,10 @@ import os
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
+from _gemm_cases import TOL, UNCAPPED, grouped_reference, hf_weight
 from _helpers import skip_unless
 
 from ascend_passes import kernels
@@ -21,35 +21,6 @@ from ascend_passes import kernels
 skip_unless(kernels.available(), "C++ kernels not built or disabled", allow_module_level=True)
 
 K = torch.ops.ascend_kernels if kernels.available() else None
-AVX512 = {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= set(Path("/proc/cpuinfo").read_text().split())
-UNCAPPED = AVX512 and os.environ.get("ASCEND_PASSES_ISA", "") in ("", "amx", "avx512")
-TOL = dict(rtol=1e-5, atol=1e-4)  # the fp32 tolerance of the kernel tests (test_kernels.py)
-
-
-@pytest.fixture
-def gemm_route(monkeypatch):
-    def set_route(route: str) -> None:
-        monkeypatch.setenv("ASCEND_PASSES_GEMM", route)
-
-    return set_route
-
-
-def hf_weight(e: int, n: int, k: int, pad: int = 0) -> torch.Tensor:
-    """[E, K, N] view of an [E, N, K + pad] tensor: K contiguous, weight rows K + pad apart."""
-    return (torch.randn(e, n, k + pad) / (k**0.5))[..., :k].transpose(1, 2)
-
-
-def grouped_reference(x, w, counts, bias=None, act=0):
-    out, r = [], 0
-    for g, c in enumerate(counts):
-        y = x[r : r + c].double() @ w[g].double()
-        if bias is not None:
-            y = y + bias[g].double()
-        if act == 5:
-            y = torch.nn.functional.silu(y)
-        out.append(y)
-        r += c
-    return torch.cat(out).float()
 
 
 # rows: one chunk of one vector (9..16), of two (17..32), two chunks (33..64) and each edge between;

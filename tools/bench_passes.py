@@ -256,22 +256,17 @@ def main() -> int:
             disk = _child(n, 0, cache)  # a second process: the rest from the disk cache
         with tempfile.TemporaryDirectory(prefix="bench_passes_patterns_") as cache:
             unshipped = _child(n, 0, cache, shipped=False)  # every pattern traced
-        row.update(
-            unshipped_s=unshipped["cold_s"],
-            unshipped_wall_s=unshipped["cold_wall_s"],
-            unshipped_pass_s=unshipped["cold_pass_s"],
-            unshipped_trace_s=unshipped["trace_s"],
-            unshipped_stats=unshipped["pattern_stats"],
-            unshipped_matches=unshipped["matches"],
-        )
-        row.update(
-            disk_s=disk["cold_s"],
-            disk_wall_s=disk["cold_wall_s"],
-            disk_pass_s=disk["cold_pass_s"],
-            disk_trace_s=disk["trace_s"],
-            disk_stats=disk["pattern_stats"],
-            disk_matches=disk["matches"],
-        )
+        for name, child in (("unshipped", unshipped), ("disk", disk)):  # each a first compile of its process
+            row.update(
+                {
+                    f"{name}_s": child["cold_s"],
+                    f"{name}_wall_s": child["cold_wall_s"],
+                    f"{name}_pass_s": child["cold_pass_s"],
+                    f"{name}_trace_s": child["trace_s"],
+                    f"{name}_stats": child["pattern_stats"],
+                    f"{name}_matches": child["matches"],
+                }
+            )
         rows.append(row)
     print("\n".join(report(rows)))
     if args.json:

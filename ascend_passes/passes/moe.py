@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch._inductor import pattern_matcher as pm
+from torch._subclasses.fake_tensor import FakeTensor
 
 from ..pass_manager import Pass, PassContext, PassResult
 from ..patterns import moe_experts, moe_gptoss, moe_llama4, moe_router, moe_v4
@@ -88,9 +89,10 @@ def _pattern_traces(
     spec = _SEARCH[name]
     transforms: tuple[Any, ...] = (None,)
     if decompositions == "inductor":
-        # routers: also the form before Inductor's post-grad passes (views not yet reshapes): the
-        # ahead-of-time route runs the pipeline in compile_fx's inner_compile, before them
-        transforms = (_as_post_grad, _as_joint_graph) if name in _ROUTERS else (_as_post_grad,)
+        # also the form before Inductor's post-grad passes (views not yet reshapes): the
+        # ahead-of-time route runs the pipeline in compile_fx's inner_compile, before them (the
+        # experts' views stay views there too: a post-grad form alone never matched them)
+        transforms = (_as_post_grad, _as_joint_graph)
     combinations = spec.dtypes if dtypes is None else dtypes
     return [
         functools.partial(
@@ -185,12 +187,22 @@ def _as_joint_graph(gm: fx.GraphModule) -> None:
     into a constant tensor made a one-hot ``where`` (Inductor's ``scatter_upon_const_tensor``: a
     router that keeps one expert group, ``topk_group=1``); views still views."""
     from torch._inductor.fx_passes import joint_graph
+    from torch._inductor.virtualized import V
 
     joint_graph.constant_fold_uniform_value(gm)
     scatter = pm.PatternMatcherPass(pass_name="ascend_scatter_upon_const_tensor")
     for entry in joint_graph.patterns.patterns.get(("call_function", aten.scatter.value), ()):
         entry.register(scatter)
-    scatter.apply(gm.graph)
+    # the replacement is traced under Inductor's current fake mode (``V.fake_mode``) and the tracing
+    # context's: make both the one the graph's values belong to, whatever compile (if any) runs
+    # around this trace (outside one, its ``arange`` was a real tensor beside fake ones and failed)
+    modes = (v.fake_mode for n in gm.graph.nodes if isinstance(v := n.meta.get("val"), FakeTensor))
+    mode = next(modes, None)
+    if mode is None:
+        scatter.apply(gm.graph)
+    else:
+        with torch._guards.tracing(torch._guards.TracingContext(mode)), V.set_fake_mode(mode):
+            scatter.apply(gm.graph)
     gm.recompile()
 
 

@@ -628,7 +628,13 @@ def _activation_differences(first: fx.Node, second: fx.Node, num_experts: int | 
         gate = "gelu(gate)"
     elif "aten.relu" in names:
         gate = "relu(gate)"
-    plus_one = any(op_name(n) == "aten.add" and any(const_float(a) == 1.0 for a in n.args[1:]) for n in nodes)
+    plus_one = any(
+        op_name(n) == "aten.add"
+        and any(const_float(a) == 1.0 for a in n.args[1:])
+        # not a decomposed sigmoid's denominator, 1 + exp(-gate) (Inductor's silu decomposition)
+        and not any(op_name(a) == "aten.exp" for a in n.args if isinstance(a, fx.Node))
+        for n in nodes
+    )
     up = "(up + 1)" if plus_one else "up"
     clamps = [n for n in nodes if op_name(n) in ("aten.clamp", "aten.clamp_min", "aten.clamp_max")]
     clamp = ""

@@ -56,13 +56,14 @@ The subset, and why:
 - **head_num** (keyword, not in torch_npu, where N is ``weight_uk.size(0)``): needed because
   ``weight_uk`` may be None.
 
-CPU path: the reference implementation below (``ascend.linear`` for the three projections,
-``ascend.rms_norm`` for the two norms, ``bmm``, a few elementwise calls) is registered for every
-backend (``CompositeExplicitAutograd``); there is no C++ kernel.  Under ``compiler="eager"`` its
-cost outside the matmuls is Python's per-call overhead: at decode 8x1 bf16 (DeepSeek-V3 sizes of
-tools/bench_model.py, one thread) the rest of the op still costs about as much as its three matmuls
-(it cost 2.3x before the norms became ``ascend.rms_norm`` and RoPE one ``addcmul``); a C++ kernel
-would remove that.  Under Inductor the op is decomposed and fused, and this overhead is gone.
+CPU path: the C++ kernel of kernels/mla.cpp (``cpp_kernel``): the three projections through
+``ascend.linear``'s kernel, the two norms through ``ascend.rms_norm``'s, the absorbed query through
+``bmm``, and RoPE of q and k plus the per-head query copy in one loop over the tokens, rounded as the
+reference below (bf16 results bitwise equal to it in tests/test_mla_kernel.py).  The reference
+(registered for every backend, ``CompositeExplicitAutograd``) makes ~25 ATen calls per layer outside
+the matmuls; measured at tools/bench_model.py's sizes, one thread, CPU time of the op outside its three
+matmuls (session 10, under load): fp32 T=256 693 -> 162 us, T=8 84 -> 9 us; bf16 T=256 561 -> 268 us,
+T=8 144 -> 23 us.  Under Inductor the op is decomposed (the reference) and fused.
 
 torch_npu mapping for the ``lower`` pass (``torch.ops.npu.npu_mla_prolog_v3(...)``)::
 
@@ -182,9 +183,9 @@ def _sizes(
 
 
 # ------------------------------------------------------------------------------------ reference
-# The reference is also the CPU path, where each ATen call from Python costs microseconds (at
-# decode 8x1 bf16 the prolog's non-matmul calls cost 2.3x its three matmuls): it makes few calls,
-# and calls the overloads directly.
+# The reference is the CPU path where the C++ kernels are not built (and what Inductor decomposes):
+# each ATen call from Python costs microseconds, so it makes few calls and calls the overloads
+# directly.  kernels/mla.cpp rounds exactly as this does.
 def _rms_norm(x: torch.Tensor, gamma: torch.Tensor, eps: float) -> torch.Tensor:
     """``ascend.rms_norm`` (float32 math, rounded once to x's dtype; its C++ kernel on the CPU)."""
     return torch.ops.ascend.rms_norm.default(x, gamma, eps)[0]
@@ -347,6 +348,7 @@ OPS = (
         reference=mla_prolog,
         fake=mla_prolog_fake,
         decomposable=True,
+        cpp_kernel=True,
         npu=NpuOp(
             "npu_mla_prolog_v3_functional",
             "torch_npu.npu_mla_prolog_v3_functional(token_x, weight_dq, weight_uq_qr, weight_uk, weight_dkv_kr, "

@@ -42,6 +42,13 @@ std::vector<at::Tensor> grouped_matmul(at::TensorList x, at::TensorList weight, 
 
 at::Tensor linear(const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias);
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> mla_prolog(
+    const at::Tensor& token_x, const std::optional<at::Tensor>& weight_dq, const at::Tensor& weight_uq_qr,
+    const std::optional<at::Tensor>& weight_uk, const at::Tensor& weight_dkv_kr,
+    const std::optional<at::Tensor>& rmsnorm_gamma_cq, const at::Tensor& rmsnorm_gamma_ckv, const at::Tensor& rope_sin,
+    const at::Tensor& rope_cos, int64_t head_num, double rmsnorm_epsilon_cq, double rmsnorm_epsilon_ckv,
+    bool rope_interleave);
+
 at::Tensor moe_finalize_routing(const at::Tensor& expanded_permuted_rows, const std::optional<at::Tensor>& skip1,
                                 const std::optional<at::Tensor>& skip2, const std::optional<at::Tensor>& bias,
                                 const std::optional<at::Tensor>& scales, const at::Tensor& expanded_src_to_dst_row,

@@ -49,6 +49,11 @@ TORCH_LIBRARY(ascend_kernels, m) {
       "Tensor? scales, Tensor expanded_src_to_dst_row, Tensor? export_for_source_row, "
       "int? drop_pad_mode=0, int? k=1) -> Tensor");
   m.def("linear(Tensor input, Tensor weight, Tensor? bias=None) -> Tensor");
+  m.def(
+      "mla_prolog(Tensor token_x, Tensor? weight_dq, Tensor weight_uq_qr, Tensor? weight_uk, "
+      "Tensor weight_dkv_kr, Tensor? rmsnorm_gamma_cq, Tensor rmsnorm_gamma_ckv, Tensor rope_sin, "
+      "Tensor rope_cos, *, int head_num, float rmsnorm_epsilon_cq=1e-05, "
+      "float rmsnorm_epsilon_ckv=1e-05, bool rope_interleave=False) -> (Tensor, Tensor, Tensor, Tensor)");
 }
 
 #define ASCEND_IMPLS(m)                                                                   \
@@ -61,7 +66,8 @@ TORCH_LIBRARY(ascend_kernels, m) {
   m.impl("moe_init_routing_v2", TORCH_FN(ascend_kernels::moe_init_routing_v2));           \
   m.impl("grouped_matmul", TORCH_FN(ascend_kernels::grouped_matmul));                     \
   m.impl("moe_finalize_routing", TORCH_FN(ascend_kernels::moe_finalize_routing));         \
-  m.impl("linear", TORCH_FN(ascend_kernels::linear))
+  m.impl("linear", TORCH_FN(ascend_kernels::linear));                                     \
+  m.impl("mla_prolog", TORCH_FN(ascend_kernels::mla_prolog))
 
 TORCH_LIBRARY_IMPL(ascend_kernels, CPU, m) { ASCEND_IMPLS(m); }
 

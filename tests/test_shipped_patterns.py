@@ -110,6 +110,70 @@ def test_cold_compile_traces_nothing(new_process):
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
 
 
+def test_shipped_requires_are_the_built_patterns_operators():
+    """What the file says each pattern requires (read before building it, to leave out a pattern a graph
+    cannot hold) is ``required_ops`` of the pattern it builds."""
+    module = shipped_module()
+    assert set(module.REQUIRES_OF) == set(module.PATTERNS)
+    for name in module.PATTERNS:
+        assert _shipped._requires(module, name) == _pattern.required_ops(_shipped.build(module, name)), name
+
+
+def test_patterns_a_graph_cannot_hold_are_not_built(new_process, monkeypatch):
+    """A first compile builds only the shipped patterns whose operators the graph holds (the others are
+    looked up, not built) and rewrites what it rewrites when every pattern is built at lookup."""
+    model, inputs = deepseek_v3("grouped_mm", num_layers=1)
+    built: list[str] = []
+    real_build = _shipped.build
+
+    def counting_build(module, name):
+        built.append(name)
+        return real_build(module, name)
+
+    monkeypatch.setattr(_shipped, "build", counting_build)
+    lazy = _compile(model, inputs)
+    assert "traced" not in lazy[3] and 0 < len(built) < lazy[3]["shipped_hits"], (len(built), lazy[3])
+
+    monkeypatch.setattr(_pattern, "_TRACED", _pattern._Lru(4096))  # moe._patterns: unmemoised (fixture)
+    real_lookup = _shipped.lookup
+
+    def eager_lookup(digest):
+        found = real_lookup(digest)
+        if found is None:
+            return None
+        pattern = found[0]()
+        return (lambda: pattern), found[1], found[2]
+
+    monkeypatch.setattr(_shipped, "lookup", eager_lookup)
+    eager = _compile(model, inputs)
+    assert eager[3]["shipped_hits"] == lazy[3]["shipped_hits"]
+    assert eager[1:3] == lazy[1:3]
+    assert torch.equal(eager[0], lazy[0])
+
+
+def test_shipped_pattern_that_cannot_be_built_is_traced(new_process, monkeypatch):
+    """A shipped entry whose pattern does not build in this process (an operator it lacks) is traced on
+    first use instead: the same pattern."""
+    from ascend_passes.patterns import norm
+
+    monkeypatch.setenv(_pattern.CACHE_ENV, "0")
+    rw = norm.REWRITES[0]
+    traced, delta = counted(lambda: _pattern.rewrite_pattern(rw, torch.float32, "none"))
+    assert delta == {"shipped_hits": 1}
+    expected = _shipped.pattern_source(traced.pattern)
+
+    def broken(module, name):
+        raise AttributeError("no such operator")
+
+    monkeypatch.setattr(_pattern, "_TRACED", _pattern._Lru(4096))
+    monkeypatch.setattr(_shipped, "build", broken)
+    traced, delta = counted(lambda: _pattern.rewrite_pattern(rw, torch.float32, "none"))
+    assert delta == {"shipped_hits": 1}
+    pattern, delta = counted(lambda: traced.pattern)
+    assert delta == {"traced": 1}
+    assert _shipped.pattern_source(pattern) == expected and traced.pattern is pattern
+
+
 def _compile(model, inputs):
     (out, reports), delta = counted(lambda: compile_and_run(model, inputs, compiler="eager"))
     report = reports[0]

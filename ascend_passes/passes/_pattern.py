@@ -158,12 +158,20 @@ class TracedPattern:
     dtypes, devices ignored), what tells two equal-looking patterns apart (torch's duplicate
     check: ``identity``, a sha256 of the pretty-printed pattern and the traced graph's text),
     the operators a graph must hold for the pattern to match there (``required_ops``) and the
-    traced graph's text (empty for a shipped pattern: ``_shipped``)."""
+    traced graph's text (empty for a shipped pattern: ``_shipped``).
 
-    pattern: pm.PatternExpr
+    ``built`` is the pattern, or (a shipped one) the function that builds it: ``pattern`` builds
+    it on first use, so a shipped pattern whose operators a graph lacks (``possible``) is never
+    built."""
+
+    built: pm.PatternExpr | Callable[[], pm.PatternExpr] = field(repr=False)
     identity: str
     requires: frozenset[frozenset[Any]] = frozenset()
     graph_text: str = ""
+
+    @functools.cached_property
+    def pattern(self) -> pm.PatternExpr:
+        return self.built if isinstance(self.built, pm.PatternExpr) else self.built()
 
     @staticmethod
     def of(pattern: pm.PatternExpr, graph_text: str) -> TracedPattern:
@@ -251,7 +259,8 @@ STATS: collections.Counter[str] = collections.Counter()
 ``disk_hits``, ``disk_writes``, ``disk_errors`` (unreadable or inconsistent entries, traced again
 and rewritten), ``not_cacheable`` (keys that cannot be described across processes),
 ``absent_anchor`` (searches neither traced nor loaded: the graph lacks one of their declared
-anchor operators)."""
+anchor operators).  ``absent_anchor`` counts every compile's skipped searches; the others count what
+a compile made or loaded, once per process (a later compile finds it in the in-process caches)."""
 
 
 def cache_dir() -> Path | None:
@@ -784,8 +793,18 @@ def traced_pattern(
             found = _shipped.lookup(shipped_key[0])
             if found is not None:
                 STATS["shipped_hits"] += 1
-                pattern, identity = found
-                return TracedPattern(pattern, identity, required_ops(pattern))
+                build, identity, requires = found
+
+                def build_or_trace() -> pm.PatternExpr:
+                    try:
+                        return build()
+                    except Exception as exc:  # an operator this process does not have: trace instead
+                        log.debug("shipped pattern of %s not built (%s: %s); traced", fn, type(exc).__name__, exc)
+                    return _trace_initial(
+                        fn, example_inputs, names, decompositions, stand_ins, ignore_types, fake_inputs, transform
+                    ).pattern
+
+                return TracedPattern(build_or_trace, identity, requires)
         disk = _disk_key(("initial", parts, example_inputs, names)) if cache_dir() is not None else None
         recorder = _shipped.RECORDER
         if recorder is None or shipped_key is None:

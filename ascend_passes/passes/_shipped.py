@@ -48,8 +48,8 @@ SHIPPED_ENV = "ASCEND_PASSES_SHIPPED_PATTERNS"
 on-disk cache, as before)."""
 MODULE = "ascend_passes.passes._shipped_patterns"
 """The generated module (``tools/gen_patterns.py`` writes it)."""
-FORMAT = 1
-"""Bump when the generated module's layout or the key's description changes."""
+FORMAT = 2
+"""Bump when the generated module's layout or the key's description changes (2: ``REQUIRES``)."""
 MACHINERY = ("_trace_graph", "_trace_initial", "_decomp_fn", "required_ops", "traced_pattern")
 """Functions of ``_pattern`` that make a trace and whose source enters the file's header key."""
 _PATTERN_LIBRARY = ("ascend_passes.patterns", "ascend_passes.ops")
@@ -152,9 +152,11 @@ def _stale(entry: tuple[Any, ...], module: Any) -> str | None:
     return None
 
 
-def lookup(digest: str) -> tuple[Any, str] | None:
-    """``(pattern, identity)`` of the shipped entry ``digest``, or None (switched off, absent,
-    stale: traced instead)."""
+def lookup(digest: str) -> tuple[Callable[[], pm.PatternExpr], str, frozenset[frozenset[Any]]] | None:
+    """``(build, identity, requires)`` of the shipped entry ``digest``, or None (switched off,
+    absent, stale, or naming an operator this process does not have: traced instead).  ``build()``
+    makes the pattern: the caller builds it only where a graph holds an operator of every group of
+    ``requires`` (the pattern's ``required_ops``), and keeps it (``_pattern.TracedPattern``)."""
     if not enabled():
         return None
     module = _shipped()
@@ -172,11 +174,33 @@ def lookup(digest: str) -> tuple[Any, str] | None:
         )
         return None
     try:
-        pattern = build(module, entry[0])
+        requires = _requires(module, entry[0])
     except Exception as exc:  # an operator this process does not have: trace instead
-        log.debug("shipped pattern %s not built (%s: %s)", digest, type(exc).__name__, exc)
+        log.debug("shipped pattern %s not used (%s: %s)", digest, type(exc).__name__, exc)
         return None
-    return pattern, entry[1]
+    return functools.partial(build, module, entry[0]), entry[1], requires
+
+
+_REQUIRES: dict[str, frozenset[frozenset[Any]]] = {}  # PATTERNS key -> its operators, read
+_OPERATORS: dict[str, Any] = {}  # an operator's source -> the operator
+
+
+def _operator(text: str) -> Any:
+    found = _OPERATORS.get(text)
+    if found is None:
+        found = _OPERATORS[text] = eval(text, dict(NAMESPACE))  # a literal the generator wrote
+    return found
+
+
+def _requires(module: Any, name: str) -> frozenset[frozenset[Any]]:
+    """The operators pattern ``name`` of the generated module requires (``_pattern.required_ops``
+    of the built pattern, written by the generator: ``requires_source``)."""
+    found = _REQUIRES.get(name)
+    if found is None:
+        text = module.REQUIRES[module.REQUIRES_OF[name]]
+        groups = text.split(";") if text else []
+        found = _REQUIRES[name] = frozenset(frozenset(map(_operator, g.split("|"))) for g in groups)
+    return found
 
 
 # ------------------------------------------------------------------------------- recording
@@ -398,6 +422,19 @@ def literal_or_raise(obj: Any) -> str:
     return literal(obj)
 
 
+def requires_source(requires: frozenset[frozenset[Any]]) -> str:
+    """A pattern's ``required_ops`` as text: its groups joined by ``;``, the operators of a group
+    (their ``literal`` source, as in ``pattern_source``) by ``|``, both sorted so that every
+    generation writes the same text."""
+    groups = []
+    for group in requires:
+        names = sorted(literal(f) for f in group)
+        if any(";" in n or "|" in n for n in names):
+            raise ValueError(f"an operator's source holds a separator: {names}")
+        groups.append("|".join(names))
+    return ";".join(sorted(groups))
+
+
 def pattern_source(pattern: pm.PatternExpr) -> list[str]:
     """Lines that rebuild ``pattern`` and ``return`` it."""
     global _CURRENT
@@ -542,6 +579,8 @@ def _isolated() -> Iterator[None]:
 def generate() -> str:
     """The source of the generated module: every pattern ``trace_all`` traces in this process
     (tools/gen_patterns.py writes it)."""
+    from . import _pattern
+
     global RECORDER
     recorder = Recorder()
     with _isolated():
@@ -553,6 +592,8 @@ def generate() -> str:
     names = _module_names()
     bodies: dict[str, str] = {}  # function body -> function name (equal traces share one)
     functions: list[str] = []
+    requires: dict[str, int] = {}  # requires_source -> its index in REQUIRES
+    requires_of: list[str] = []
     rows: list[str] = []
     sources: dict[str, str] = {}
     packages: dict[str, str | None] = {}
@@ -565,6 +606,9 @@ def generate() -> str:
             rebuilt = rebuild(lines)
             if not (pattern.pattern_eq(rebuilt) and pattern_source(rebuilt) == lines):
                 raise ValueError("the rebuilt pattern differs")
+            required = requires_source(_pattern.required_ops(pattern))
+            if required != requires_source(_pattern.required_ops(rebuilt)):
+                raise ValueError("the operators it requires differ when rebuilt")
         except Exception as exc:  # traced at run time instead
             log.warning("not shipped: %s (%s)", text, exc)
             skipped += 1
@@ -578,6 +622,7 @@ def generate() -> str:
         if name is None:
             name = bodies[body] = f"p{len(bodies)}"
             functions.append(f'    {name!r}: """\n{body}""",')
+            requires_of.append(f"    {name!r}: {requires.setdefault(required, len(requires))},")
         modules, others = code_that_ran(files, names)
         for module in modules:
             source = module_digest(module)
@@ -609,6 +654,14 @@ def generate() -> str:
         "# the body of a function that builds the pattern (run by _shipped.build; source compiled only when used)",
         "PATTERNS = {",
         *functions,
+        "}",
+        "# the operators of each pattern (_pattern.required_ops): groups joined by ';', a group's operators by '|'",
+        "# (_shipped.lookup reads them, so that a pattern whose operators a graph lacks is never built)",
+        "REQUIRES = [",
+        *(f"    {text!r},  # {i}" for text, i in requires.items()),
+        "]",
+        "REQUIRES_OF = {",
+        *requires_of,
         "}",
         "# sha256 of the trace's description: (PATTERNS key, identity, DEPENDS index)",
         "ENTRIES = {",

@@ -18,6 +18,7 @@ from ascend_passes.patterns import norm
 from torch._inductor import pattern_matcher as pm
 
 from ascend_passes.models import deepseek_v3
+from ascend_passes.pass_manager import PassResult
 from ascend_passes.passes import _pattern, _shipped
 
 
@@ -219,3 +220,47 @@ def test_entry_naming_a_function_outside_the_allowed_list_runs_nothing(cache, mo
     assert not marker.exists()
     assert delta == {"disk_errors": 1, "traced": 1, "disk_writes": 1}
     assert again.identity == traced.identity
+
+
+def _rows_relu(x):
+    return x.reshape(-1, x.shape[-1]).relu()  # view(x, [-1, <last size>]): the list is a wildcard at first
+
+
+def _rows_clamp(x):
+    return x.reshape(-1, x.shape[-1]).clamp_min(0.0)
+
+
+_ROWS = _pattern.Rewrite(
+    "rows_relu", _rows_relu, _rows_clamp, lambda dtype: [torch.randn(2, 4, 8, dtype=dtype)], dtypes=(torch.float32,)
+)
+
+
+def _rows_graph(columns: int) -> torch.fx.GraphModule:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    with FakeTensorMode() as mode:
+        return make_fx(lambda x: (x.reshape(-1, columns).relu(),))(mode.from_tensor(torch.randn(2, 4, 8)))
+
+
+@pytest.mark.parametrize("columns", [8, 4])
+def test_retrace_on_the_match_shapes_rejects_other_sizes(cache, columns):
+    """The initial pattern ignores the sizes a search function bakes into a view; the re-trace on the
+    match's shapes (torch's register_replacement check) fixes them: ``x.reshape(-1, 4)`` of a [2, 4, 8]
+    tensor matches the initial pattern of ``x.reshape(-1, x.shape[-1])`` but not its re-trace, and stays
+    as it was; ``x.reshape(-1, 8)`` is rewritten and computes what it computed."""
+    gm = _rows_graph(columns)
+    relu = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.relu.default)
+    assert _pattern.rewrite_pattern(_ROWS, torch.float32, "none").pattern.match(relu)  # the wildcard matches
+    before = gm.graph.python_code("self").src
+    result = PassResult("test")
+    count = _pattern.apply_rewrites(gm, [_ROWS], result)
+    if columns == 4:
+        assert count == 0 and gm.graph.python_code("self").src == before
+        return
+    assert count == 1 and result.counts() == {"rows_relu": 1}
+    targets = _pattern.graph_targets(gm.graph)
+    assert torch.ops.aten.clamp_min.default in targets and torch.ops.aten.relu.default not in targets
+    gm.recompile()
+    x = torch.randn(2, 4, 8)
+    torch.testing.assert_close(gm(x)[0], x.reshape(-1, 8).relu())

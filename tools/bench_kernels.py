@@ -20,7 +20,9 @@ paired with the dense mm of its dtype, so the rule can be checked on the machine
 print the % of the dense bf16 mm). A short bf16 prefill (T=256, ~24 rows per expert) is memory-bound:
 its rows print the % of a copy's bandwidth over the expert weights read, per bf16 kernel.
 ``ASCEND_PASSES_BF16_SCHEDULE=v8`` rows time session 8's bf16 schedules and route in the same run (prefill
-projections, T=256, the decode MoE layer) against the default ones: an A/B of session 9's change.
+projections, T=256, the decode MoE layer) against the default ones: an A/B of session 9's change;
+``ASCEND_PASSES_DECODE_SCHEDULE=v9`` rows time session 9's fp32 decode stream (the MoE layer and the
+linear) against the default one: an A/B of session 10's change.
 
 Run: ``python tools/bench_kernels.py [--quick]``.  Timings are the minimum over repetitions,
 interleaved so that load from other processes affects kernels and limits alike.
@@ -110,6 +112,9 @@ BF16_KERNELS = (
 # default ones: the swapped kernel's epilogue, output-line and weight prefetch, the stream's row prefetch, and
 # the stream for every expert piece of 1-3 rows
 BF16_V8 = ("ASCEND_PASSES_BF16_SCHEDULE", "v8", "session 8's schedules and route")
+# session 9's fp32 decode stream (kernels/skinny.h decode_schedule_v9: no software prefetch of the next
+# weight rows), timed in the same run as the default one: the fp32 decode MoE layer and linear
+DECODE_V9 = ("ASCEND_PASSES_DECODE_SCHEDULE", "v9", "session 9's fp32 stream, no row prefetch")
 
 
 @dataclass
@@ -355,11 +360,13 @@ def bench_case(tokens: int, dtype: torch.dtype, quick: bool) -> list[Row]:
         layer.limit = 2 * src.numel() * src.element_size() / t_copy
     layer.naive_ms = t_naive * 1e3
     rows.append(layer)
-    if not slow and dtype == torch.bfloat16:  # the same layer under session 8's bf16 schedules and route
-        with env_set(BF16_V8[0], BF16_V8[1]):
+    if not slow:  # the same layer (and, fp32, the linear) under the previous session's decode schedules
+        old = BF16_V8 if dtype == torch.bfloat16 else DECODE_V9
+        with env_set(old[0], old[1]):
             t_kernel, t_copy = paired_best(lambda: cpp["layer"](pick()), lambda: dst.copy_(src), 2 * budget)
+            t_old_lin = best_time(lambda: A.linear(x_lin, weights[next(turn) % 4]), budget, min_reps=3)
         v8 = row(
-            f"MoE layer, {BF16_V8[0]}={BF16_V8[1]} ({BF16_V8[2]})",
+            f"MoE layer, {old[0]}={old[1]} ({old[2]})",
             (t_kernel, 0.0),
             "memory",
             experts_touched * per_expert,
@@ -368,6 +375,15 @@ def bench_case(tokens: int, dtype: torch.dtype, quick: bool) -> list[Row]:
         v8.ref_ms = None
         v8.limit = 2 * src.numel() * src.element_size() / t_copy
         rows.append(v8)
+        if dtype == torch.float32:
+            lin = row(
+                f"linear [{tokens},{H}]x[{4 * H},{H}]^T, {old[0]}={old[1]}",
+                (t_old_lin, 0.0),
+                "memory",
+                weights[0].numel() * weights[0].element_size(),
+            )
+            lin.ref_ms = None
+            rows.append(lin)
     return rows
 
 

@@ -1,0 +1,83 @@
+"""Issue 18, session 10: the fp32 weight-streaming kernel (kernels/skinny.cpp, decode: ascend.linear and
+grouped_matmul pieces of at most 8 rows) prefetches its next block's weight rows in software;
+ASCEND_PASSES_DECODE_SCHEDULE=v9 (read per call) runs session 9's schedule without it. The arithmetic
+order is the same, so both must give bitwise the same results, and both must equal fp64 products at every
+edge: rows 1..8, weight rows not a multiple of the 3- / 4-row register blocks, K below, at and past a
+16-lane step, weight rows further apart than K (NaN in the gap: never read into a result), empty and
+unequal groups, rows no group owns, one and two threads."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _gemm_cases import TOL, grouped_reference, hf_weight
+from _helpers import skip_unless
+
+from ascend_passes import kernels
+
+skip_unless(kernels.available(), "C++ kernels not built or disabled", allow_module_level=True)
+
+K = torch.ops.ascend_kernels if kernels.available() else None
+ENV = "ASCEND_PASSES_DECODE_SCHEDULE"
+
+
+@pytest.fixture
+def threads():
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
+def both_schedules(monkeypatch, call):
+    monkeypatch.delenv(ENV, raising=False)
+    new = call()
+    monkeypatch.setenv(ENV, "v9")
+    old = call()
+    monkeypatch.delenv(ENV)
+    return new, old
+
+
+def nan_gap_weight(n: int, k: int, pad: int = 5) -> torch.Tensor:
+    """[N, K] weight whose rows are K + pad apart, the pad holding NaN."""
+    store = torch.randn(n, k + pad) / k**0.5
+    store[:, k:] = float("nan")
+    return store[:, :k]
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("n,k", [(1, 1), (2, 15), (4, 16), (7, 17), (64, 100), (257, 1030)])
+@pytest.mark.parametrize("nt", [1, 2])
+def test_linear_stream_schedules_bitwise_and_against_fp64(monkeypatch, threads, m, n, k, nt):
+    threads(nt)
+    torch.manual_seed(m * 10000 + n * 10 + k)
+    x = torch.randn(m, k)
+    w = nan_gap_weight(n, k)
+    bias = torch.randn(n)
+    new, old = both_schedules(monkeypatch, lambda: K.linear(x, w, bias))
+    assert torch.equal(new, old)
+    want = (x.double() @ w.double().T + bias.double()).float()
+    torch.testing.assert_close(new, want, **TOL)
+
+
+@pytest.mark.parametrize(
+    "counts",
+    [[3], [1, 0, 2, 0, 0, 8, 1], [0, 0, 5, 0], [2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2]],
+    ids=["one-piece", "unequal-and-empty", "one-of-four", "many-equal"],
+)
+@pytest.mark.parametrize("n,k", [(7, 33), (256, 1024), (1030, 48)])
+@pytest.mark.parametrize("nt", [1, 2])
+def test_grouped_decode_stream_schedules_bitwise_and_against_fp64(monkeypatch, threads, counts, n, k, nt):
+    threads(nt)
+    torch.manual_seed(sum(counts) * 1000 + n + k)
+    rows = sum(counts) + 2  # two rows no group owns: zeros
+    x = torch.randn(rows, k)
+    w = hf_weight(len(counts), n, k, pad=3)
+    gl = torch.tensor(counts)
+
+    def call():
+        return K.grouped_matmul([x], [w], group_list=gl, group_type=0, group_list_type=1)[0]
+
+    new, old = both_schedules(monkeypatch, call)
+    assert torch.equal(new, old)
+    torch.testing.assert_close(new[: rows - 2], grouped_reference(x, w, counts), **TOL)
+    assert torch.equal(new[rows - 2 :], torch.zeros(2, n))

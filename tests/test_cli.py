@@ -1,4 +1,6 @@
-"""The ascend-passes command line, run as a user would (subprocess, installed console script)."""
+"""The ascend-passes command line, run as a user would (subprocess, installed console script); the
+answers that need no compile (listings, user errors) from ``cli.main`` in this process (a subprocess
+costs an interpreter start with torch and transformers: ~6 CPU-s each)."""
 
 from __future__ import annotations
 
@@ -21,18 +23,30 @@ def test_passes_lists_the_pipeline():
         assert name in out.stdout
 
 
-def test_models_lists_bundled_models():
-    out = run("models")
-    assert out.returncode == 0, out.stderr
-    assert "deepseek_v3_grouped_mm" in out.stdout and "deepseek_v3_mtp1" in out.stdout
-    assert "qwen3_moe_grouped_mm" in out.stdout
-    assert "deepseek_v3_tp2" in out.stdout and "deepseek_v3_mtp1_tp2" in out.stdout
+def main(capsys, *argv: str) -> tuple[int, str, str]:
+    """``ascend-passes *argv`` in this process: (exit status, stdout, stderr); argparse's own errors exit."""
+    from ascend_passes import cli
+
+    try:
+        rc = cli.main(list(argv))
+    except SystemExit as exc:
+        rc = exc.code
+    out = capsys.readouterr()
+    return rc, out.out, out.err
 
 
-def test_unknown_model_is_a_clear_error():
-    out = run("dump", "no_such_model", "--out", "/tmp/never")
-    assert out.returncode == 2
-    assert "unknown bundled model 'no_such_model'" in out.stderr or "unknown model 'no_such_model'" in out.stderr
+def test_models_lists_bundled_models(capsys):
+    rc, out, err = main(capsys, "models")
+    assert rc == 0, err
+    assert "deepseek_v3_grouped_mm" in out and "deepseek_v3_mtp1" in out
+    assert "qwen3_moe_grouped_mm" in out
+    assert "deepseek_v3_tp2" in out and "deepseek_v3_mtp1_tp2" in out
+
+
+def test_unknown_model_is_a_clear_error(capsys):
+    rc, _, err = main(capsys, "dump", "no_such_model", "--out", "/tmp/never")
+    assert rc == 2
+    assert "unknown bundled model 'no_such_model'" in err or "unknown model 'no_such_model'" in err
 
 
 @pytest.mark.parametrize("target", ["deepseek_v3_grouped_mm", "ascend_passes.models:llama_dense"])
@@ -81,9 +95,9 @@ def test_dump_source_lines_and_print_after_all(tmp_path):
     assert "2/2" in out.stderr  # the progress bar
 
 
-def test_dump_rejects_unknown_format(tmp_path):
-    out = run("dump", "llama_dense", "--out", str(tmp_path), "--format", "pdf")
-    assert out.returncode == 2 and "invalid choice: 'pdf'" in out.stderr
+def test_dump_rejects_unknown_format(capsys, tmp_path):
+    rc, _, err = main(capsys, "dump", "llama_dense", "--out", str(tmp_path), "--format", "pdf")
+    assert rc == 2 and "invalid choice: 'pdf'" in err
 
 
 def test_dump_of_a_tensor_parallel_model_shows_sequence_parallelism(tmp_path):

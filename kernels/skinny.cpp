@@ -94,10 +94,17 @@ ASCEND_INLINE void lane_sums(const typename Vec<L>::f* acc, float* sums) {
   if constexpr (P > L) lane_sums<L, P - L>(acc + L, sums + L);
 }
 
+// How many blocks ahead the software prefetch reads: one block of rows of at least 2 KB, further for
+// shorter rows (K = 256 bf16: 512-byte rows, one block is computed faster than a line arrives)
+ASCEND_INLINE int64_t prefetch_blocks(int64_t row_bytes) {
+  return std::clamp<int64_t>(2048 / std::max<int64_t>(1, row_bytes), 1, 4);
+}
+
 // y[0:MB, 0:NB] for MB rows of x and NB rows of w. PF: the next NB rows of w (the next block's) are
 // prefetched in software, one line per row per 64 bytes of K (not under ASCEND_PASSES_DECODE_SCHEDULE=v9).
-template <int L, int MB, int NB, typename T, bool PF = false>
+template <int L, int MB, int NB, typename T, int PF = 0>
 ASCEND_INLINE void block(const float* x, int64_t xs, const T* w, int64_t ws, float* y, int64_t ys, int64_t k) {
+  const int64_t ahead = NB * (PF == 2 ? prefetch_blocks(k * int64_t(sizeof(T))) : 1);  // rows
   using V = typename Vec<L>::f;
   V acc[MB][NB];
   for (int i = 0; i < MB; ++i)
@@ -109,7 +116,7 @@ ASCEND_INLINE void block(const float* x, int64_t xs, const T* w, int64_t ws, flo
     for (int j = 0; j < NB; ++j) wv[j] = load<L>(w + j * ws + kk);
     if constexpr (PF) {
       if (kk % kLineElems == 0)  // (never faults: prefetches past the weight are dropped)
-        for (int j = 0; j < NB; ++j) __builtin_prefetch(w + (NB + j) * ws + kk, 0, 3);
+        for (int j = 0; j < NB; ++j) __builtin_prefetch(w + (ahead + j) * ws + kk, 0, 3);
     }
     for (int i = 0; i < MB; ++i) {
       const V xv = load<L>(x + i * xs + kk);
@@ -135,7 +142,7 @@ constexpr int rows_of_w(int mb) {
   return mb <= 2 ? 4 : mb == 3 ? 3 : mb <= 6 ? 2 : 1;
 }
 
-template <int L, int MB, typename T, bool PF>
+template <int L, int MB, typename T, int PF>
 ASCEND_INLINE void all_cols(const float* x, int64_t xs, const T* w, int64_t ws, float* y, int64_t ys, int64_t k,
                             int64_t n_lo, int64_t n_hi) {
   constexpr int NB = rows_of_w<L>(MB);
@@ -145,7 +152,7 @@ ASCEND_INLINE void all_cols(const float* x, int64_t xs, const T* w, int64_t ws, 
 }
 
 // All (up to kSkinnyRows) rows of x in one pass over each weight row, so the weight is read once.
-template <int L, typename T, bool PF = false>
+template <int L, typename T, int PF = 0>
 ASCEND_INLINE void rows(const float* x, int64_t xs, const T* w, int64_t ws, float* y, int64_t ys, int64_t m, int64_t k,
                         int64_t n_lo, int64_t n_hi) {
   static_assert(kSkinnyRows == 8, "the switch below covers 1..8 rows");
@@ -220,9 +227,10 @@ ASCEND_AVX512 ASCEND_INLINE void block_widen(const float* x, int64_t xs, const c
 // nearest even; the instruction treats denormal inputs and outputs as zero)
 // PF: the next NB rows of w (the next block's) are prefetched, one line per row per step: the hardware
 // prefetcher restarts its streams at every block of a few rows and falls behind (bf16_stream_prefetch()).
-template <int MB, int NB, bool PF = false>
+template <int MB, int NB, int PF = 0>
 ASCEND_AVX512BF16 ASCEND_INLINE void block_dot(const c10::BFloat16* x, int64_t xs, const c10::BFloat16* w, int64_t ws,
                                                float* y, int64_t ys, int64_t k) {
+  const int64_t ahead = NB * (PF == 2 ? prefetch_blocks(k * 2) : 1);  // rows
   __m512 acc[MB][NB];
   for (int i = 0; i < MB; ++i)
     for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_setzero_ps();
@@ -231,7 +239,7 @@ ASCEND_AVX512BF16 ASCEND_INLINE void block_dot(const c10::BFloat16* x, int64_t x
     __m512i wv[NB];
     for (int j = 0; j < NB; ++j) wv[j] = _mm512_maskz_loadu_epi16(mask, w + j * ws + kk);
     if constexpr (PF)
-      for (int j = 0; j < NB; ++j) _mm_prefetch(reinterpret_cast<const char*>(w + (NB + j) * ws + kk), _MM_HINT_T0);
+      for (int j = 0; j < NB; ++j) _mm_prefetch(reinterpret_cast<const char*>(w + (ahead + j) * ws + kk), _MM_HINT_T0);
     for (int i = 0; i < MB; ++i) {
       const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + i * xs + kk);
       for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, (__m512bh)wv[j]);
@@ -293,9 +301,15 @@ ASCEND_BF16_COLS(cols_dot, block_dot, c10::BFloat16, ASCEND_AVX512BF16)
 template <int MB, int NB>
 ASCEND_AVX512BF16 ASCEND_INLINE void block_dot_pf(const c10::BFloat16* x, int64_t xs, const c10::BFloat16* w,
                                                   int64_t ws, float* y, int64_t ys, int64_t k) {
-  block_dot<MB, NB, true>(x, xs, w, ws, y, ys, k);
+  block_dot<MB, NB, 1>(x, xs, w, ws, y, ys, k);
 }
 ASCEND_BF16_COLS(cols_dot_pf, block_dot_pf, c10::BFloat16, ASCEND_AVX512BF16)
+template <int MB, int NB>
+ASCEND_AVX512BF16 ASCEND_INLINE void block_dot_far(const c10::BFloat16* x, int64_t xs, const c10::BFloat16* w,
+                                                   int64_t ws, float* y, int64_t ys, int64_t k) {
+  block_dot<MB, NB, 2>(x, xs, w, ws, y, ys, k);
+}
+ASCEND_BF16_COLS(cols_dot_far, block_dot_far, c10::BFloat16, ASCEND_AVX512BF16)
 #undef ASCEND_BF16_COLS
 #endif
 
@@ -317,7 +331,7 @@ __attribute__((target("avx512f,avx512vl,avx512bw,avx512dq,avx2,fma"))) void rows
 
 template <typename T>
 __attribute__((target("avx512f,avx512vl,avx512bw,avx512dq,avx2,fma"))) void rows_avx512_pf(ASCEND_SKINNY_ARGS) {
-  rows<16, T, true>(ASCEND_SKINNY_PASS);
+  rows<16, T, 2>(ASCEND_SKINNY_PASS);
 }
 
 template <typename T>
@@ -333,11 +347,12 @@ void dispatch(ASCEND_SKINNY_ARGS) {
       if constexpr (std::is_same_v<T, c10::BFloat16>) {
         cols_widen_rows(ASCEND_SKINNY_PASS);
       } else if (!decode_schedule_v9()) {
-        // fp32: the next block's weight rows prefetched in software. A row of K = 1024 floats is one 4 KB
-        // page, where the hardware prefetcher stops and restarts. Measured (session 10, loaded machine, one
-        // thread's CPU time, weights rotated past the cache, interleaved with v9, median of 6-60): linear
-        // [8, K] x [N, K]^T 0.63-0.88x v9's time ([1024, 512] 0.63, [768, 256] 0.65, [4096, 1024] 0.80),
-        // decode grouped_matmul down (35 experts of 1-3 rows) 0.84x, up 1.0x (noise)
+        // fp32: the weight rows ahead prefetched in software (prefetch_blocks). A row of K = 1024 floats is
+        // one 4 KB page, where the hardware prefetcher stops and restarts. Measured (session 10, loaded
+        // 2-core AMD EPYC without AMX, one thread's CPU time, weights rotated past the cache, interleaved
+        // with v9, median of 6-40): linear [8, K] x [N, K]^T 0.56-0.92x v9's time ([768, 256] 0.56,
+        // [1024, 512] 0.57, [4096, 1024] 0.81); decode grouped_matmul down (35 experts of 1-3 rows)
+        // 0.84-0.94x, up 1.04-1.05x (K = 1024: one block ahead, as the linear above)
         rows_avx512_pf<T>(ASCEND_SKINNY_PASS);
       } else {
         rows_avx512<T>(ASCEND_SKINNY_PASS);
@@ -402,8 +417,11 @@ void skinny_nt(const c10::BFloat16* x, int64_t xs, const c10::BFloat16* w, int64
     // bf16_piece_kernel); ASCEND_PASSES_BF16_SCHEDULE=v8 without, as in session 8
     if (bf16_schedule_v8())
       cols_dot_rows(x, xs, w, ws, y, ys, m, k, n_lo, n_hi);
-    else
+    else if (decode_schedule_v9())  // the next block only
       cols_dot_pf_rows(x, xs, w, ws, y, ys, m, k, n_lo, n_hi);
+    else  // rows shorter than 2 KB: up to 4 blocks ahead (session 10, measured as the fp32 note in dispatch:
+          // linear [768, 256] 0.69x v9's time, [1024, 512] 0.82x, decode grouped_matmul down 0.88x, K = 1024 1.0x)
+      cols_dot_far_rows(x, xs, w, ws, y, ys, m, k, n_lo, n_hi);
     return;
   }
 #endif

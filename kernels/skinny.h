@@ -30,8 +30,9 @@ void skinny_nt(const c10::BFloat16* x, int64_t xs, const c10::BFloat16* w, int64
 // whether the bf16 x bf16 kernel uses the AVX512_BF16 dot products (read once: CPU bits + ASCEND_PASSES_ISA)
 bool skinny_bf16_dot();
 
-// ASCEND_PASSES_DECODE_SCHEDULE=v9, read now: session 9's fp32 stream, without the software prefetch of its
-// next weight rows, to time both in one process (tools/bench_kernels.py). Same results either way (bitwise).
+// ASCEND_PASSES_DECODE_SCHEDULE=v9, read now: session 9's streams, to time both in one process
+// (tools/bench_kernels.py): fp32 without software prefetch of the weight rows ahead, bf16 x bf16 prefetching
+// only the next block (now up to 4 blocks ahead for rows shorter than 2 KB). Same results either way (bitwise).
 bool decode_schedule_v9();
 
 }  // namespace ascend_kernels

@@ -1,10 +1,11 @@
 """Issue 18, session 10: the fp32 weight-streaming kernel (kernels/skinny.cpp, decode: ascend.linear and
-grouped_matmul pieces of at most 8 rows) prefetches its next block's weight rows in software;
-ASCEND_PASSES_DECODE_SCHEDULE=v9 (read per call) runs session 9's schedule without it. The arithmetic
-order is the same, so both must give bitwise the same results, and both must equal fp64 products at every
-edge: rows 1..8, weight rows not a multiple of the 3- / 4-row register blocks, K below, at and past a
-16-lane step, weight rows further apart than K (NaN in the gap: never read into a result), empty and
-unequal groups, rows no group owns, one and two threads."""
+grouped_matmul pieces of at most 8 rows) prefetches the weight rows ahead of it in software, and both the
+fp32 and the bf16 stream prefetch further ahead (up to 4 blocks) for rows shorter than 2 KB;
+ASCEND_PASSES_DECODE_SCHEDULE=v9 (read per call) runs session 9's schedule (fp32: none; bf16: the next
+block). The arithmetic order is the same, so both must give bitwise the same results, and both must equal
+fp64 products at every edge: rows 1..8, weight rows not a multiple of the 3- / 4-row register blocks, K
+below, at and past a 16-lane step, weight rows further apart than K (NaN in the gap: never read into a
+result), empty and unequal groups, rows no group owns, one and two threads."""
 
 from __future__ import annotations
 
@@ -81,3 +82,20 @@ def test_grouped_decode_stream_schedules_bitwise_and_against_fp64(monkeypatch, t
     assert torch.equal(new, old)
     torch.testing.assert_close(new[: rows - 2], grouped_reference(x, w, counts), **TOL)
     assert torch.equal(new[rows - 2 :], torch.zeros(2, n))
+
+
+@pytest.mark.parametrize("m", [1, 3, 8])
+@pytest.mark.parametrize("n,k", [(5, 31), (64, 256), (130, 512), (33, 1030)])
+@pytest.mark.parametrize("nt", [1, 2])
+def test_bf16_linear_stream_prefetch_distance_bitwise_and_against_fp64(monkeypatch, threads, m, n, k, nt):
+    """bf16 rows shorter than 2 KB prefetch up to 4 blocks ahead (v9: the next block): same results bitwise,
+    and fp32 sums of exact bf16 products, rounded once, within bf16 rounding of fp64 (on a CPU with AMX,
+    8 rows take the swapped AMX kernel, which the switch leaves alone)."""
+    threads(nt)
+    torch.manual_seed(m * 10000 + n * 10 + k)
+    x = torch.randn(m, k).bfloat16()
+    w = nan_gap_weight(n, k).bfloat16()
+    new, old = both_schedules(monkeypatch, lambda: K.linear(x, w, None))
+    assert torch.equal(new.view(torch.int16), old.view(torch.int16))
+    want = (x.double() @ w.double().T).float()
+    torch.testing.assert_close(new.float(), want, atol=1e-2, rtol=2**-7)

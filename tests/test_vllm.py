@@ -21,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -176,19 +177,37 @@ def _generate(
         "max_tokens": MAX_TOKENS,
         "rounds": rounds,
     }
-    child_env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", **(env or {})}
-    proc = subprocess.run(
-        [sys.executable, "-c", _RUNNER, json.dumps(spec)],
-        env=child_env,
-        capture_output=True,
-        text=True,
-        timeout=RUN_TIMEOUT_S,
-    )
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, (
-        f"vLLM run failed (rc={proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    )
-    return json.loads(lines[-1].removeprefix("RESULT "))
+    return run_python(_RUNNER, spec, env or {})
+
+
+# An exec of the compiler launcher that the kernel refused with EFAULT, once in ~40 engine runs of
+# one CI run on this workplace's VM (stop 26: ``InductorError: OSError: [Errno 14] Bad address:
+# '.../cxx/bin/g++'`` while every other exec of the same launcher in that run succeeded): an error of
+# the machine, not of vLLM, Inductor or the passes, so such a run is started once more.
+_TRANSIENT_EXEC = "[Errno 14] Bad address"
+
+
+def run_python(code: str, arg: Any, env: dict[str, str]) -> dict[str, Any]:
+    """Run ``code`` (which prints one ``RESULT <json>`` line) in a fresh Python with vLLM's in-process
+    engine and ``env``; return the JSON.  A run that failed only because an ``exec`` was refused
+    with EFAULT (``_TRANSIENT_EXEC``) is run once more, with a warning; any other failure fails."""
+    child_env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", **env}
+    for attempt in (1, 2):
+        proc = subprocess.run(
+            [sys.executable, "-c", code, json.dumps(arg)],
+            env=child_env,
+            capture_output=True,
+            text=True,
+            timeout=RUN_TIMEOUT_S,
+        )
+        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+        if proc.returncode == 0 and lines:
+            return json.loads(lines[-1].removeprefix("RESULT "))
+        if attempt == 1 and _TRANSIENT_EXEC in proc.stderr:
+            warnings.warn(f"an exec was refused by the OS ({_TRANSIENT_EXEC}); running it again", stacklevel=2)
+            continue
+        break
+    raise AssertionError(f"run failed (rc={proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-8000:]}")
 
 
 def _assert_same_tokens(result: dict[str, Any], eager: dict[str, Any]) -> None:
@@ -276,3 +295,22 @@ def test_post_grad_route_norm_matches_vllm_inductor(checkpoint: Path, vllm_induc
     assert ops.get("ascend.rms_norm", 0) >= 4 and ops.get("ascend.add_rms_norm", 0) >= 3, result["reports"]
     _assert_same_tokens(result, vllm_inductor)
     assert len(result["rounds"]) == 3 and all(r == result["tokens"] for r in result["rounds"]), result["rounds"]
+
+
+_FLAKY = textwrap.dedent("""
+    import json, pathlib, sys
+    marker = pathlib.Path(json.loads(sys.argv[1]))
+    if not marker.exists():
+        marker.write_text("1")
+        sys.exit("OSError: [Errno 14] Bad address: 'g++'")
+    print("RESULT " + json.dumps({"ok": True}))
+""")
+
+
+def test_run_python_runs_again_only_after_a_refused_exec(tmp_path: Path) -> None:
+    """The one retry of ``run_python`` is for EFAULT from an exec; a run failing otherwise fails the test."""
+    with pytest.warns(UserWarning, match=r"refused by the OS \(\[Errno 14\] Bad address\)"):
+        assert run_python(_FLAKY, str(tmp_path / "a"), {}) == {"ok": True}
+    other = _FLAKY.replace("[Errno 14] Bad address", "[Errno 2] No such file")
+    with pytest.raises(AssertionError, match=r"run failed \(rc=1\):[\s\S]*Errno 2\] No such file"):
+        run_python(other, str(tmp_path / "b"), {})  # a second run would have printed RESULT

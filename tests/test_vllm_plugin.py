@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -45,6 +43,7 @@ from test_vllm import (  # noqa: E402
     _assert_same_tokens,
     fresh_caches,
     reference_run,
+    run_python,
     shared_checkpoint,
 )
 
@@ -95,25 +94,9 @@ _HASHER = textwrap.dedent("""
 """)
 
 
-def _python(code: str, arg: Any, env: dict[str, str]) -> dict[str, Any]:
-    child_env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", **env}
-    proc = subprocess.run(
-        [sys.executable, "-c", code, json.dumps(arg)],
-        env=child_env,
-        capture_output=True,
-        text=True,
-        timeout=RUN_TIMEOUT_S,
-    )
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, (
-        f"run failed (rc={proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-8000:]}"
-    )
-    return json.loads(lines[-1].removeprefix("RESULT "))
-
-
 def _generate(model: Path, llm: dict[str, Any], env: dict[str, str]) -> dict[str, Any]:
     spec = {"model": str(model), "llm": llm, "prompts": PROMPTS, "max_tokens": MAX_TOKENS}
-    return _python(_RUNNER, spec, env)
+    return run_python(_RUNNER, spec, env)
 
 
 def _merged_ops(result: dict[str, Any]) -> dict[str, int]:
@@ -266,8 +249,8 @@ def test_platform_plugin_is_opt_in() -> None:
 def test_hashes_follow_the_config_across_processes() -> None:
     """compute_hash / uuid: two configs give two values; equal configs in two processes are equal."""
     configs = [{"passes": "cleanup,norm"}, {"passes": "cleanup,norm,activation"}, {"passes": "cleanup,norm"}]
-    first = _python(_HASHER, configs, {})
-    second = _python(_HASHER, configs, {})
+    first = run_python(_HASHER, configs, {})
+    second = run_python(_HASHER, configs, {})
     for key in ("compute_hash", "uuid"):
         a, b, again = first[key]
         assert a != b, (key, first)

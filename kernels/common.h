@@ -69,6 +69,12 @@ inline Isa isa_level() {
   return level;
 }
 
+// AVX512_BF16 dot products (vdpbf16ps) usable: the CPU has avx512_bf16 (CPUID.(7,1):EAX bit 5) and
+// isa_level() is AMX, or AVX-512 with ASCEND_PASSES_ISA unset or "amx" (a CPU with avx512_bf16 but no
+// AMX: Cooper Lake, Zen 4/5). ASCEND_PASSES_ISA=avx512 turns them off, so tests run both paths on one
+// machine. Read once.
+bool avx512_bf16_usable();
+
 // Helpers called from ASCEND_HOT functions are force-inlined so they are compiled (and
 // vectorised) for each clone's target, not once for the baseline.
 #define ASCEND_INLINE inline __attribute__((always_inline))

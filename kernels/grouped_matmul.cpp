@@ -15,8 +15,10 @@
 // piece, fp32 accumulation, the next group's weight prefetched; bf16_piece_kernel has the measurements;
 // ASCEND_PASSES_GEMM=blas gives the routes before it, ASCEND_PASSES_BF16_KERNEL=swap|tile|onednn|stream
 // forces one kernel, tile being amx_gemm.h's, which packs W per call), else torch's bf16 mm into the
-// output rows, which oneDNN runs on the tile units (brgemm; single-threaded inside the worker);
-// otherwise one single-threaded fp32 GEMM: gemm.h's AVX-512 kernel, which widens bf16 weights while
+// output rows, which oneDNN runs on the tile units (brgemm; single-threaded inside the worker); bf16 on
+// a CPU with AVX512_BF16 but no AMX (Zen 4/5, Cooper Lake): torch's bf16 mm (oneDNN's vdpbf16ps brgemm,
+// onednn_bf16_mm() below has the measurements; ASCEND_PASSES_GEMM=own or ASCEND_PASSES_ISA=avx512 keep
+// the GEMM below); otherwise one single-threaded fp32 GEMM: gemm.h's AVX-512 kernel, which widens bf16 weights while
 // packing and prefetches the next group's weight while it computes, when the weight's K is contiguous
 // (fp32 weights: only for K <= kOwnGemmMaxK, where it is at least as fast as MKL; gemm.h has the
 // measurements and ASCEND_PASSES_GEMM); else BLAS (bf16/fp16 converted first).
@@ -123,9 +125,16 @@ ASCEND_GMM_ENTRY(c10::BFloat16)
 ASCEND_GMM_ENTRY(c10::Half)
 #undef ASCEND_GMM_ENTRY
 
-// bf16 products of more than kSmallRows rows go to torch's mm (oneDNN: AMX brgemm) when the CPU has
-// AMX, ASCEND_PASSES_ISA does not cap it and torch.backends.mkldnn is enabled (else bf16 mm is slow)
-bool amx_bf16_mm() { return isa_level() == Isa::kAmx && at::globalContext().userEnabledMkldnn(); }
+// bf16 products of more than kSkinnyRows rows go to torch's mm when oneDNN has bf16 matrix instructions
+// here: AMX (brgemm on the tiles), or AVX512_BF16 without AMX (vdpbf16ps; Zen 4/5, Cooper Lake), unless
+// ASCEND_PASSES_ISA caps them (avx512_bf16_usable(), common.h), and torch.backends.mkldnn is enabled
+// (else bf16 mm is slow). Without AMX, per-expert oneDNN on HF-layout weights measured 84-91% of a dense
+// bf16 mm of the same FLOPs (one thread, E = 16 x 192 rows, K/N = 1024/512, 256/1024, 1024/1024; 2-core
+// AMD EPYC Zen 5), against 47-48% for gemm.h's kernel, which widens bf16 to fp32 FMAs
+// (ASCEND_PASSES_GEMM=own keeps that route there, for A/B).
+bool onednn_bf16_mm() {
+  return (isa_level() == Isa::kAmx || avx512_bf16_usable()) && at::globalContext().userEnabledMkldnn();
+}
 
 void activate_inplace(at::Tensor& y, int64_t act_type) {
   if (act_type == 1)
@@ -223,7 +232,7 @@ void matmul_piece(const at::Tensor& x, const at::Tensor& w, const T* bias, int64
                       y.data_ptr<T>(), y.stride(0), m, n, k, &store, next);
           return;
         case Bf16Kernel::kOneDnn:
-          if (amx_bf16_mm()) {
+          if (onednn_bf16_mm()) {
             onednn_piece(x, w, bias, act_type, y);
             return;
           }
@@ -257,7 +266,9 @@ void matmul_piece(const at::Tensor& x, const at::Tensor& w, const T* bias, int64
     return;
   }
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    if (amx_bf16_mm()) {  // weights without a contiguous K: oneDNN, which reorders them per call
+    // AMX: weights without a contiguous K (oneDNN reorders them per call); AVX512_BF16 without AMX:
+    // every piece of more rows than the stream's
+    if (onednn_bf16_mm() && (amx_swap_available() || route != GemmRoute::kOwn)) {
       onednn_piece(x, w, bias, act_type, y);
       return;
     }

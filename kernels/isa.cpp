@@ -1,5 +1,5 @@
 // AMX detection for isa_level() (common.h): the CPU's feature bits, the OS's tile-state support and
-// Linux's per-process permission to use the tile data.
+// Linux's per-process permission to use the tile data; avx512_bf16_usable().
 #include "common.h"
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
@@ -34,3 +34,19 @@ bool cpu_has_amx_bf16() {
   return true;
 }
 #endif
+
+bool avx512_bf16_usable() {
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+  static const bool usable = [] {
+    __builtin_cpu_init();
+    if (!__builtin_cpu_supports("avx512bf16")) return false;
+    const Isa level = isa_level();
+    if (level == Isa::kAmx) return true;
+    const char* cap = std::getenv("ASCEND_PASSES_ISA");
+    return level == Isa::kAvx512 && (cap == nullptr || *cap == '\0' || std::string(cap) == "amx");
+  }();
+  return usable;
+#else
+  return false;
+#endif
+}

@@ -382,16 +382,7 @@ bool decode_schedule_v9() {
 
 bool skinny_bf16_dot() {
 #ifdef ASCEND_SKINNY_X86
-  static const bool dot = [] {
-    __builtin_cpu_init();
-    if (!__builtin_cpu_supports("avx512bf16")) return false;
-    const Isa level = isa_level();
-    if (level == Isa::kAmx) return true;  // amx implies avx512_bf16
-    // avx512_bf16 without AMX (Cooper Lake, Zen 4): level avx512, unless ASCEND_PASSES_ISA capped it there
-    const char* cap = std::getenv("ASCEND_PASSES_ISA");
-    return level == Isa::kAvx512 && (cap == nullptr || *cap == '\0' || std::string(cap) == "amx");
-  }();
-  return dot;
+  return avx512_bf16_usable();  // common.h: avx512_bf16 on the CPU, ASCEND_PASSES_ISA not capping it
 #else
   return false;
 #endif

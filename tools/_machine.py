@@ -5,13 +5,23 @@ from __future__ import annotations
 import os
 
 
-def cpu_features_line() -> str:
-    """AVX-512, avx512_bf16 and AMX from /proc/cpuinfo, and the ``ASCEND_PASSES_ISA`` cap in use."""
+def cpu_flags() -> set[str]:
+    """The feature flags of /proc/cpuinfo (empty where it cannot be read)."""
     try:
         with open("/proc/cpuinfo") as f:
-            flags = set(f.read().split())
+            return set(f.read().split())
     except OSError:
-        flags = set()
+        return set()
+
+
+def has_amx() -> bool:
+    """Whether the CPU has AMX-BF16 (the kernels' AMX paths can run, unless ASCEND_PASSES_ISA caps them)."""
+    return {"amx_tile", "amx_bf16"} <= cpu_flags()
+
+
+def cpu_features_line() -> str:
+    """AVX-512, avx512_bf16 and AMX from /proc/cpuinfo, and the ``ASCEND_PASSES_ISA`` cap in use."""
+    flags = cpu_flags()
 
     def yes(*names: str) -> str:
         return "yes" if set(names) <= flags else "no"

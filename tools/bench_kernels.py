@@ -41,7 +41,7 @@ from dataclasses import dataclass, field, replace
 import _allocator  # tools/_allocator.py: this script's folder is on sys.path
 import torch
 import torch.nn.functional as F
-from _machine import cpu_features_line
+from _machine import cpu_features_line, has_amx
 
 import ascend_passes.ops as ops
 from ascend_passes.ops import reference
@@ -112,6 +112,18 @@ BF16_KERNELS = (
 # default ones: the swapped kernel's epilogue, output-line and weight prefetch, the stream's row prefetch, and
 # the stream for every expert piece of 1-3 rows
 BF16_V8 = ("ASCEND_PASSES_BF16_SCHEDULE", "v8", "session 8's schedules and route")
+# without AMX: the bf16 prefill pieces on gemm.h's AVX-512 fp32 GEMM (bf16 widened), the route before oneDNN
+BF16_OWN = ("ASCEND_PASSES_GEMM", "own", "AVX-512 fp32 GEMM, bf16 widened")
+
+
+def bf16_forced() -> tuple[tuple[str, str, str], ...]:
+    """The (variable, value, name) of each bf16 prefill route timed beside the rule: with AMX, session 8's
+    schedules and each kernel forced; without AMX (where the AMX kernels cannot run) gemm.h's GEMM."""
+    if has_amx():
+        return (BF16_V8, *(("ASCEND_PASSES_BF16_KERNEL", k, n) for k, n in BF16_KERNELS))
+    return (BF16_OWN,)
+
+
 # session 9's fp32 decode stream (kernels/skinny.h decode_schedule_v9: no software prefetch of the next
 # weight rows), timed in the same run as the default one: the fp32 decode MoE layer and linear
 DECODE_V9 = ("ASCEND_PASSES_DECODE_SCHEDULE", "v9", "session 9's fp32 stream, no row prefetch")
@@ -303,8 +315,9 @@ def bench_case(tokens: int, dtype: torch.dtype, quick: bool) -> list[Row]:
     ]
     if slow and dtype == torch.bfloat16:
         # each bf16 kernel forced on a CPU with AMX (the rows above: the default rule, the swapped-operand
-        # kernel); without AMX every row runs the same AVX-512 GEMM
-        for env, kernel, name in (BF16_V8, *(("ASCEND_PASSES_BF16_KERNEL", k, n) for k, n in BF16_KERNELS)):
+        # kernel); without AMX the rows above are oneDNN (AVX512_BF16) and the one forced route is
+        # gemm.h's fp32 GEMM with bf16 widened, the route before it (the AMX kernels cannot run there)
+        for env, kernel, name in bf16_forced():
             for step, flops, weight, x in (("up", up_flops, L.w13, ex), ("down", down_flops, L.w2, act)):
                 with env_set(env, kernel):
                     label = f"grouped_matmul {step}, {env}={kernel} ({name})"
@@ -402,9 +415,7 @@ def bench_small_prefill(tokens: int, quick: bool) -> list[Row]:
     src = torch.ones(16 * 1024 * 1024)
     dst = torch.empty_like(src)
     rows = []
-    variants = (("ASCEND_PASSES_BF16_KERNEL", "", "rule"), BF16_V8)
-    variants += tuple(("ASCEND_PASSES_BF16_KERNEL", k, n) for k, n in BF16_KERNELS)
-    for env, kernel, name in variants:
+    for env, kernel, name in (("ASCEND_PASSES_BF16_KERNEL", "", "rule"), *bf16_forced()):
         for step, x, attr in (("up", ex, "w13"), ("down", act, "w2")):
             weight = getattr(L, attr)
             with env_set(env, kernel):

@@ -199,7 +199,7 @@ bool fp32_piece_takes_own_gemm(GemmRoute route, int64_t k) {
     case GemmRoute::kBlas:
       return false;
     default:
-      return k <= kOwnGemmMaxK;
+      return k <= kOwnGemmMaxK || !cpu_vendor_intel();
   }
 }
 

@@ -50,3 +50,16 @@ bool avx512_bf16_usable() {
   return false;
 #endif
 }
+
+bool cpu_vendor_intel() {
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+  static const bool intel = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    __cpuid(0, a, b, c, d);
+    return b == 0x756e6547u && d == 0x49656e69u && c == 0x6c65746eu;  // "Genu" "ineI" "ntel"
+  }();
+  return intel;
+#else
+  return false;
+#endif
+}

@@ -203,4 +203,9 @@ bool fp32_piece_takes_own_gemm(GemmRoute route, int64_t k) {
   }
 }
 
+bool fp32_linear_takes_own_gemm(GemmRoute route) {
+  if (!gemm_nt_available()) return false;
+  return route == GemmRoute::kOwn || (route == GemmRoute::kAuto && !cpu_vendor_intel());
+}
+
 }  // namespace ascend_kernels

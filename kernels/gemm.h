@@ -58,6 +58,10 @@ GemmRoute fp32_gemm_route();
 // Whether an fp32 piece of depth k takes gemm_nt under `route` (and gemm_nt is available here).
 bool fp32_piece_takes_own_gemm(GemmRoute route, int64_t k);
 
+// Whether an fp32 linear of more than kSkinnyRows rows (weight K contiguous) takes gemm_nt, split over
+// the threads: route kOwn, or kAuto on a CPU not of Intel's (as fp32_piece_takes_own_gemm at any K).
+bool fp32_linear_takes_own_gemm(GemmRoute route);
+
 // Whether gemm_nt runs here (isa_level() is AVX-512 or above, see common.h); callers use BLAS otherwise.
 bool gemm_nt_available();
 

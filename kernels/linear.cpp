@@ -3,7 +3,8 @@
 // (amx_swap.cpp, with the measurements): the stream below 4 rows, the swapped-operand AMX kernel
 // (amx_swap.h: the weight read in place, no per-call reorder) up to kSwapLinearMaxRows, torch's linear
 // (oneDNN) above. Otherwise a few rows (decode) -> the weight-streaming kernel of skinny.h, split over
-// the weight's rows (bf16: AVX512_BF16 dot products where the CPU has them); else ATen's linear (BLAS /
+// the weight's rows (bf16: AVX512_BF16 dot products where the CPU has them); fp32 of more rows on a CPU
+// not of Intel's -> gemm.h's GEMM over row x column blocks (gemm_linear); else ATen's linear (BLAS /
 // oneDNN), the call the un-rewritten graph made.
 #include "amx_swap.h"
 #include "common.h"
@@ -61,6 +62,39 @@ at::Tensor swap_linear(const at::Tensor& input, const at::Tensor& weight, const 
   return y;
 }
 
+// fp32 with > kSkinnyRows rows and the weight's K contiguous on a CPU not of Intel's (gemm.h's rule:
+// MKL's sgemm is not its tuned one there): gemm.h's single-threaded AVX-512 GEMM over blocks of up to
+// kOwnLinearRows rows x kOwnLinearCols columns, the blocks split over the threads (a column block's
+// weight rows stay in L2 across the row blocks of one thread), the bias added after.
+constexpr int64_t kOwnLinearRows = 192, kOwnLinearCols = 256;
+
+bool own_fp32_linear(const at::Tensor& input, const at::Tensor& weight, GemmRoute route) {
+  return input.scalar_type() == at::kFloat && input.size(0) > kSkinnyRows && input.size(1) > 0 && weight.size(0) > 0 &&
+         weight.stride(1) == 1 && fp32_linear_takes_own_gemm(route);
+}
+
+at::Tensor gemm_linear(const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+  const int64_t m = input.size(0), k = input.size(1), n = weight.size(0);
+  const auto xc = input.stride(1) == 1 ? input : input.contiguous();
+  auto y = at::empty({m, n}, input.options());
+  const float* xp = xc.const_data_ptr<float>();
+  const float* wp = weight.const_data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t lda = xc.stride(0), ldw = weight.stride(0);
+  const int64_t row_blocks = (m + kOwnLinearRows - 1) / kOwnLinearRows;
+  const int64_t col_blocks = (n + kOwnLinearCols - 1) / kOwnLinearCols;
+  // column-major over blocks: consecutive items of one thread share a column block (its weight rows)
+  at::parallel_for(0, row_blocks * col_blocks, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t i = lo; i < hi; ++i) {
+      const int64_t c0 = (i / row_blocks) * kOwnLinearCols, r0 = (i % row_blocks) * kOwnLinearRows;
+      const int64_t rows = std::min(kOwnLinearRows, m - r0), cols = std::min(kOwnLinearCols, n - c0);
+      gemm_nt(xp + r0 * lda, lda, wp + c0 * ldw, ldw, yp + r0 * n + c0, n, rows, cols, k, {});
+    }
+  });
+  if (bias.has_value()) y.add_(*bias);
+  return y;
+}
+
 }  // namespace
 
 at::Tensor linear(const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
@@ -69,8 +103,8 @@ at::Tensor linear(const at::Tensor& input, const at::Tensor& weight, const std::
   const auto dtype = input.scalar_type();
   const bool streams = input.size(0) > 0 && input.size(0) <= kSkinnyRows && input.size(1) > 0 && weight.size(0) > 0 &&
                        weight.stride(1) == 1 && (dtype == at::kFloat || dtype == at::kBFloat16);
-  // ASCEND_PASSES_GEMM / ASCEND_PASSES_BF16_KERNEL read (and checked) on every bf16 call, AMX or not
-  const GemmRoute route = dtype == at::kBFloat16 ? fp32_gemm_route() : GemmRoute::kAuto;
+  // ASCEND_PASSES_GEMM read (and checked) on every fp32 / bf16 call, ASCEND_PASSES_BF16_KERNEL on bf16 ones
+  const GemmRoute route = dtype == at::kBFloat16 || dtype == at::kFloat ? fp32_gemm_route() : GemmRoute::kAuto;
   const Bf16Kernel forced = dtype == at::kBFloat16 ? bf16_kernel_override() : Bf16Kernel::kRule;
   if (dtype == at::kBFloat16 && input.size(0) > 0 && input.size(1) > 0 && weight.size(0) > 0 && weight.stride(1) == 1 &&
       amx_swap_available() && at::globalContext().userEnabledMkldnn()) {
@@ -84,6 +118,7 @@ at::Tensor linear(const at::Tensor& input, const at::Tensor& weight, const std::
         return at::linear(input, weight, bias);
     }
   }
+  if (dtype == at::kFloat && own_fp32_linear(input, weight, route)) return gemm_linear(input, weight, bias);
   if (!streams) return at::linear(input, weight, bias);
   if (dtype == at::kFloat) return skinny_linear<float>(input, weight, bias);
   return skinny_linear<c10::BFloat16>(input, weight, bias);

@@ -5,17 +5,9 @@ grouped reference (the ``gemm_route`` fixture is in conftest.py)."""
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import torch
-
-
-def cpu_flags() -> set[str]:
-    try:
-        return set(Path("/proc/cpuinfo").read_text().split())
-    except OSError:
-        return set()
-
+from _helpers import cpu_flags
 
 AVX512 = {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= cpu_flags()
 UNCAPPED = AVX512 and os.environ.get("ASCEND_PASSES_ISA", "") in ("", "amx", "avx512")

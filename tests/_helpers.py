@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -145,3 +146,20 @@ def tiny_llama4(top_k: int = 1, dtype: torch.dtype = torch.float32, tokens: int 
     )
     config._attn_implementation = "sdpa"
     return models._seeded_lm(transformers.Llama4ForCausalLM, config, "llama4", dtype, batch=1, tokens=tokens, seed=0)
+
+
+def cpu_flags() -> set[str]:
+    """The feature flags of /proc/cpuinfo (empty where it cannot be read)."""
+    try:
+        return set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        return set()
+
+
+def cpu_vendor() -> str:
+    """The CPU's vendor id from /proc/cpuinfo ("GenuineIntel", "AuthenticAMD"; empty where unknown)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return ""
+    return next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("vendor_id")), "")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _helpers import run_with_memory_cap, skip_unless
+from _helpers import cpu_flags, cpu_vendor, run_with_memory_cap, skip_unless
 
 import ascend_passes.ops as ops
 from ascend_passes import kernels
@@ -512,6 +512,28 @@ def test_linear_against_reference(dtype, rows, k, with_bias):
     assert_same(K.linear(x, w, b), reference.linear(x, w, b), dtype)
 
 
+@pytest.mark.parametrize("rows", [9, 192, 193, 400])
+@pytest.mark.parametrize("n", [1, 255, 257, 600])
+def test_fp32_linear_on_the_own_gemm(monkeypatch, rows, n):
+    """fp32 linear of > 8 rows with ASCEND_PASSES_GEMM=own (the default on a CPU not of Intel's, where
+    MKL's sgemm is not its tuned one): gemm.h's GEMM over blocks of 192 rows x 256 columns split over
+    the threads; row and column block edges, K tails of the 128-deep panel, rows of x and w strided,
+    bias added after; against the fp64 product. The default route on a CPU not of Intel's is this one
+    (bitwise), on Intel's BLAS."""
+    torch.manual_seed(rows * 7 + n)
+    for k in (1, 17, 300):
+        x = torch.randn(rows, k + 3)[:, :k]
+        w = (torch.randn(n, k + 5) / math.sqrt(k))[:, :k]
+        b = torch.randn(n)
+        want = (x.double() @ w.double().t() + b.double()).float()
+        monkeypatch.setenv("ASCEND_PASSES_GEMM", "own")
+        own = K.linear(x, w, b)
+        torch.testing.assert_close(own, want, rtol=1e-4, atol=1e-4)
+        monkeypatch.setenv("ASCEND_PASSES_GEMM", "")
+        if cpu_vendor() != "GenuineIntel" and "avx512f" in cpu_flags():
+            assert torch.equal(K.linear(x, w, b), own)
+
+
 def test_linear_strided_operands_match_reference():
     x = torch.randn(8, 96)[:, ::2]  # rows 96 apart, columns 2 apart
     w_rows = torch.randn(70, 128)[:, :48]  # rows contiguous, 128 apart: streamed
@@ -607,11 +629,7 @@ def test_bad_isa_setting_raises_a_clear_error():
 
 
 def cpu_has_amx_bf16() -> bool:
-    try:
-        flags = Path("/proc/cpuinfo").read_text().split()
-    except OSError:
-        return False
-    return {"amx_bf16", "amx_tile", "avx512_bf16"} <= set(flags)
+    return {"amx_bf16", "amx_tile", "avx512_bf16"} <= cpu_flags()
 
 
 # bf16 prefill pieces (> 8 rows) on a CPU with AMX: torch's bf16 mm, which oneDNN runs on the tile units
@@ -664,13 +682,6 @@ def test_bf16_prefill_runs_on_amx_where_the_cpu_has_it(isa):
         assert bf16_calls and all("amx" in line for line in bf16_calls), kernels_out[-3000:]
     else:
         assert bf16_calls == [], bf16_calls[:3]
-
-
-def cpu_flags() -> set[str]:
-    try:
-        return set(Path("/proc/cpuinfo").read_text().split())
-    except OSError:
-        return set()
 
 
 @pytest.mark.parametrize("isa", ["", "avx512"])
@@ -769,7 +780,7 @@ def test_bf16_amx_tile_kernel_edge_cases_equal_the_reference(isa):
     AVX-512 GEMM: no oneDNN bf16 call, denormals kept)."""
     if isa == "amx" and not cpu_has_amx_bf16():
         pytest.skip("this CPU lacks amx_bf16/amx_tile/avx512_bf16 (/proc/cpuinfo): no AMX path to run")
-    flags = set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").exists() else set()
+    flags = cpu_flags()
     if isa == "avx512" and not {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags:
         pytest.skip("this CPU lacks AVX-512: the capped path under test is the AVX-512 GEMM")
     run = subprocess.run(
@@ -881,7 +892,7 @@ def test_bf16_decode_streams_with_bf16_dot_products_where_the_cpu_has_them(isa):
     paths; uncapped on a CPU with avx512_bf16 the stream uses vdpbf16ps (denormal inputs read as 0),
     capped at avx512 the widening FMAs (they add up); with AMX, 8 bf16 rows go to the swapped-operand AMX
     kernel (not oneDNN)."""
-    flags = set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").exists() else set()
+    flags = cpu_flags()
     if not {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags:
         pytest.skip("this CPU lacks AVX-512: the bf16 streaming paths under test are AVX-512 ones")
     dot = "avx512_bf16" in flags and isa == "amx"
@@ -944,7 +955,8 @@ GEMM_ROUTE_SCRIPT = textwrap.dedent(
 
 def test_fp32_prefill_gemm_route_switches_to_blas_above_the_depth_threshold():
     """Issue 18 (fp32 prefill regression): pieces with K <= 512 take the AVX-512 GEMM, deeper ones MKL
-    (faster there on this AMX Xeon: 85 vs 64-71% of a dense mm at K = 1024); both sides of the boundary
+    on an Intel CPU (faster there on the AMX Xeon: 85 vs 64-71% of a dense mm at K = 1024), the GEMM on
+    others (2.1x MKL at K = 1024 on an AMD EPYC: MKL's sgemm is not its tuned one); both sides of the boundary
     and both forced routes equal the reference; a bad ASCEND_PASSES_GEMM value raises naming the choices."""
     if not torch.backends.mkl.is_available():
         pytest.skip("torch is built without MKL: MKL_VERBOSE cannot show which route ran")
@@ -962,9 +974,10 @@ def test_fp32_prefill_gemm_route_switches_to_blas_above_the_depth_threshold():
     for block in run.stdout.split("MARK ")[1:]:
         name, body = block.split("\n", 1)
         sgemm_calls[name] = body.split("MARK-END")[0].count("SGEMM(")
-    own_gemm = {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= set(Path("/proc/cpuinfo").read_text().split())
+    own_gemm = {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= cpu_flags()
     own_gemm = own_gemm and os.environ.get("ASCEND_PASSES_ISA", "") in ("", "amx", "avx512")
     blas = {k: v > 0 for k, v in sgemm_calls.items()}
+    intel = cpu_vendor() == "GenuineIntel"
     if own_gemm:
         # pieces of 9 rows (the streaming kernel takes <= 8) and more go to the GEMM of the route
         assert blas == {
@@ -972,8 +985,9 @@ def test_fp32_prefill_gemm_route_switches_to_blas_above_the_depth_threshold():
             "k=512 route=auto": False,
             "k=512 route=own": False,
             "k=512 route=blas": True,
-            "k=513 route=unset": True,
-            "k=513 route=auto": True,
+            # above K = 512 BLAS on Intel's CPUs; elsewhere MKL's sgemm is not its tuned one: the GEMM
+            "k=513 route=unset": intel,
+            "k=513 route=auto": intel,
             "k=513 route=own": False,
             "k=513 route=blas": True,
         }, sgemm_calls

@@ -410,11 +410,12 @@ Bf16Kernel bf16_kernel_override() {
   const char* env = std::getenv("ASCEND_PASSES_BF16_KERNEL");
   if (env == nullptr || *env == '\0') return Bf16Kernel::kRule;
   const std::string c(env);
-  TORCH_CHECK_VALUE(c == "swap" || c == "tile" || c == "onednn" || c == "stream",
-                    "ASCEND_PASSES_BF16_KERNEL must be one of swap, tile, onednn, stream; got '", c, "'");
+  TORCH_CHECK_VALUE(c == "swap" || c == "tile" || c == "onednn" || c == "stream" || c == "dot",
+                    "ASCEND_PASSES_BF16_KERNEL must be one of swap, tile, onednn, stream, dot; got '", c, "'");
   return c == "swap"     ? Bf16Kernel::kSwap
          : c == "tile"   ? Bf16Kernel::kTile
          : c == "onednn" ? Bf16Kernel::kOneDnn
+         : c == "dot"    ? Bf16Kernel::kDot
                          : Bf16Kernel::kStream;
 }
 

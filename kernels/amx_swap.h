@@ -44,9 +44,10 @@ void amx_swap_nt_parallel(const c10::BFloat16* x, int64_t ldx, const c10::BFloat
 namespace ascend_kernels {
 
 // Which bf16 kernel a product with a K-contiguous weight runs on a CPU with AMX.
-enum class Bf16Kernel : int { kRule = 0, kSwap = 1, kTile = 2, kOneDnn = 3, kStream = 4 };
+// kDot: gemm.h's AVX512_BF16 GEMM (gemm_dp_nt), for CPUs with avx512_bf16 but no AMX.
+enum class Bf16Kernel : int { kRule = 0, kSwap = 1, kTile = 2, kOneDnn = 3, kStream = 4, kDot = 5 };
 
-// ASCEND_PASSES_BF16_KERNEL=swap|tile|onednn|stream read now (unset/empty: kRule, the static rule).
+// ASCEND_PASSES_BF16_KERNEL=swap|tile|onednn|stream|dot read now (unset/empty: kRule, the static rule).
 Bf16Kernel bf16_kernel_override();
 
 // ASCEND_PASSES_BF16_SCHEDULE=v8, read now: session 8's schedules of the swapped kernel (each block's results

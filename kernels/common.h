@@ -33,7 +33,8 @@
 // registers with bf16 dot products: amx_tile + amx_bf16 + avx512_bf16, the OS granting the tile state
 // and torch built with oneDNN, which runs the bf16 matrix products of grouped_matmul's prefill pieces
 // on them), AVX-512 (F, VL, BW, DQ: skinny.cpp, gemm.cpp), AVX2 + FMA, or the x86-64 baseline.
-// ASCEND_PASSES_ISA=amx|avx512|avx2|baseline caps it, so that tests run every code path on one machine.
+// ASCEND_PASSES_ISA=amx|avx512_bf16|avx512|avx2|baseline caps it, so that tests run every code path on
+// one machine (avx512_bf16: the AVX-512 level with AVX512_BF16 dot products, a CPU without AMX).
 enum class Isa : int { kBaseline = 0, kAvx2 = 1, kAvx512 = 2, kAmx = 3 };
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
@@ -58,21 +59,21 @@ inline Isa isa_level() {
     const char* env = std::getenv("ASCEND_PASSES_ISA");
     if (env == nullptr || *env == '\0') return cpu;
     const std::string cap(env);
-    TORCH_CHECK_VALUE(cap == "amx" || cap == "avx512" || cap == "avx2" || cap == "baseline",
-                      "ASCEND_PASSES_ISA must be one of amx, avx512, avx2, baseline; got '", cap, "'");
-    const Isa wanted = cap == "amx"      ? Isa::kAmx
-                       : cap == "avx512" ? Isa::kAvx512
-                       : cap == "avx2"   ? Isa::kAvx2
-                                         : Isa::kBaseline;
+    TORCH_CHECK_VALUE(cap == "amx" || cap == "avx512_bf16" || cap == "avx512" || cap == "avx2" || cap == "baseline",
+                      "ASCEND_PASSES_ISA must be one of amx, avx512_bf16, avx512, avx2, baseline; got '", cap, "'");
+    const Isa wanted = cap == "amx"                              ? Isa::kAmx
+                       : cap == "avx512" || cap == "avx512_bf16" ? Isa::kAvx512
+                       : cap == "avx2"                           ? Isa::kAvx2
+                                                                 : Isa::kBaseline;
     return std::min(cpu, wanted);
   }();
   return level;
 }
 
 // AVX512_BF16 dot products (vdpbf16ps) usable: the CPU has avx512_bf16 (CPUID.(7,1):EAX bit 5) and
-// isa_level() is AMX, or AVX-512 with ASCEND_PASSES_ISA unset or "amx" (a CPU with avx512_bf16 but no
-// AMX: Cooper Lake, Zen 4/5). ASCEND_PASSES_ISA=avx512 turns them off, so tests run both paths on one
-// machine. Read once.
+// isa_level() is AMX, or AVX-512 with ASCEND_PASSES_ISA unset, "amx" or "avx512_bf16" (a CPU with
+// avx512_bf16 but no AMX: Cooper Lake, Zen 4/5; or one with AMX capped to run those paths).
+// ASCEND_PASSES_ISA=avx512 turns them off, so tests run both paths on one machine. Read once.
 bool avx512_bf16_usable();
 
 // The CPU's vendor string is "GenuineIntel" (CPUID leaf 0). MKL, torch's BLAS on x86-64, runs its

@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <cstring>
 #include <string>
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
@@ -93,11 +94,31 @@ struct Rows {
   const char* line(int64_t i) const { return w + (i / lines_per_row) * row_bytes + kLine * (i % lines_per_row); }
 };
 
+// The fp32 path: A in fp32, W (fp32 or bf16, widened) packed into [kc][kNR] float panels of kKC deep.
 template <typename T>
-ASCEND_AVX512 void gemm_avx512(const float* a, int64_t lda, const T* w, int64_t ldw, float* c, int64_t ldc, int64_t m,
-                               int64_t n, int64_t k, const NextWeight& after) {
-  alignas(64) float panel[kKC * kNR];
-  const int64_t m_blocks = (m + kMR - 1) / kMR, k_blocks = (k + kKC - 1) / kKC;
+struct F32Path {
+  using AType = float;
+  using WType = T;
+  static constexpr int64_t kDepth = kKC;
+  static ASCEND_AVX512_INLINE void pack(const T* w, int64_t ldw, int nr, int64_t kc, void* panel) {
+    pack_panel(w, ldw, nr, kc, static_cast<float*>(panel));
+  }
+  template <int R>
+  static ASCEND_AVX512_INLINE void micro(const float* a, int64_t lda, const void* panel, int64_t kc, float* c,
+                                         int64_t ldc, int nr, bool accumulate, const char* pf, int64_t pf_lines) {
+    ascend_kernels::micro<R>(a, lda, static_cast<const float*>(panel), kc, c, ldc, nr, accumulate, pf, pf_lines);
+  }
+};
+
+// The blocked GEMM both paths share: 64-column panels of W packed per kDepth of K, a kMR-row micro-kernel
+// over the rows of A, the next panel's (or the next weight's first panel's) rows prefetched under it.
+template <typename Path>
+ASCEND_AVX512 void gemm_blocked(const typename Path::AType* a, int64_t lda, const typename Path::WType* w, int64_t ldw,
+                                float* c, int64_t ldc, int64_t m, int64_t n, int64_t k, const NextWeight& after) {
+  using T = typename Path::WType;
+  constexpr int64_t kDepth = Path::kDepth;
+  alignas(64) float panel[kKC * kNR];  // 32 KB: kDepth * kNR fp32, or kDepth / 2 * kNR bf16 pairs
+  const int64_t m_blocks = (m + kMR - 1) / kMR, k_blocks = (k + kDepth - 1) / kDepth;
   const auto lines_of = [](int64_t row_elems, int64_t elem_bytes) {
     return (row_elems * elem_bytes + kLine - 1) / kLine;
   };
@@ -114,9 +135,9 @@ ASCEND_AVX512 void gemm_avx512(const float* a, int64_t lda, const T* w, int64_t 
     // its lines, spread over the micro-kernel calls on this panel (a row at a time: rows are ldw apart)
     const int64_t share = (next.lines() + m_blocks * k_blocks - 1) / (m_blocks * k_blocks);
     int64_t done = 0;
-    for (int64_t k0 = 0; k0 < k; k0 += kKC) {
-      const int64_t kc = std::min(kKC, k - k0);
-      pack_panel(w + n0 * ldw + k0, ldw, nr, kc, panel);
+    for (int64_t k0 = 0; k0 < k; k0 += kDepth) {
+      const int64_t kc = std::min(kDepth, k - k0);
+      Path::pack(w + n0 * ldw + k0, ldw, nr, kc, panel);
       for (int64_t m0 = 0; m0 < m; m0 += kMR) {
         const char* pf = nullptr;
         int64_t pf_lines = 0;
@@ -125,27 +146,27 @@ ASCEND_AVX512 void gemm_avx512(const float* a, int64_t lda, const T* w, int64_t 
           pf_lines = std::min(share, next.lines_per_row - done % next.lines_per_row);
           done += pf_lines;
         }
-        const float* ab = a + m0 * lda + k0;
+        const auto* ab = a + m0 * lda + k0;
         float* cb = c + m0 * ldc + n0;
         const bool acc = k0 > 0;
         switch (std::min<int64_t>(kMR, m - m0)) {
           case 1:
-            micro<1>(ab, lda, panel, kc, cb, ldc, nr, acc, pf, pf_lines);
+            Path::template micro<1>(ab, lda, panel, kc, cb, ldc, nr, acc, pf, pf_lines);
             break;
           case 2:
-            micro<2>(ab, lda, panel, kc, cb, ldc, nr, acc, pf, pf_lines);
+            Path::template micro<2>(ab, lda, panel, kc, cb, ldc, nr, acc, pf, pf_lines);
             break;
           case 3:
-            micro<3>(ab, lda, panel, kc, cb, ldc, nr, acc, pf, pf_lines);
+            Path::template micro<3>(ab, lda, panel, kc, cb, ldc, nr, acc, pf, pf_lines);
             break;
           case 4:
-            micro<4>(ab, lda, panel, kc, cb, ldc, nr, acc, pf, pf_lines);
+            Path::template micro<4>(ab, lda, panel, kc, cb, ldc, nr, acc, pf, pf_lines);
             break;
           case 5:
-            micro<5>(ab, lda, panel, kc, cb, ldc, nr, acc, pf, pf_lines);
+            Path::template micro<5>(ab, lda, panel, kc, cb, ldc, nr, acc, pf, pf_lines);
             break;
           default:
-            micro<6>(ab, lda, panel, kc, cb, ldc, nr, acc, pf, pf_lines);
+            Path::template micro<6>(ab, lda, panel, kc, cb, ldc, nr, acc, pf, pf_lines);
             break;
         }
       }
@@ -153,18 +174,91 @@ ASCEND_AVX512 void gemm_avx512(const float* a, int64_t lda, const T* w, int64_t 
   }
 }
 
+// ---- bf16 x bf16 with AVX512_BF16 (vdpbf16ps: 16 lanes x 2 products per instruction, fp32 sums) on
+// a CPU without AMX. The panel holds bf16 pairs: panel[p * kNR + j] = (W[j][2p], W[j][2p + 1]) as one
+// 32-bit word, i.e. the 16x16 32-bit transpose of W's rows read as pairs (W's row stride even); a pair
+// of A (two consecutive k of one row) is broadcast against 4 vectors of it, 24 accumulators as above.
+// K and W's row stride must be even (gemm_dp_nt_supported): odd ones take the caller's other route.
+#define ASCEND_DP_TARGET __attribute__((target("avx512f,avx512vl,avx512bw,avx512dq,avx512bf16,fma")))
+constexpr int64_t kDpDepth = 2 * kKC;  // k per panel: kKC pairs x kNR x 4 bytes = the fp32 panel's 32 KB
+
+ASCEND_AVX512_INLINE void pack_pairs(const c10::BFloat16* w, int64_t ldw, int nr, int64_t kc, void* panel) {
+  const auto* src = reinterpret_cast<const uint32_t*>(w);  // rows ldw / 2 words apart
+  auto* dst = static_cast<uint32_t*>(panel);
+  const int64_t pairs = kc / 2, ldw32 = ldw / 2;
+  int64_t p = 0;
+  for (; p + 16 <= pairs; p += 16)
+    for (int v = 0; v < kNV; ++v)
+      transpose16x16_u32(src + 16 * v * ldw32 + p, ldw32, std::max(0, std::min(16, nr - 16 * v)),
+                         dst + p * kNR + 16 * v, kNR);
+  for (; p < pairs; ++p)
+    for (int j = 0; j < kNR; ++j) dst[p * kNR + j] = j < nr ? src[j * ldw32 + p] : 0u;
+}
+
+template <int R>
+ASCEND_DP_TARGET __attribute__((noinline)) void micro_dp(const c10::BFloat16* a, int64_t lda, const void* panel_v,
+                                                         int64_t kc, float* c, int64_t ldc, int nr, bool accumulate,
+                                                         const char* pf, int64_t pf_lines) {
+  const auto* panel = static_cast<const uint32_t*>(panel_v);
+  __mmask16 mask[kNV];
+  for (int v = 0; v < kNV; ++v) {
+    const int left = nr - 16 * v;
+    mask[v] = left >= 16 ? __mmask16(0xffff) : left <= 0 ? __mmask16(0) : __mmask16((1u << left) - 1);
+  }
+  __m512 acc[R][kNV];
+  for (int i = 0; i < R; ++i)
+    for (int v = 0; v < kNV; ++v)
+      acc[i][v] = accumulate ? _mm512_maskz_loadu_ps(mask[v], c + i * ldc + 16 * v) : _mm512_setzero_ps();
+  int64_t line = 0;
+  const int64_t pairs = kc / 2;
+  for (int64_t p = 0; p < pairs; ++p) {
+    __m512i b[kNV];
+    for (int v = 0; v < kNV; ++v) b[v] = _mm512_loadu_si512(panel + p * kNR + 16 * v);
+    for (int i = 0; i < R; ++i) {
+      uint32_t pair;
+      std::memcpy(&pair, a + i * lda + 2 * p, sizeof(pair));
+      const __m512bh av = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
+      for (int v = 0; v < kNV; ++v) acc[i][v] = _mm512_dpbf16_ps(acc[i][v], av, (__m512bh)b[v]);
+    }
+    if (line < pf_lines) _mm_prefetch(pf + kLine * line++, _MM_HINT_T1);  // up to one line per pair step
+  }
+  for (int i = 0; i < R; ++i)
+    for (int v = 0; v < kNV; ++v) _mm512_mask_storeu_ps(c + i * ldc + 16 * v, mask[v], acc[i][v]);
+}
+
+struct DpPath {
+  using AType = c10::BFloat16;
+  using WType = c10::BFloat16;
+  static constexpr int64_t kDepth = kDpDepth;
+  static ASCEND_AVX512_INLINE void pack(const c10::BFloat16* w, int64_t ldw, int nr, int64_t kc, void* panel) {
+    pack_pairs(w, ldw, nr, kc, panel);
+  }
+  template <int R>
+  static ASCEND_AVX512_INLINE void micro(const c10::BFloat16* a, int64_t lda, const void* panel, int64_t kc, float* c,
+                                         int64_t ldc, int nr, bool accumulate, const char* pf, int64_t pf_lines) {
+    micro_dp<R>(a, lda, panel, kc, c, ldc, nr, accumulate, pf, pf_lines);
+  }
+};
+
 }  // namespace
 
 bool gemm_nt_available() { return isa_level() >= Isa::kAvx512; }
 
 void gemm_nt(const float* a, int64_t lda, const float* w, int64_t ldw, float* c, int64_t ldc, int64_t m, int64_t n,
              int64_t k, const NextWeight& next) {
-  gemm_avx512(a, lda, w, ldw, c, ldc, m, n, k, next);
+  gemm_blocked<F32Path<float>>(a, lda, w, ldw, c, ldc, m, n, k, next);
 }
 
 void gemm_nt(const float* a, int64_t lda, const c10::BFloat16* w, int64_t ldw, float* c, int64_t ldc, int64_t m,
              int64_t n, int64_t k, const NextWeight& next) {
-  gemm_avx512(a, lda, w, ldw, c, ldc, m, n, k, next);
+  gemm_blocked<F32Path<c10::BFloat16>>(a, lda, w, ldw, c, ldc, m, n, k, next);
+}
+
+bool gemm_dp_nt_supported(int64_t k, int64_t ldw) { return avx512_bf16_usable() && k % 2 == 0 && ldw % 2 == 0; }
+
+void gemm_dp_nt(const c10::BFloat16* a, int64_t lda, const c10::BFloat16* w, int64_t ldw, float* c, int64_t ldc,
+                int64_t m, int64_t n, int64_t k, const NextWeight& next) {
+  gemm_blocked<DpPath>(a, lda, w, ldw, c, ldc, m, n, k, next);
 }
 
 #else  // not x86-64 GCC: callers use BLAS
@@ -175,6 +269,9 @@ void gemm_nt(const float*, int64_t, const float*, int64_t, float*, int64_t, int6
              const NextWeight&) {}
 void gemm_nt(const float*, int64_t, const c10::BFloat16*, int64_t, float*, int64_t, int64_t, int64_t, int64_t,
              const NextWeight&) {}
+bool gemm_dp_nt_supported(int64_t, int64_t) { return false; }
+void gemm_dp_nt(const c10::BFloat16*, int64_t, const c10::BFloat16*, int64_t, float*, int64_t, int64_t, int64_t,
+                int64_t, const NextWeight&) {}
 
 #endif
 

@@ -58,6 +58,14 @@ GemmRoute fp32_gemm_route();
 // Whether an fp32 piece of depth k takes gemm_nt under `route` (and gemm_nt is available here).
 bool fp32_piece_takes_own_gemm(GemmRoute route, int64_t k);
 
+// bf16 x bf16 -> fp32 C = A @ W^T with AVX512_BF16 dot products (vdpbf16ps), the same blocking with
+// panels of bf16 pairs: for bf16 prefill pieces on a CPU with avx512_bf16 but no AMX, where it reads the
+// weight in place (no per-call reorder as oneDNN's). gemm_dp_nt_supported: avx512_bf16_usable(), K and
+// W's row stride even.
+bool gemm_dp_nt_supported(int64_t k, int64_t ldw);
+void gemm_dp_nt(const c10::BFloat16* a, int64_t lda, const c10::BFloat16* w, int64_t ldw, float* c, int64_t ldc,
+                int64_t m, int64_t n, int64_t k, const NextWeight& next);
+
 // Whether an fp32 linear of more than kSkinnyRows rows (weight K contiguous) takes gemm_nt, split over
 // the threads: route kOwn, or kAuto on a CPU not of Intel's (as fp32_piece_takes_own_gemm at any K).
 bool fp32_linear_takes_own_gemm(GemmRoute route);

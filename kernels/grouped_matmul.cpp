@@ -136,6 +136,27 @@ bool onednn_bf16_mm() {
   return (isa_level() == Isa::kAmx || avx512_bf16_usable()) && at::globalContext().userEnabledMkldnn();
 }
 
+// A bf16 piece of m > kSkinnyRows rows (weight K contiguous, rows ldw apart) on a CPU with avx512_bf16
+// but no AMX: gemm.h's vdpbf16ps GEMM, which reads the weight in place, or oneDNN. Forced by
+// ASCEND_PASSES_BF16_KERNEL=dot (and =onednn the other way); ASCEND_PASSES_GEMM=own keeps the widened
+// fp32 GEMM. The rule's measurements: below.
+// Measured on the 2-core AMD EPYC (Zen 5), tools/bench_kernels.py's layer (E = 64, HF-layout weights), both
+// threads, best of 8, ms per call oneDNN / dot, up (K = 1024, N = 512) and down (K = 256, N = 1024):
+//   T = 128 (~12 rows/expert) up 4.88 / 4.20, 3.87 / 3.56   down 3.11 / 2.44, 2.17 / 2.01
+//   T = 256 (~24)             up 5.90 / 5.51, 5.11 / 4.94   down 3.84 / 3.31, 2.97 / 2.81
+//   T = 512 (~48)             up 8.07 / 7.29                down 4.74 / 4.68
+//   T = 1024 (~96)            up 11.31 / 10.06              down 6.51 / 5.73
+//   T = 2048 (~192)           up 18.28 / 17.69, 18.47 / 18.91  down 9.50 / 9.97, 10.17 / 10.86
+// (a few-dozen-row piece is bound by one thread's read of the cold weight, ~12 GB/s here, for both).
+// So the dot kernel up to kDotMaxRows rows, oneDNN above; the dot kernel also has no per-shape primitive
+// to create (oneDNN's first call at each new row count costs a few ms early in a process).
+constexpr int64_t kDotMaxRows = 128;
+
+bool bf16_dot_piece(GemmRoute route, Bf16Kernel forced, int64_t m, int64_t k, int64_t ldw) {
+  if (route == GemmRoute::kOwn || forced == Bf16Kernel::kOneDnn || !gemm_dp_nt_supported(k, ldw)) return false;
+  return forced == Bf16Kernel::kDot || m <= kDotMaxRows;
+}
+
 void activate_inplace(at::Tensor& y, int64_t act_type) {
   if (act_type == 1)
     y.relu_();
@@ -248,6 +269,16 @@ void matmul_piece(const at::Tensor& x, const at::Tensor& w, const T* bias, int64
       std::vector<float> acc;
       skinny_piece(xc.const_data_ptr<T>(), w.const_data_ptr<T>(), w.stride(1), bias, act_type, y.data_ptr<T>(),
                    y.stride(0), m, k, n, acc);
+      return;
+    }
+  }
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    // avx512_bf16 without AMX: gemm.h's vdpbf16ps GEMM, the weight read in place (bf16_dot_piece)
+    if (m > kSkinnyRows && w.stride(0) == 1 && x.stride(1) == 1 && y.stride(1) == 1 && k > 0 && !amx_swap_available() &&
+        bf16_dot_piece(route, forced, m, k, w.stride(1))) {
+      std::vector<float> acc(m * n);
+      gemm_dp_nt(x.const_data_ptr<T>(), x.stride(0), w.const_data_ptr<T>(), w.stride(1), acc.data(), n, m, n, k, next);
+      store(acc.data(), bias, act_type, y.data_ptr<T>(), y.stride(0), m, n);
       return;
     }
   }

@@ -43,7 +43,8 @@ bool avx512_bf16_usable() {
     const Isa level = isa_level();
     if (level == Isa::kAmx) return true;
     const char* cap = std::getenv("ASCEND_PASSES_ISA");
-    return level == Isa::kAvx512 && (cap == nullptr || *cap == '\0' || std::string(cap) == "amx");
+    const std::string c = cap == nullptr ? "" : cap;
+    return level == Isa::kAvx512 && (c.empty() || c == "amx" || c == "avx512_bf16");
   }();
   return usable;
 #else

@@ -115,7 +115,7 @@ SCRIPT = textwrap.dedent(
         try:
             call()
         except ValueError as e:
-            assert "ASCEND_PASSES_BF16_KERNEL must be one of swap, tile, onednn, stream; got 'tiles'" in str(e), e
+            assert "ASCEND_PASSES_BF16_KERNEL must be one of swap, tile, onednn, stream, dot; got 'tiles'" in str(e), e
         else:
             raise AssertionError("no ValueError for ASCEND_PASSES_BF16_KERNEL=tiles")
     print("amx-swap-ok", flush=True)

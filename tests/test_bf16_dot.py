@@ -1,0 +1,101 @@
+"""gemm.h's AVX512_BF16 GEMM (``gemm_dp_nt``, vdpbf16ps on panels of bf16 pairs): the bf16 prefill pieces of
+``grouped_matmul`` of up to 128 rows on a CPU with avx512_bf16 but no AMX (Zen 4/5, Cooper Lake), larger
+ones on oneDNN. Run in a fresh process under ``ASCEND_PASSES_ISA=avx512_bf16``, which is that CPU's
+default level and, on a CPU with AMX, caps it to run these paths too.
+
+Which kernel ran shows twice: ``ONEDNN_VERBOSE`` lists oneDNN's bf16 calls (none for the dot kernel's
+pieces, where the products are computed in fp32 only), and a denormal probe (vdpbf16ps reads a denormal
+bf16 as zero; the widened AVX-512 FMA GEMM, ``ASCEND_PASSES_GEMM=own``, keeps it)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from _helpers import cpu_flags
+
+SCRIPT = textwrap.dedent(
+    """
+    import os, torch, ascend_passes.ops
+    K = torch.ops.ascend_kernels
+    torch.manual_seed(3)
+    counts = [8, 9, 10, 11, 12, 13, 0, 40, 70]  # 8: the stream; 9-13: every tail of the 6-row block
+    def check(k, n, pad, act, with_bias):
+        rows = sum(counts) + 2  # 2 rows no group owns: zeros
+        x = torch.randn(rows, k).bfloat16()
+        store = (torch.randn(len(counts), n, k + pad) / k**0.5).bfloat16()
+        w = store[:, :, :k].transpose(1, 2)  # HF [E, N, K] rows, k + pad apart, as [E, K, N] views
+        bias = torch.randn(len(counts), n).bfloat16() if with_bias else None
+        kw = dict(bias=[bias] if with_bias else None, group_list=torch.tensor(counts), group_type=0,
+                  group_list_type=1, act_type=act)
+        got = K.grouped_matmul([x], [w], **kw)[0]
+        exact, r0 = torch.zeros(rows, n), 0
+        for g, c in enumerate(counts):
+            v = x[r0:r0 + c].float() @ w[g].float() + (bias[g].float() if with_bias else 0)
+            exact[r0:r0 + c] = {0: v, 1: torch.relu(v), 5: torch.nn.functional.silu(v)}[act]
+            r0 += c
+        # fp32 sums rounded once to bf16 (another summation order: at most one ulp more); oneDNN rounds
+        # the product to bf16 before the bias and activation: once more
+        tol = dict(atol=1e-4, rtol=2 ** -7) if once else dict(atol=1e-2, rtol=1e-2)
+        torch.testing.assert_close(got.float(), exact.bfloat16().float(), **tol)
+        assert torch.equal(got[-2:], torch.zeros(2, n, dtype=torch.bfloat16))
+    def probe():  # one 9-row product (a group_list would cut 9 rows into pieces the stream takes)
+        tiny = torch.full((9, 64), 1e-39).bfloat16()  # denormal bf16; 64 of them times 1e30: 6.4e-8
+        big = torch.full((16, 64), 1e30).bfloat16().t()  # HF layout
+        return K.grouped_matmul([tiny], [big])[0][0, 0].float().item()
+    def phase(name, cases, single_rows=40):
+        global once
+        once = name in ("dot", "own")
+        print(f"MARK-BEGIN-{name}", flush=True)
+        for case in cases:
+            check(*case)
+        x, w = torch.randn(single_rows, 70).bfloat16(), torch.randn(33, 70).bfloat16().t()  # no group_list
+        torch.testing.assert_close(K.grouped_matmul([x], [w])[0].float(), (x.float() @ w.float()).bfloat16().float(),
+                                   atol=1e-4, rtol=2 ** -7)
+        print(f"MARK-END-{name} probe {probe():.3e}", flush=True)
+    # K = 2 (one pair), 34 (a scalar pair tail), 290 (16-pair blocks + 1), 2082 (9 panels deep: 512-deep
+    # blocks accumulate, then a 34-deep tail); N = 1, 50, 96, 130, 200 (partial 16- and 64-column blocks);
+    # weight rows 6 / 2 / 0 elements past K (even strides); bias and SiLU / ReLU in fp32 before the rounding
+    even = ((2, 1, 0, 0, False), (64, 96, 0, 0, False), (34, 50, 6, 5, True), (290, 130, 0, 1, True),
+            (2082, 200, 2, 0, False))
+    phase("dot", even)
+    phase("big", (), single_rows=200)  # one 200-row product: oneDNN (more than 128 rows)
+    # an odd K or an odd weight row stride cannot be read as 32-bit pairs: oneDNN takes those pieces
+    phase("odd", ((33, 40, 4, 0, False), (64, 40, 1, 0, True)))
+    os.environ["ASCEND_PASSES_BF16_KERNEL"] = "onednn"
+    phase("onednn", even[:3])
+    os.environ["ASCEND_PASSES_BF16_KERNEL"] = ""
+    os.environ["ASCEND_PASSES_GEMM"] = "own"
+    phase("own", even[:3])  # the widened AVX-512 fp32 GEMM
+    print("bf16-dot-ok", flush=True)
+    """
+)
+
+
+def test_bf16_dot_kernel_edges_routes_and_which_unit_ran():
+    """The dot kernel equals fp32 products rounded once on every edge of its blocking; pieces of up to
+    128 rows take it (no oneDNN call, denormals read as zero), a 200-row product, odd K or odd weight
+    strides and ASCEND_PASSES_BF16_KERNEL=onednn take oneDNN, ASCEND_PASSES_GEMM=own the widened GEMM
+    (no oneDNN call, denormals kept)."""
+    if "avx512_bf16" not in cpu_flags():
+        pytest.skip("this CPU lacks avx512_bf16 (/proc/cpuinfo): the kernel under test cannot run here")
+    run = subprocess.run(
+        [sys.executable, "-c", SCRIPT],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "ASCEND_PASSES_ISA": "avx512_bf16", "ONEDNN_VERBOSE": "1", "ASCEND_PASSES_GEMM": ""},
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "bf16-dot-ok" in run.stdout
+    calls, probes = {}, {}
+    for name in ("dot", "big", "odd", "onednn", "own"):
+        body = run.stdout.split(f"MARK-BEGIN-{name}")[1].split(f"MARK-END-{name}")[0]
+        calls[name] = sum(1 for line in body.splitlines() if ",exec," in line and "src:bf16" in line)
+        probes[name] = float(run.stdout.split(f"MARK-END-{name} probe ")[1].split()[0])
+    assert calls["dot"] == 0 and calls["own"] == 0, calls
+    assert calls["big"] >= 1 and calls["odd"] >= 2 and calls["onednn"] >= 3, calls
+    assert probes["dot"] == 0.0 and probes["own"] > 0.0, probes  # vdpbf16ps vs fp32 FMAs

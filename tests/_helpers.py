@@ -69,6 +69,22 @@ def skip_unless(condition: bool, reason: str, *, allow_module_level: bool = Fals
     pytest.skip(reason, allow_module_level=allow_module_level)
 
 
+def rerun_capped(test_file: str, selection: str, isa: str) -> None:
+    """Run ``-k selection`` of ``test_file`` in a fresh pytest under ``ASCEND_PASSES_ISA=isa`` (the
+    kernels read the level once per process) and fail unless it ran tests and all of them passed."""
+    tests = Path(__file__).resolve().parent
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0", test_file, "-k", selection],
+        env={**os.environ, "ASCEND_PASSES_ISA": isa},
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tests.parent,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert " passed" in run.stdout and "failed" not in run.stdout
+
+
 def run_with_memory_cap(
     code: str, cap_bytes: int = 4 << 30, timeout: float = 120, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess:

@@ -6,13 +6,10 @@ fewer than the threads, and finalize's dropped pairs, biases and skips."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-from _helpers import skip_unless
+from _helpers import rerun_capped, skip_unless
 
 from ascend_passes import kernels
 from ascend_passes.ops import reference
@@ -78,14 +75,4 @@ def test_narrower_instruction_sets(isa):
     """The same tests in a fresh process with ``ASCEND_PASSES_ISA`` capped (the level is read once)."""
     if os.environ.get("ASCEND_PASSES_ISA"):
         pytest.skip("already capped")
-    tests = Path(__file__).resolve().parent
-    run = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0", __file__, "-k", "not narrower"],
-        env={**os.environ, "ASCEND_PASSES_ISA": isa},
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=tests.parent,
-    )
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert " passed" in run.stdout and "failed" not in run.stdout
+    rerun_capped(__file__, "not narrower", isa)

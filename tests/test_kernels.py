@@ -9,11 +9,10 @@ import os
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
-from _helpers import cpu_flags, cpu_vendor, run_with_memory_cap, skip_unless
+from _helpers import cpu_flags, cpu_vendor, rerun_capped, run_with_memory_cap, skip_unless
 
 import ascend_passes.ops as ops
 from ascend_passes import kernels
@@ -586,30 +585,8 @@ def test_streaming_and_gemm_paths_of_narrower_instruction_sets(isa):
     """The hand-vectorised kernels pick AVX-512, AVX2+FMA or the baseline from the CPU; capped with
     ASCEND_PASSES_ISA, this machine runs the other code paths (the GEMM falls back to BLAS) through
     the same tests as above, in a fresh process (the level is read once)."""
-    tests = Path(__file__).resolve().parent
     selection = "linear or decode_schedule or prefill_gemm or single_matmul_gemm or grouped_matmul_against"
-    run = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            "-n",
-            "0",
-            str(tests / "test_kernels.py"),
-            "-k",
-            selection,
-        ],
-        env={**os.environ, "ASCEND_PASSES_ISA": isa},
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=tests.parent,
-    )
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert " passed" in run.stdout and "failed" not in run.stdout
+    rerun_capped(__file__, selection, isa)
 
 
 def test_bad_isa_setting_raises_a_clear_error():

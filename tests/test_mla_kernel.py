@@ -7,14 +7,10 @@ per-call ATen elementwise calls; and the same results with the instruction set c
 from __future__ import annotations
 
 import itertools
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-from _helpers import skip_unless
+from _helpers import rerun_capped, skip_unless
 
 from ascend_passes import kernels
 from ascend_passes.ops import reference
@@ -144,14 +140,4 @@ def test_errors_match_the_reference(case):
 def test_kernel_under_avx2_cap():
     """The projections and norms inside take their AVX2 paths under ASCEND_PASSES_ISA=avx2 (read
     once per process, so a fresh one): the kernel still equals the reference."""
-    tests = Path(__file__).resolve().parent
-    run = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0", __file__, "-k", "equals_reference"],
-        env={**os.environ, "ASCEND_PASSES_ISA": "avx2"},
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=tests.parent,
-    )
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert " passed" in run.stdout and "failed" not in run.stdout
+    rerun_capped(__file__, "equals_reference", "avx2")

@@ -13,7 +13,7 @@
 // for pieces of kSwapMinRows (4) rows or more, and of 1-3 rows where K <= kSwapShortK (512), decode included (W's
 // rows loaded as tiles in place, x packed once per
 // piece, fp32 accumulation, the next group's weight prefetched; bf16_piece_kernel has the measurements;
-// ASCEND_PASSES_GEMM=blas gives the routes before it, ASCEND_PASSES_BF16_KERNEL=swap|tile|onednn|stream
+// ASCEND_PASSES_GEMM=blas gives the routes before it, ASCEND_PASSES_BF16_KERNEL=swap|tile|onednn|stream|dot
 // forces one kernel, tile being amx_gemm.h's, which packs W per call), else torch's bf16 mm into the
 // output rows, which oneDNN runs on the tile units (brgemm; single-threaded inside the worker); bf16 on
 // a CPU with AVX512_BF16 but no AMX (Zen 4/5, Cooper Lake): torch's bf16 mm (oneDNN's vdpbf16ps brgemm,

@@ -191,8 +191,12 @@ ASCEND_AVX512_INLINE void pack_pairs(const c10::BFloat16* w, int64_t ldw, int nr
     for (int v = 0; v < kNV; ++v)
       transpose16x16_u32(src + 16 * v * ldw32 + p, ldw32, std::max(0, std::min(16, nr - 16 * v)),
                          dst + p * kNR + 16 * v, kNR);
-  for (; p < pairs; ++p)
-    for (int j = 0; j < kNR; ++j) dst[p * kNR + j] = j < nr ? src[j * ldw32 + p] : 0u;
+  for (; p < pairs; ++p)  // (memcpy: W's base may sit at an odd bf16 offset, a pair then unaligned)
+    for (int j = 0; j < kNR; ++j) {
+      uint32_t pair = 0u;
+      if (j < nr) std::memcpy(&pair, src + j * ldw32 + p, sizeof(pair));
+      dst[p * kNR + j] = pair;
+    }
 }
 
 template <int R>

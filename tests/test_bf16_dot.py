@@ -23,11 +23,11 @@ SCRIPT = textwrap.dedent(
     K = torch.ops.ascend_kernels
     torch.manual_seed(3)
     counts = [8, 9, 10, 11, 12, 13, 0, 40, 70]  # 8: the stream; 9-13: every tail of the 6-row block
-    def check(k, n, pad, act, with_bias):
+    def check(k, n, pad, act, with_bias, off=0):
         rows = sum(counts) + 2  # 2 rows no group owns: zeros
         x = torch.randn(rows, k).bfloat16()
         store = (torch.randn(len(counts), n, k + pad) / k**0.5).bfloat16()
-        w = store[:, :, :k].transpose(1, 2)  # HF [E, N, K] rows, k + pad apart, as [E, K, N] views
+        w = store[:, :, off:off + k].transpose(1, 2)  # HF [E, N, K] rows, k + pad apart, as [E, K, N] views
         bias = torch.randn(len(counts), n).bfloat16() if with_bias else None
         kw = dict(bias=[bias] if with_bias else None, group_list=torch.tensor(counts), group_type=0,
                   group_list_type=1, act_type=act)
@@ -56,11 +56,12 @@ SCRIPT = textwrap.dedent(
         torch.testing.assert_close(K.grouped_matmul([x], [w])[0].float(), (x.float() @ w.float()).bfloat16().float(),
                                    atol=1e-4, rtol=2 ** -7)
         print(f"MARK-END-{name} probe {probe():.3e}", flush=True)
-    # K = 2 (one pair), 34 (a scalar pair tail), 290 (16-pair blocks + 1), 2082 (9 panels deep: 512-deep
+    # K = 2 (one pair), 34 (a scalar pair tail), 290 (16-pair blocks + 1), 2082 (5 panels deep: 512-deep
     # blocks accumulate, then a 34-deep tail); N = 1, 50, 96, 130, 200 (partial 16- and 64-column blocks);
-    # weight rows 6 / 2 / 0 elements past K (even strides); bias and SiLU / ReLU in fp32 before the rounding
+    # weight rows 6 / 2 / 0 elements past K (even strides), one weight starting at an odd element (its
+    # pairs unaligned); bias and SiLU / ReLU in fp32 before the rounding
     even = ((2, 1, 0, 0, False), (64, 96, 0, 0, False), (34, 50, 6, 5, True), (290, 130, 0, 1, True),
-            (2082, 200, 2, 0, False))
+            (2082, 200, 2, 0, False), (34, 40, 6, 0, True, 1))
     phase("dot", even)
     phase("big", (), single_rows=200)  # one 200-row product: oneDNN (more than 128 rows)
     # an odd K or an odd weight row stride cannot be read as 32-bit pairs: oneDNN takes those pieces

@@ -12,12 +12,13 @@ all peers of that shape and dtype, and the compile time (first call).  Each (dty
 in a process of its own (``--in-process``: all in this one), so that a full run fits 24 GiB; this
 process prints the one table.  Below the table, the limits measured
 in the same run: the model's matmul FLOPs (FlopCounterMode on the ``batched_mm`` model, which counts
-the experts' bmm), a dense ``torch.mm`` [2048,1024]x[1024,4096] in each dtype and the fraction of
-that roofline each prefill reaches; for decode, the bytes the forward must read (all weights but
-the experts no token routes to and the embedding rows not looked up) and the fraction of copy
-bandwidth; and issue 18's ratios (bf16 prefill vs fp32 prefill and vs the best bf16 peer).  For prefill
-a "limits" line adds what a FLOP-only roofline leaves out: per matmul (``matmul_census``) its FLOPs at the
-dense mm rate and its weight bytes at copy bandwidth, summed as max(both) (the honest limit: at 1x256 an
+the experts' bmm), a dense [2048,1024]x[1024,4096] product in each dtype (the faster of ``torch.mm``
+and ``ascend.linear``: the best GEMM of the machine) and the fraction of that roofline each prefill
+reaches; for decode, the bytes the forward must read (all weights but the experts no token routes to
+and the embedding rows not looked up) and the fraction of copy bandwidth; and issue 18's ratios
+(bf16 prefill vs fp32 prefill and vs the best bf16 peer).  For prefill a "limits" line adds what a
+FLOP-only roofline leaves out: per matmul (``matmul_census``) its FLOPs at the dense mm rate and its
+weight bytes at copy bandwidth, summed as max(both) (the honest limit: at 1x256 an
 expert gets ~24 rows and its weight takes about as long to read as to multiply) and as their sum (no overlap).
 
 ``--model deepseek_v4`` (issue 19): Hugging Face DeepseekV4 at the same sizes where they apply (H=1024,

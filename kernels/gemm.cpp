@@ -59,19 +59,33 @@ ASCEND_AVX512_INLINE void pack_panel(const T* w, int64_t ldw, int nr, int64_t kc
     for (int j = 0; j < kNR; ++j) panel[kk * kNR + j] = j < nr ? static_cast<float>(w[j * ldw + kk]) : 0.f;
 }
 
+// The micro-kernels' R x kNR block of C (nr <= kNR columns valid): the column masks, the accumulators
+// loaded from C (accumulate: a K block after the first) or zero, and stored back.
+template <int R>
+struct CBlock {
+  __mmask16 mask[kNV];
+  __m512 acc[R][kNV];
+  ASCEND_AVX512_INLINE CBlock(const float* c, int64_t ldc, int nr, bool accumulate) {
+    for (int v = 0; v < kNV; ++v) {
+      const int left = nr - 16 * v;
+      mask[v] = left >= 16 ? __mmask16(0xffff) : left <= 0 ? __mmask16(0) : __mmask16((1u << left) - 1);
+    }
+    for (int i = 0; i < R; ++i)
+      for (int v = 0; v < kNV; ++v)
+        acc[i][v] = accumulate ? _mm512_maskz_loadu_ps(mask[v], c + i * ldc + 16 * v) : _mm512_setzero_ps();
+  }
+  ASCEND_AVX512_INLINE void store(float* c, int64_t ldc) const {
+    for (int i = 0; i < R; ++i)
+      for (int v = 0; v < kNV; ++v) _mm512_mask_storeu_ps(c + i * ldc + 16 * v, mask[v], acc[i][v]);
+  }
+};
+
 // C[0:R, 0:nr] (+)= A[0:R, 0:kc] @ panel; one prefetch of `pf` every 8 steps of k, up to pf_lines
 template <int R>
 ASCEND_AVX512_INLINE void micro(const float* a, int64_t lda, const float* panel, int64_t kc, float* c, int64_t ldc,
                                 int nr, bool accumulate, const char* pf, int64_t pf_lines) {
-  __mmask16 mask[kNV];
-  for (int v = 0; v < kNV; ++v) {
-    const int left = nr - 16 * v;
-    mask[v] = left >= 16 ? __mmask16(0xffff) : left <= 0 ? __mmask16(0) : __mmask16((1u << left) - 1);
-  }
-  __m512 acc[R][kNV];
-  for (int i = 0; i < R; ++i)
-    for (int v = 0; v < kNV; ++v)
-      acc[i][v] = accumulate ? _mm512_maskz_loadu_ps(mask[v], c + i * ldc + 16 * v) : _mm512_setzero_ps();
+  CBlock<R> blk(c, ldc, nr, accumulate);
+  auto& acc = blk.acc;
   int64_t line = 0;
   for (int64_t kk = 0; kk < kc; ++kk) {
     __m512 b[kNV];
@@ -82,8 +96,7 @@ ASCEND_AVX512_INLINE void micro(const float* a, int64_t lda, const float* panel,
     }
     if ((kk & 7) == 0 && line < pf_lines) _mm_prefetch(pf + kLine * line++, _MM_HINT_T1);
   }
-  for (int i = 0; i < R; ++i)
-    for (int v = 0; v < kNV; ++v) _mm512_mask_storeu_ps(c + i * ldc + 16 * v, mask[v], acc[i][v]);
+  blk.store(c, ldc);
 }
 
 // The weight rows a panel computes from, and how their cache lines are handed out for prefetching.
@@ -204,15 +217,8 @@ ASCEND_DP_TARGET __attribute__((noinline)) void micro_dp(const c10::BFloat16* a,
                                                          int64_t kc, float* c, int64_t ldc, int nr, bool accumulate,
                                                          const char* pf, int64_t pf_lines) {
   const auto* panel = static_cast<const uint32_t*>(panel_v);
-  __mmask16 mask[kNV];
-  for (int v = 0; v < kNV; ++v) {
-    const int left = nr - 16 * v;
-    mask[v] = left >= 16 ? __mmask16(0xffff) : left <= 0 ? __mmask16(0) : __mmask16((1u << left) - 1);
-  }
-  __m512 acc[R][kNV];
-  for (int i = 0; i < R; ++i)
-    for (int v = 0; v < kNV; ++v)
-      acc[i][v] = accumulate ? _mm512_maskz_loadu_ps(mask[v], c + i * ldc + 16 * v) : _mm512_setzero_ps();
+  CBlock<R> blk(c, ldc, nr, accumulate);
+  auto& acc = blk.acc;
   int64_t line = 0;
   const int64_t pairs = kc / 2;
   for (int64_t p = 0; p < pairs; ++p) {
@@ -226,8 +232,7 @@ ASCEND_DP_TARGET __attribute__((noinline)) void micro_dp(const c10::BFloat16* a,
     }
     if (line < pf_lines) _mm_prefetch(pf + kLine * line++, _MM_HINT_T1);  // up to one line per pair step
   }
-  for (int i = 0; i < R; ++i)
-    for (int v = 0; v < kNV; ++v) _mm512_mask_storeu_ps(c + i * ldc + 16 * v, mask[v], acc[i][v]);
+  blk.store(c, ldc);
 }
 
 struct DpPath {

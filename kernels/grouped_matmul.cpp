@@ -16,9 +16,10 @@
 // ASCEND_PASSES_GEMM=blas gives the routes before it, ASCEND_PASSES_BF16_KERNEL=swap|tile|onednn|stream|dot
 // forces one kernel, tile being amx_gemm.h's, which packs W per call), else torch's bf16 mm into the
 // output rows, which oneDNN runs on the tile units (brgemm; single-threaded inside the worker); bf16 on
-// a CPU with AVX512_BF16 but no AMX (Zen 4/5, Cooper Lake): torch's bf16 mm (oneDNN's vdpbf16ps brgemm,
-// onednn_bf16_mm() below has the measurements; ASCEND_PASSES_GEMM=own or ASCEND_PASSES_ISA=avx512 keep
-// the GEMM below); otherwise one single-threaded fp32 GEMM: gemm.h's AVX-512 kernel, which widens bf16 weights while
+// a CPU with AVX512_BF16 but no AMX (Zen 4/5, Cooper Lake): up to kDotMaxRows rows gemm.h's vdpbf16ps
+// GEMM, more rows torch's bf16 mm (oneDNN's vdpbf16ps brgemm; onednn_bf16_mm() and bf16_dot_piece()
+// below have the measurements; ASCEND_PASSES_GEMM=own or ASCEND_PASSES_ISA=avx512 keep the GEMM
+// below); otherwise one single-threaded fp32 GEMM: gemm.h's AVX-512 kernel, which widens bf16 weights while
 // packing and prefetches the next group's weight while it computes, when the weight's K is contiguous
 // (fp32 weights: only for K <= kOwnGemmMaxK, where it is at least as fast as MKL; gemm.h has the
 // measurements and ASCEND_PASSES_GEMM); else BLAS (bf16/fp16 converted first).
@@ -33,6 +34,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <memory>
 #include <vector>
 
 namespace ascend_kernels {
@@ -125,13 +127,13 @@ ASCEND_GMM_ENTRY(c10::BFloat16)
 ASCEND_GMM_ENTRY(c10::Half)
 #undef ASCEND_GMM_ENTRY
 
-// bf16 products of more than kSkinnyRows rows go to torch's mm when oneDNN has bf16 matrix instructions
-// here: AMX (brgemm on the tiles), or AVX512_BF16 without AMX (vdpbf16ps; Zen 4/5, Cooper Lake), unless
-// ASCEND_PASSES_ISA caps them (avx512_bf16_usable(), common.h), and torch.backends.mkldnn is enabled
-// (else bf16 mm is slow). Without AMX, per-expert oneDNN on HF-layout weights measured 84-91% of a dense
-// bf16 mm of the same FLOPs (one thread, E = 16 x 192 rows, K/N = 1024/512, 256/1024, 1024/1024; 2-core
-// AMD EPYC Zen 5), against 47-48% for gemm.h's kernel, which widens bf16 to fp32 FMAs
-// (ASCEND_PASSES_GEMM=own keeps that route there, for A/B).
+// bf16 products of more than kSkinnyRows rows that no own kernel takes (the AMX kernels, the vdpbf16ps
+// GEMM up to kDotMaxRows rows) go to torch's mm when oneDNN has bf16 matrix instructions here: AMX (brgemm on the
+// tiles), or AVX512_BF16 without AMX (vdpbf16ps; Zen 4/5, Cooper Lake), unless ASCEND_PASSES_ISA caps them
+// (avx512_bf16_usable(), common.h), and torch.backends.mkldnn is enabled (else bf16 mm is slow). Without AMX,
+// per-expert oneDNN on HF-layout weights measured 84-91% of a dense bf16 mm of the same FLOPs (one thread, E = 16 x 192
+// rows, K/N = 1024/512, 256/1024, 1024/1024; 2-core AMD EPYC Zen 5), against 47-48% for gemm.h's kernel, which widens
+// bf16 to fp32 FMAs (ASCEND_PASSES_GEMM=own keeps that route there, for A/B).
 bool onednn_bf16_mm() {
   return (isa_level() == Isa::kAmx || avx512_bf16_usable()) && at::globalContext().userEnabledMkldnn();
 }
@@ -276,9 +278,9 @@ void matmul_piece(const at::Tensor& x, const at::Tensor& w, const T* bias, int64
     // avx512_bf16 without AMX: gemm.h's vdpbf16ps GEMM, the weight read in place (bf16_dot_piece)
     if (m > kSkinnyRows && w.stride(0) == 1 && x.stride(1) == 1 && y.stride(1) == 1 && k > 0 && !amx_swap_available() &&
         bf16_dot_piece(route, forced, m, k, w.stride(1))) {
-      std::vector<float> acc(m * n);
-      gemm_dp_nt(x.const_data_ptr<T>(), x.stride(0), w.const_data_ptr<T>(), w.stride(1), acc.data(), n, m, n, k, next);
-      store(acc.data(), bias, act_type, y.data_ptr<T>(), y.stride(0), m, n);
+      const std::unique_ptr<float[]> acc(new float[m * n]);  // every element written by the GEMM: no zeroing
+      gemm_dp_nt(x.const_data_ptr<T>(), x.stride(0), w.const_data_ptr<T>(), w.stride(1), acc.get(), n, m, n, k, next);
+      store(acc.get(), bias, act_type, y.data_ptr<T>(), y.stride(0), m, n);
       return;
     }
   }

@@ -103,8 +103,10 @@ at::Tensor linear(const at::Tensor& input, const at::Tensor& weight, const std::
   const auto dtype = input.scalar_type();
   const bool streams = input.size(0) > 0 && input.size(0) <= kSkinnyRows && input.size(1) > 0 && weight.size(0) > 0 &&
                        weight.stride(1) == 1 && (dtype == at::kFloat || dtype == at::kBFloat16);
-  // ASCEND_PASSES_GEMM read (and checked) on every fp32 / bf16 call, ASCEND_PASSES_BF16_KERNEL on bf16 ones
-  const GemmRoute route = dtype == at::kBFloat16 || dtype == at::kFloat ? fp32_gemm_route() : GemmRoute::kAuto;
+  // ASCEND_PASSES_GEMM read (and checked) on every bf16 call and fp32 call of more rows than the stream's
+  // (not on the decode hot path), ASCEND_PASSES_BF16_KERNEL on bf16 ones
+  const bool routed = dtype == at::kBFloat16 || (dtype == at::kFloat && input.size(0) > kSkinnyRows);
+  const GemmRoute route = routed ? fp32_gemm_route() : GemmRoute::kAuto;
   const Bf16Kernel forced = dtype == at::kBFloat16 ? bf16_kernel_override() : Bf16Kernel::kRule;
   if (dtype == at::kBFloat16 && input.size(0) > 0 && input.size(1) > 0 && weight.size(0) > 0 && weight.stride(1) == 1 &&
       amx_swap_available() && at::globalContext().userEnabledMkldnn()) {

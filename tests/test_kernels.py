@@ -893,6 +893,15 @@ GEMM_ROUTE_SCRIPT = textwrap.dedent(
             got = K.grouped_matmul([x], [w], **kw)[0]
             print("MARK-END", flush=True)
             torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4)
+    # linear of 40 rows (more than the stream's 8): BLAS on Intel's CPUs, the GEMM split over the
+    # threads elsewhere (gemm_linear)
+    x, w, b = torch.randn(40, 300), torch.randn(70, 300) / 17, torch.randn(70)
+    for route in ("", "own", "blas"):
+        os.environ["ASCEND_PASSES_GEMM"] = route
+        print(f"MARK linear route={route or 'unset'}", flush=True)
+        got = K.linear(x, w, b)
+        print("MARK-END", flush=True)
+        torch.testing.assert_close(got, reference.linear(x, w, b), rtol=1e-5, atol=1e-4)
     os.environ["ASCEND_PASSES_GEMM"] = "fast"
     try:
         K.grouped_matmul([x], [w], **kw)
@@ -906,8 +915,9 @@ GEMM_ROUTE_SCRIPT = textwrap.dedent(
 def test_fp32_prefill_gemm_route_switches_to_blas_above_the_depth_threshold():
     """Issue 18 (fp32 prefill regression): pieces with K <= 512 take the AVX-512 GEMM, deeper ones MKL
     on an Intel CPU (faster there on the AMX Xeon: 85 vs 64-71% of a dense mm at K = 1024), the GEMM on
-    others (2.1x MKL at K = 1024 on an AMD EPYC: MKL's sgemm is not its tuned one); both sides of the boundary
-    and both forced routes equal the reference; a bad ASCEND_PASSES_GEMM value raises naming the choices."""
+    others (2.1x MKL at K = 1024 on an AMD EPYC: MKL's sgemm is not its tuned one), as fp32 linear of more
+    than 8 rows; both sides of the boundary and both forced routes equal the reference; a bad
+    ASCEND_PASSES_GEMM value raises naming the choices."""
     if not torch.backends.mkl.is_available():
         pytest.skip("torch is built without MKL: MKL_VERBOSE cannot show which route ran")
     run = subprocess.run(
@@ -925,7 +935,7 @@ def test_fp32_prefill_gemm_route_switches_to_blas_above_the_depth_threshold():
         name, body = block.split("\n", 1)
         sgemm_calls[name] = body.split("MARK-END")[0].count("SGEMM(")
     own_gemm = {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= cpu_flags()
-    own_gemm = own_gemm and os.environ.get("ASCEND_PASSES_ISA", "") in ("", "amx", "avx512")
+    own_gemm = own_gemm and os.environ.get("ASCEND_PASSES_ISA", "") in ("", "amx", "avx512_bf16", "avx512")
     blas = {k: v > 0 for k, v in sgemm_calls.items()}
     intel = cpu_vendor() == "GenuineIntel"
     if own_gemm:
@@ -940,6 +950,9 @@ def test_fp32_prefill_gemm_route_switches_to_blas_above_the_depth_threshold():
             "k=513 route=auto": intel,
             "k=513 route=own": False,
             "k=513 route=blas": True,
+            "linear route=unset": intel,
+            "linear route=own": False,
+            "linear route=blas": True,
         }, sgemm_calls
     else:  # no AVX-512 GEMM here: every route is BLAS
         assert all(blas.values()), sgemm_calls

@@ -180,8 +180,8 @@ def _generate(
     return run_python(_RUNNER, spec, env or {})
 
 
-# An exec of the compiler launcher that the kernel refused with EFAULT, once in ~40 engine runs of
-# one CI run on this workplace's VM (stop 26: ``InductorError: OSError: [Errno 14] Bad address:
+# An exec of the compiler launcher that the kernel refused with EFAULT, once in one CI run on this
+# workplace's VM (stop 26: ``InductorError: OSError: [Errno 14] Bad address:
 # '.../cxx/bin/g++'`` while every other exec of the same launcher in that run succeeded): an error of
 # the machine, not of vLLM, Inductor or the passes, so such a run is started once more.
 _TRANSIENT_EXEC = "[Errno 14] Bad address"

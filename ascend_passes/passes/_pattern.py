@@ -48,7 +48,7 @@ import sys
 import threading
 import types
 import warnings
-from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -855,6 +855,192 @@ def _strip_values(gm: fx.GraphModule) -> fx.GraphModule:
     return gm
 
 
+# ------------------------------------------------------------------------------- size-generic
+# A match's re-trace (``_specific_pattern``) and its replacement graph (``replacement_graph``) are
+# first looked up by the *form* of the match's values instead of their sizes: the dtypes, devices
+# and ranks of the tensors, which sizes are 0 or 1, and the Python numbers.  Such a trace is made
+# by ``tools/gen_patterns.py`` (the recorder: never during a compile, where a symbolic trace costs
+# 2-4x a trace on numbers) on symbolic sizes, every size of 2 or more its own symbol, and shipped
+# with the package (``_shipped``) when (1) no node of it reads or computes a size (no ``sym_size``,
+# no symbolic value: its graph is the same for every size) and (2) the trace's guards are only
+# equalities between sizes (an mm's inner sizes, a norm's width and its weight's): by the
+# guarantee of symbolic tracing the graph is then what a trace on any sizes of the form that meet
+# those equalities gives, or an equally valid one where torch took a size-oblivious branch.  A
+# match uses it when its sizes meet the equalities; when the shared re-trace does not match (a
+# graph made by a branch the symbolic trace did not take), the match is re-traced on its numbers
+# as before, so sharing never loses a rewrite.  A form not shipped is traced on its numbers.
+_GENERIC = _Lru(4096)  # (kind, form) -> (trace, equalities), or None
+_SIZE_OPS = frozenset(
+    {
+        torch.ops.aten.sym_size.int,
+        torch.ops.aten.sym_stride.int,
+        torch.ops.aten.sym_numel.default,
+        torch.ops.aten.sym_storage_offset.default,
+    }
+)
+Position = tuple[int, int]
+"""A size of a match: (index of the value, dimension)."""
+
+
+def size_form(key: Any, values: Sequence[Any], decompositions: str) -> tuple[Any, ...] | None:
+    """The form of ``values`` (see above) with ``key`` and ``decompositions``, or None when it has
+    none: a symbolic or non-contiguous tensor, a value of another type."""
+    form: list[Any] = [key, decompositions]
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            if any(isinstance(d, torch.SymInt) for d in (*v.shape, *v.stride())) or not v.is_contiguous():
+                return None
+            form.append((tuple(d if d < 2 else "s" for d in v.shape), v.dtype, v.device))
+        elif v is None or isinstance(v, (bool, int, float)):
+            form.append((type(v), v))
+        else:
+            return None
+    return tuple(form)
+
+
+def meets(values: Sequence[Any], equalities: Iterable[tuple[Position, Position]]) -> bool:
+    """Whether the sizes of ``values`` meet a shared trace's equalities."""
+    return all(values[a[0]].shape[a[1]] == values[b[0]].shape[b[1]] for a, b in equalities)
+
+
+def _symbolic(values: Sequence[Any]) -> tuple[Any, FakeTensorMode, list[Any], dict[Any, Position]]:
+    """``(shape_env, fake_mode, inputs, positions)``: contiguous fake tensors of ``values``' form
+    with a symbol for every size of 2 or more, Python numbers as they are, and where each symbol
+    came from."""
+    from torch._dynamo.source import ConstantSource
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
+
+    env = ShapeEnv()
+    mode = FakeTensorMode(shape_env=env)
+    positions: dict[Any, Position] = {}
+
+    def size(i: int, j: int, d: int) -> Any:
+        if d < 2:
+            return d
+        source = ConstantSource(f"__ascend_size_{i}_{j}")
+        expr = env.create_symbol(d, source, dynamic_dim=DimDynamic.DYNAMIC)
+        positions[expr] = (i, j)
+        return env.create_symintnode(expr, hint=d, source=source)
+
+    with mode:
+        inputs = [
+            torch.empty([size(i, j, d) for j, d in enumerate(v.shape)], dtype=v.dtype, device=v.device)
+            if isinstance(v, torch.Tensor)
+            else v
+            for i, v in enumerate(values)
+        ]
+    return env, mode, inputs, positions
+
+
+def _equalities(env: Any, positions: Mapping[Any, Position]) -> list[tuple[Position, Position]] | None:
+    """The guards and replacements a symbolic trace added, as pairs of equal sizes; None when one of
+    them is anything else (a size bound, a divisibility, a size fixed to a number)."""
+    import sympy
+
+    pairs: set[tuple[Position, Position]] = set()
+
+    def add(a: Any, b: Any) -> bool:
+        if a not in positions or b not in positions:
+            return False
+        pairs.add(tuple(sorted((positions[a], positions[b]))))  # type: ignore[arg-type]
+        return True
+
+    def walk(expr: Any) -> bool:
+        if isinstance(expr, sympy.And):
+            return all(walk(arg) for arg in expr.args)
+        if isinstance(expr, sympy.Eq):
+            return add(*expr.args)
+        return expr is sympy.true
+
+    for symbol, expr in env.replacements.items():
+        if not add(symbol, expr):
+            return None
+    if not all(walk(guard.expr) for guard in env.guards):
+        return None
+    return sorted(pairs)
+
+
+def _size_free(gm: fx.GraphModule) -> bool:
+    """Whether no node of ``gm`` (traced on symbolic sizes) reads or computes a size."""
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        if node.target in _SIZE_OPS or isinstance(node.meta.get("val"), (torch.SymInt, torch.SymFloat, torch.SymBool)):
+            return False
+    return True
+
+
+def generic_trace(
+    values: Sequence[Any], trace: Callable[[list[Any]], fx.GraphModule]
+) -> tuple[fx.GraphModule, list[tuple[Position, Position]]] | None:
+    """``trace(inputs)`` on symbolic inputs of ``values``' form, with the size equalities it
+    assumed, or None when its graph depends on the sizes (see above) or it fails."""
+    env, mode, inputs, positions = _symbolic(values)
+    try:
+        with torch._guards.tracing(torch._guards.TracingContext(mode)), unset_fake_temporarily(), mode:
+            gm = trace(inputs)
+    except Exception as exc:  # noqa: BLE001 - any failure: traced on the numbers, as before
+        log.debug("no size-generic trace of %s: %s: %s", trace, type(exc).__name__, exc)
+        return None
+    equalities = _equalities(env, positions)
+    if equalities is None or not _size_free(gm):
+        return None
+    return gm, equalities
+
+
+def _generic(
+    kind: str,
+    key: Any,
+    values: Sequence[Any],
+    decompositions: str,
+    fn: Callable[..., Any],
+    finish: Callable[[fx.GraphModule], Any],
+) -> Any:
+    """What ``finish`` makes of ``fn``'s shared trace for the form of ``values`` (``key`` names
+    ``fn`` and whatever else changes the trace), when the package ships one and ``values`` meet
+    its equalities; else None.  While ``tools/gen_patterns.py`` records, the form is traced now, in
+    both graph forms (a form the plain AOT route meets is one the Inductor route may meet)."""
+    form = size_form(key, values, decompositions)
+    if form is None:
+        return None
+
+    def traced(decompositions: str) -> tuple[Any, list[tuple[Position, Position]]] | None:
+        STATS[f"generic_{kind}_traced"] += 1
+        get_decomp_fn = _decomp_fn(decompositions)
+        made = generic_trace(values, lambda inputs: pm.fwd_only(fn, inputs, get_decomp_fn=get_decomp_fn))
+        return None if made is None else (finish(made[0]), made[1])
+
+    def find() -> tuple[Any, list[tuple[Position, Position]]] | None:
+        recorder = _shipped.RECORDER
+        if recorder is None:
+            found = _shipped.lookup_generic(kind, form)
+            if found is not None:
+                STATS[f"generic_{kind}_shipped"] += 1
+            return found
+        for other in ("none", "inductor"):
+            other_form = size_form(key, values, other)
+            if other != decompositions and (kind, other_form) not in recorder.generic:
+                with recorder.tracing() as files:
+                    recorder.add_generic(kind, other_form, traced(other), files)
+        with recorder.tracing() as files:
+            found = traced(decompositions)
+        recorder.add_generic(kind, form, found, files)
+        return found
+
+    found = _GENERIC.get((kind, form), find)
+    if found is None or not meets(values, found[1]):
+        return None
+    return found[0]
+
+
+def _replacement_to_entry(gm: fx.GraphModule) -> dict[str, Any]:
+    return {"nodes": _graph_to_data(gm.graph)}
+
+
+def _replacement_from_entry(entry: Mapping[str, Any]) -> fx.GraphModule:
+    return _graph_from_data(entry["nodes"])
+
+
 def replacement_graph(
     fn: Callable[..., Any], values: Sequence[Any], *, decompositions: str = "none", key: Any = None
 ) -> fx.GraphModule:
@@ -870,20 +1056,27 @@ def replacement_graph(
         with mode if mode is not None else contextlib.nullcontext():
             return _strip_values(pm.fwd_only(fn, _fresh(values), get_decomp_fn=get_decomp_fn))
 
+    generic = _generic("replacement", fn if key is None else key, values, decompositions, fn, _strip_values)
+    if generic is not None:
+        return generic
     signature = _signature(fn if key is None else key, values, decompositions)
     if signature is None:  # symbolic shapes: this compile's own trace
         return trace()
 
     def cached() -> fx.GraphModule:
-        return _cached_on_disk(
-            "replacement",
-            signature,
-            trace,
-            lambda gm: {"nodes": _graph_to_data(gm.graph)},
-            lambda entry: _graph_from_data(entry["nodes"]),
-        )
+        return _cached_on_disk("replacement", signature, trace, _replacement_to_entry, _replacement_from_entry)
 
     return _REPLACEMENTS.get(signature, cached)
+
+
+def _specific_to_entry(pattern: pm.PatternExpr) -> dict[str, Any]:
+    return {"pattern": pattern}
+
+
+def _specific_from_entry(entry: Mapping[str, Any]) -> pm.PatternExpr:
+    if not isinstance(entry["pattern"], pm.PatternExpr):
+        raise ValueError("the entry holds no pattern")
+    return entry["pattern"]
 
 
 def _specific_pattern(
@@ -942,15 +1135,36 @@ def _specific_pattern(
     if signature is None:  # symbolic shapes: this compile's own trace
         return trace()
 
-    def from_entry(entry: Mapping[str, Any]) -> pm.PatternExpr:
-        if not isinstance(entry["pattern"], pm.PatternExpr):
-            raise ValueError("the entry holds no pattern")
-        return entry["pattern"]
-
     def cached() -> pm.PatternExpr | None:
-        return _cached_on_disk("specific", signature, trace, lambda p: {"pattern": p}, from_entry)
+        return _cached_on_disk("specific", signature, trace, _specific_to_entry, _specific_from_entry)
 
     return _SPECIFIC.get(signature, cached)
+
+
+def _specific_patterns(
+    fn: Callable[..., Any],
+    values: Sequence[Any],
+    argnames: Sequence[str],
+    scalars: Mapping[str, Any],
+    decompositions: str,
+) -> Iterator[pm.PatternExpr]:
+    """The patterns a match is re-checked with, in order: the shared trace of the values' form
+    (``_generic``), when shipped, then ``_specific_pattern``'s re-trace on the match's sizes (made
+    only when the first does not match)."""
+    key = (fn, tuple(argnames), tuple(sorted(scalars.items())))
+    generic = _generic(
+        "specific",
+        key,
+        values,
+        decompositions,
+        fn,
+        lambda gm: pm.fx_to_pattern(gm, argnames=list(argnames), scalar_workaround=dict(scalars)),
+    )
+    if generic is not None:
+        yield generic
+    specific = _specific_pattern(fn, values, argnames, scalars, decompositions)
+    if specific is not None:
+        yield specific
 
 
 def _set_values(nodes: Sequence[fx.Node], inputs: Sequence[Any]) -> None:
@@ -1200,9 +1414,11 @@ def _register(
 
     def check(match: pm.Match) -> bool:
         values = [_value(match.kwargs[name]) for name in argnames]
-        specific = _specific_pattern(rw.search, values, argnames, scalars, decompositions)
         output = match.output_nodes()[0]
-        found = specific.match(output) if specific is not None else None
+        found = None
+        for specific in _specific_patterns(rw.search, values, argnames, scalars, decompositions):
+            if found := specific.match(output):
+                break
         if not found:
             return False
         # numbers the specific trace fixed (an epsilon) come from the first match

@@ -48,8 +48,9 @@ SHIPPED_ENV = "ASCEND_PASSES_SHIPPED_PATTERNS"
 on-disk cache, as before)."""
 MODULE = "ascend_passes.passes._shipped_patterns"
 """The generated module (``tools/gen_patterns.py`` writes it)."""
-FORMAT = 2
-"""Bump when the generated module's layout or the key's description changes (2: ``REQUIRES``)."""
+FORMAT = 3
+"""Bump when the generated module's layout or the key's description changes (2: ``REQUIRES``;
+3: ``GRAPHS`` and ``GENERIC``, the size-generic traces)."""
 MACHINERY = ("_trace_graph", "_trace_initial", "_decomp_fn", "required_ops", "traced_pattern")
 """Functions of ``_pattern`` that make a trace and whose source enters the file's header key."""
 _PATTERN_LIBRARY = ("ascend_passes.patterns", "ascend_passes.ops")
@@ -140,9 +141,10 @@ def _shipped() -> Any:
     return module
 
 
-def _stale(entry: tuple[Any, ...], module: Any) -> str | None:
-    """Why a shipped entry's sources or packages differ from this installation, or None."""
-    modules, packages = module.DEPENDS[entry[2]]
+def _stale(entry: tuple[Any, ...], module: Any, depends: int = 2) -> str | None:
+    """Why a shipped entry's sources or packages differ from this installation, or None
+    (``entry[depends]`` is its ``DEPENDS`` index)."""
+    modules, packages = module.DEPENDS[entry[depends]]
     for name in modules:
         if module_digest(name) != module.SOURCES.get(name):
             return f"{name} changed since the patterns were generated"
@@ -181,6 +183,47 @@ def lookup(digest: str) -> tuple[Callable[[], pm.PatternExpr], str, frozenset[fr
     return functools.partial(build, module, entry[0]), entry[1], requires
 
 
+_GENERIC_KINDS = ("specific", "replacement")
+
+
+def generic_key(kind: str, form: Any) -> tuple[str, str] | None:
+    """``(sha256, description)`` of a size-generic trace (``_pattern._generic``), or None."""
+    return key(("generic", kind, form))
+
+
+def lookup_generic(kind: str, form: Any) -> tuple[Any, list[tuple[Any, Any]]] | None:
+    """``(pattern or replacement graph, size equalities)`` of the shipped size-generic trace of
+    ``form`` (``_pattern._generic``), or None (switched off, absent, stale, not buildable here)."""
+    if not enabled():
+        return None
+    module = _shipped()
+    if module is None:
+        return None
+    found = generic_key(kind, form)
+    entry = module.GENERIC.get(found[0]) if found is not None else None
+    if entry is None or entry[0] != kind:
+        return None
+    reason = _stale(entry, module)
+    if reason is not None:
+        _info_once(
+            f"stale {reason}",
+            "shipped pre-traced patterns not used where %s; those are traced: run python tools/gen_patterns.py",
+            reason,
+        )
+        return None
+    try:
+        if kind == "specific":
+            value: Any = build(module, entry[1])
+        else:
+            from . import _pattern
+
+            value = _pattern._graph_from_data([(*row, {}) for row in _run(module.GRAPHS[entry[1]])])
+    except Exception as exc:  # an operator this process does not have: traced on the sizes instead
+        log.debug("shipped size-generic trace %s not used (%s: %s)", found, type(exc).__name__, exc)
+        return None
+    return value, [tuple(map(tuple, pair)) for pair in entry[3]]
+
+
 _REQUIRES: dict[str, frozenset[frozenset[Any]]] = {}  # PATTERNS key -> its operators, read
 _OPERATORS: dict[str, Any] = {}  # an operator's source -> the operator
 
@@ -210,6 +253,7 @@ class Recorder:
 
     def __init__(self) -> None:
         self.entries: dict[str, tuple[str, Any, str, frozenset[str], str]] = {}
+        self.generic: dict[tuple[str, Any], tuple[Any, frozenset[str]]] = {}
 
     @contextlib.contextmanager
     def tracing(self) -> Iterator[set[str]]:
@@ -226,6 +270,11 @@ class Recorder:
             yield files
         finally:
             sys.setprofile(old)
+
+    def add_generic(self, kind: str, form: Any, found: Any, files: set[str]) -> None:
+        """A size-generic trace (``_pattern._generic``): ``(value, equalities)``, or None where
+        the form's graph depends on the sizes."""
+        self.generic[(kind, form)] = (found, frozenset(files))
 
     def add(self, shipped_key: tuple[str, str], traced: Any, files: set[str], text: str) -> None:
         self.entries[shipped_key[0]] = (shipped_key[1], traced.pattern, traced.identity, frozenset(files), text)
@@ -397,6 +446,8 @@ def literal(obj: Any) -> str:
         return f"torch.device({str(obj)!r})"
     if obj is pm.MULTIPLE:
         return "MULTIPLE"
+    if type(obj).__name__ == "_Ref" and type(obj).__module__ == f"{__package__}._pattern":
+        return f"R({obj.index})"
     if isinstance(obj, list):
         text = "[" + ", ".join(map(literal_or_raise, obj)) + "]"
         return f"immutable_list({text})" if type(obj) is immutable_list else text
@@ -459,6 +510,12 @@ def _op(qualname: str, overload: str) -> torch._ops.OpOverload:
     return getattr(getattr(getattr(torch.ops, namespace), name), overload)
 
 
+def _ref(index: int) -> Any:
+    from . import _pattern
+
+    return _pattern._Ref(index)
+
+
 NAMESPACE: dict[str, Any] = {
     "torch": torch,
     "aten": torch.ops.aten,
@@ -477,6 +534,7 @@ NAMESPACE: dict[str, Any] = {
     "immutable_dict": immutable_dict,
     "users": users,
     "_op": _op,
+    "R": _ref,
 }
 
 
@@ -484,6 +542,23 @@ def rebuild(lines: list[str]) -> pm.PatternExpr:
     """Run ``pattern_source``'s lines: a new ``PatternExpr`` (torch's constructors, the names in
     ``NAMESPACE``)."""
     body = "".join(f"    {line}\n" for line in lines)
+    scope: dict[str, Any] = dict(NAMESPACE)
+    exec(f"def _build():\n{body}", scope)  # source of this package (the generated module) only
+    return scope["_build"]()
+
+
+def graph_source(graph: torch.fx.Graph) -> list[str]:
+    """Lines that ``return`` ``graph``'s node list (``_pattern._graph_to_data`` without the nodes'
+    metadata), nodes named by ``R(index)``."""
+    from . import _pattern
+
+    rows = [row[:5] for row in _pattern._graph_to_data(graph)]
+    return ["return [", *(f"    {literal(row)}" + "," for row in rows), "]"]
+
+
+def _run(text: str) -> Any:
+    """Run the body of a generated function (``graph_source``'s lines): what it returns."""
+    body = "".join(f"    {line}\n" for line in text.splitlines())
     scope: dict[str, Any] = dict(NAMESPACE)
     exec(f"def _build():\n{body}", scope)  # source of this package (the generated module) only
     return scope["_build"]()
@@ -548,6 +623,29 @@ def trace_all() -> None:
             log.warning("not traced: %s (%s: %s)", what, type(exc).__name__, exc)
 
 
+MODEL_SHAPES = ((1, 16), (8, 1), (1, 1))
+"""(batch, tokens) of the bundled models' compiles whose size-generic traces are shipped: a prefill,
+a batched and a single-sequence decode step (``trace_models``)."""
+
+
+def trace_models() -> None:
+    """Compile the bundled DeepSeek-V3, Qwen3-MoE and Llama models (tiny configs, fp32 and bf16,
+    ``MODEL_SHAPES``) with the passes on the plain AOT route: every size-generic trace
+    (``_pattern._generic``) they ask for is recorded.  A form is a match's dtypes, ranks and
+    which sizes are 0 or 1, not its sizes, so these forms are those of the full-size models too."""
+    from .. import models
+
+    for factory in (models.deepseek_v3, models.qwen3_moe, models.llama_dense):
+        for dtype in (torch.float32, torch.bfloat16):
+            for batch, tokens in MODEL_SHAPES:
+                model, inputs = factory(num_layers=2, batch=batch, tokens=tokens, dtype=dtype)
+                torch._dynamo.reset()
+                compiled = torch.compile(model, backend="ascend_passes", options={"compiler": "eager"}, dynamic=False)
+                with torch.no_grad():
+                    compiled(*inputs)
+    torch._dynamo.reset()
+
+
 def _clear(memo: Any) -> None:
     if hasattr(memo, "cache_clear"):  # functools.cache (a test may have swapped it out)
         memo.cache_clear()
@@ -559,10 +657,11 @@ def _isolated() -> Iterator[None]:
     from . import _pattern, moe
 
     saved = {k: os.environ.get(k) for k in (SHIPPED_ENV, _pattern.CACHE_ENV)}
-    traced = _pattern._TRACED
+    caches = {name: getattr(_pattern, name) for name in ("_TRACED", "_SPECIFIC", "_REPLACEMENTS", "_GENERIC")}
     os.environ[SHIPPED_ENV] = "0"
     os.environ[_pattern.CACHE_ENV] = "0"
-    _pattern._TRACED = _pattern._Lru(traced.size)
+    for name, cache in caches.items():
+        setattr(_pattern, name, _pattern._Lru(cache.size))
     _clear(moe._patterns)
     try:
         yield
@@ -572,12 +671,14 @@ def _isolated() -> Iterator[None]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-        _pattern._TRACED = traced
+        for name, cache in caches.items():
+            setattr(_pattern, name, cache)
         _clear(moe._patterns)
 
 
-def generate() -> str:
-    """The source of the generated module: every pattern ``trace_all`` traces in this process
+def generate(models: bool = True) -> str:
+    """The source of the generated module: every pattern ``trace_all`` traces in this process and,
+    with ``models``, the size-generic traces of the bundled models' forms (``trace_models``)
     (tools/gen_patterns.py writes it)."""
     from . import _pattern
 
@@ -587,6 +688,8 @@ def generate() -> str:
         RECORDER = recorder
         try:
             trace_all()
+            if models:
+                trace_models()
         finally:
             RECORDER = None
     names = _module_names()
@@ -632,6 +735,55 @@ def generate() -> str:
             packages[package] = package_version(package)
         index = depends.setdefault((modules, others), len(depends))
         rows.append(f"    {digest!r}: ({name!r}, {identity!r}, {index}),  # {text}\n")
+    graphs: dict[str, str] = {}  # function body -> name, as for PATTERNS
+    graph_functions: list[str] = []
+    generic_rows: list[str] = []
+    size_dependent = 0
+    keyed = [(generic_key(kind, form), kind, form, *made) for (kind, form), made in recorder.generic.items()]
+    for shipped_key, kind, form, found, files in sorted(keyed, key=lambda item: item[0] or ("", "")):
+        if found is None or shipped_key is None:
+            size_dependent += found is None
+            continue
+        value, equalities = found
+        text = f"{kind} {label((), form[0][0] if kind == 'specific' else form[0], form[1])} {form[2:]}"
+        try:
+            if kind == "specific":
+                lines = pattern_source(value)
+                if not value.pattern_eq(rebuild(lines)):
+                    raise ValueError("the rebuilt pattern differs")
+                table, store, prefix = bodies, functions, "p"
+            else:
+                lines = graph_source(value.graph)
+                rebuilt_rows = [(*row, {}) for row in _run("\n".join(lines))]
+                if str(_pattern._graph_from_data(rebuilt_rows).graph) != str(value.graph):
+                    raise ValueError("the rebuilt graph differs")
+                table, store, prefix = graphs, graph_functions, "g"
+        except Exception as exc:  # traced on the sizes at run time instead
+            log.warning("not shipped: %s (%s)", text, exc)
+            skipped += 1
+            continue
+        body = "".join(f"{line}\n" for line in lines)
+        if '"""' in body or "\\" in body:
+            log.warning("not shipped: %s (its source needs escapes)", text)
+            skipped += 1
+            continue
+        name = table.get(body)
+        if name is None:
+            name = table[body] = f"{prefix}{len(table)}"
+            store.append(f'    {name!r}: """\n{body}""",')
+            if kind == "specific":
+                required = requires_source(_pattern.required_ops(value))
+                requires_of.append(f"    {name!r}: {requires.setdefault(required, len(requires))},")
+        modules, others = code_that_ran(files, names)
+        for module in modules:
+            source = module_digest(module)
+            assert source is not None, module
+            sources[module] = source
+        for package in others:
+            packages[package] = package_version(package)
+        index = depends.setdefault((modules, others), len(depends))
+        pairs = [list(map(list, pair)) for pair in equalities]
+        generic_rows.append(f"    {shipped_key[0]!r}: ({kind!r}, {name!r}, {index}, {pairs!r}),  # {text}\n")
     head = header()
     out = [
         '"""Pre-traced patterns of the pattern passes (``_shipped``), generated by ``python tools/gen_patterns.py``',
@@ -666,6 +818,15 @@ def generate() -> str:
         "# sha256 of the trace's description: (PATTERNS key, identity, DEPENDS index)",
         "ENTRIES = {",
         "".join(rows) + "}",
+        "# replacement graphs traced on symbolic sizes: bodies returning (op, name, target, args, kwargs) rows",
+        "GRAPHS = {",
+        *graph_functions,
+        "}",
+        f"# {len(generic_rows)} size-generic traces of the bundled models' forms ({size_dependent} forms depend on",
+        "# the sizes: traced per shape); sha256 of the form's description: (kind, PATTERNS / GRAPHS key,",
+        "# DEPENDS index, pairs of (value, dim) sizes that must be equal)",
+        "GENERIC = {",
+        "".join(generic_rows) + "}",
         "",
     ]
     return "\n".join(out)

@@ -1,0 +1,194 @@
+"""Size-generic re-traces and replacement graphs (``_pattern._generic``, shipped by ``_shipped``): a
+match's re-check pattern and replacement graph come from one trace per *form* (dtypes, ranks, 0/1
+sizes) on symbolic sizes, shared across sizes only where that trace reads no size and assumed
+nothing but equalities between sizes; they equal a trace on any sizes of the form, a match that
+breaks an equality or does not match the shared pattern is traced on its own sizes, and a first
+compile of a DeepSeek-V3 graph re-traces no linear, RMSNorm or SwiGLU."""
+
+from __future__ import annotations
+
+import collections
+import random
+
+import pytest
+import torch
+from _helpers import compile_and_run
+from ascend_passes.patterns import linear, norm
+from torch._inductor import pattern_matcher as pm
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from ascend_passes.models import deepseek_v3
+from ascend_passes.passes import _pattern, _shipped
+
+REGENERATE = "run python tools/gen_patterns.py"
+
+
+@pytest.fixture
+def fresh(tmp_path, monkeypatch):
+    """Empty in-process caches (as in a new process), an empty on-disk cache, shipped patterns on."""
+    monkeypatch.setenv(_pattern.CACHE_DIR_ENV, str(tmp_path / "patterns"))
+    monkeypatch.delenv(_pattern.CACHE_ENV, raising=False)
+    monkeypatch.delenv(_shipped.SHIPPED_ENV, raising=False)
+    for name in ("_TRACED", "_SPECIFIC", "_REPLACEMENTS", "_GENERIC"):
+        monkeypatch.setattr(_pattern, name, _pattern._Lru(4096))
+
+
+def fakes(*shapes, dtype=torch.float32):
+    with FakeTensorMode():
+        return [torch.empty(s, dtype=dtype) for s in shapes]
+
+
+def trace(fn):
+    return lambda inputs: pm.fwd_only(fn, inputs)
+
+
+def ops(gm):
+    return [n.target for n in gm.graph.nodes if n.op == "call_function"]
+
+
+# ------------------------------------------------------------------------------ the verdict
+def test_linear_and_norm_are_size_free_with_their_equalities():
+    gm, equalities = _pattern.generic_trace(fakes((16, 64), (256, 64)), trace(linear.linear_pattern))
+    assert ops(gm) == [torch.ops.aten.permute.default, torch.ops.aten.mm.default]
+    assert equalities == [((0, 1), (1, 1))]  # the mm's inner sizes
+    rw = norm.REWRITES[0]
+    gm, equalities = _pattern.generic_trace([*fakes((1, 16, 64), (64,)), 1e-6], trace(rw.replace))
+    assert ops(gm)[0] is torch.ops.ascend.rms_norm.default
+    assert equalities == [((0, 2), (1, 0))]  # the width and the weight
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [
+        pytest.param(lambda x: x.reshape(-1, x.shape[-1]) * 2, id="view-of-sizes"),
+        pytest.param(lambda x: x * 2 if x.shape[0] % 4 == 0 else x * 3, id="branch-on-a-size"),
+        pytest.param(lambda x: x * x.shape[1], id="size-in-arithmetic"),
+        pytest.param(lambda x: x[:, :8] + 1, id="size-fixed-by-a-slice"),
+    ],
+)
+def test_what_depends_on_the_sizes_is_not_shared(fn):
+    assert _pattern.generic_trace(fakes((16, 64)), trace(fn)) is None
+
+
+def test_a_form_is_dtypes_ranks_and_unit_sizes():
+    form = _pattern.size_form
+    assert form("k", fakes((16, 64)), "none") == form("k", fakes((3, 1000)), "none")
+    assert form("k", fakes((16, 64)), "none") != form("k", fakes((1, 64)), "none")  # a size 1 stays 1
+    assert form("k", fakes((16, 64)), "none") != form("k", fakes((16, 64), dtype=torch.bfloat16), "none")
+    assert form("k", fakes((16, 64)), "none") != form("k", fakes((16, 64)), "inductor")
+    assert form("k", [*fakes((16, 64)), 1e-6], "none") != form("k", [*fakes((16, 64)), 1e-5], "none")
+    strided = fakes((16, 64))[0][:, :32]
+    assert form("k", [strided], "none") is None  # not contiguous: traced on its sizes
+
+
+# ------------------------------------------------------------------------------ lookup
+def test_values_that_break_an_equality_are_traced_on_their_sizes(fresh, monkeypatch):
+    shared = object()
+    monkeypatch.setattr(_shipped, "lookup_generic", lambda kind, form: (shared, [((0, 1), (1, 1))]))
+    fn = linear.linear_pattern
+    assert _pattern._generic("specific", "k", fakes((16, 64), (256, 64)), "none", fn, None) is shared
+    assert _pattern._generic("specific", "k", fakes((16, 64), (256, 32)), "none", fn, None) is None
+
+
+def test_a_shared_pattern_that_does_not_match_is_traced_on_the_sizes(fresh, monkeypatch):
+    """A graph a size-oblivious branch made otherwise than the shared trace: the match is re-checked
+    on its own sizes, so sharing loses no rewrite."""
+    never = pm.CallFunction(torch.ops.aten.cosh.default, pm.KeywordArg("x"))
+    monkeypatch.setattr(_shipped, "lookup_generic", lambda kind, form: (never, []) if kind == "specific" else None)
+    model, inputs = deepseek_v3("grouped_mm", num_layers=2)
+    with torch.no_grad():
+        ref = model(*inputs)
+    before = collections.Counter(_pattern.STATS)
+    out, reports = compile_and_run(model, inputs, compiler="eager")
+    assert _pattern.STATS["specific_traced"] > before["specific_traced"]
+    assert reports[0].rewritten_ops()["ascend.linear"] == 12, reports[0].rewritten_ops()
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_first_compile_retraces_no_linear_norm_or_swiglu(fresh, monkeypatch):
+    traced = []
+    real = pm.fwd_only
+
+    def fwd_only(fn, args, *rest, **kwargs):
+        traced.append(getattr(fn, "__qualname__", repr(fn)))
+        return real(fn, args, *rest, **kwargs)
+
+    monkeypatch.setattr(pm, "fwd_only", fwd_only)
+    model, inputs = deepseek_v3("grouped_mm", num_layers=2)
+    with torch.no_grad():
+        ref = model(*inputs)
+    before = collections.Counter(_pattern.STATS)
+    out, reports = compile_and_run(model, inputs, compiler="eager")
+    shipped = _pattern.STATS["generic_specific_shipped"] - before["generic_specific_shipped"]
+    assert shipped >= 4, f"no size-generic trace shipped for these forms: {REGENERATE}"
+    # the MLA norms read a slice of the kv projection (not contiguous): traced on their sizes
+    assert not [t for t in traced if "linear" in t or "swiglu" in t or "add_rms_norm" in t], traced
+    assert reports[0].rewritten_ops()["ascend.linear"] == 12, reports[0].rewritten_ops()
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+
+
+# ------------------------------------------------------------------------------ shipped = traced
+def _sizes_of(form, equalities, rng):
+    """Values of ``form`` with random sizes (2-64) that meet ``equalities``."""
+    parent: dict = {}
+
+    def find(p):
+        while parent.get(p, p) != p:
+            p = parent[p]
+        return p
+
+    for a, b in equalities:
+        parent[find(a)] = find(b)
+    chosen: dict = {}
+    shapes = []
+    for i, part in enumerate(form[2:]):
+        if isinstance(part[0], tuple):
+            dims = [
+                d if d != "s" else chosen.setdefault(find((i, j)), rng.randint(2, 64)) for j, d in enumerate(part[0])
+            ]
+            shapes.append(("t", dims, part[1]))
+        else:
+            shapes.append(("n", part[1]))
+    with FakeTensorMode():
+        return [torch.empty(s[1], dtype=s[2]) if s[0] == "t" else s[1] for s in shapes]
+
+
+def test_shipped_generic_traces_are_current_and_equal_traces_on_sizes(fresh):
+    """The forms a DeepSeek-V3 prefill compile records now: each is shipped with the same trace and
+    equalities, and that trace equals the trace on two random sizes of the form (the claim that it
+    holds for every size)."""
+    recorder = _shipped.Recorder()
+    model, inputs = deepseek_v3("grouped_mm", num_layers=2)
+    with _shipped._isolated():
+        _shipped.RECORDER = recorder
+        try:
+            compile_and_run(model, inputs, compiler="eager")
+        finally:
+            _shipped.RECORDER = None
+    rng = random.Random(0)
+    checked = 0
+    for (kind, form), (found, _) in recorder.generic.items():
+        if found is None:
+            continue
+        shipped = _shipped.lookup_generic(kind, form)
+        assert shipped is not None, f"{kind} {form} is not shipped: {REGENERATE}"
+        value, equalities = found
+        assert shipped[1] == equalities, f"{kind} {form}: other equalities now: {REGENERATE}"
+        if kind == "specific":
+            assert shipped[0].pattern_eq(value), f"{kind} {form} traces differently now: {REGENERATE}"
+        else:
+            assert str(shipped[0].graph) == str(value.graph), f"{kind} {form} traces differently now: {REGENERATE}"
+        key, decompositions = form[0], form[1]
+        for _ in range(2):
+            values = _sizes_of(form, equalities, rng)
+            get_decomp_fn = _pattern._decomp_fn(decompositions)
+            if kind == "specific":
+                fn, argnames, scalars = key
+                gm = pm.fwd_only(fn, values, get_decomp_fn=get_decomp_fn)
+                on_sizes = pm.fx_to_pattern(gm, argnames=list(argnames), scalar_workaround=dict(scalars))
+                assert on_sizes.pattern_eq(value), (form, [tuple(v.shape) for v in values if hasattr(v, "shape")])
+            elif callable(key):
+                gm = pm.fwd_only(key, values, get_decomp_fn=get_decomp_fn)
+                assert str(gm.graph) == str(value.graph), form
+            checked += 1
+    assert checked >= 16, checked

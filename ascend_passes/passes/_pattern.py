@@ -24,7 +24,9 @@ example-input makers, dtypes, decompositions, scalar stand-ins; never ``id``s):
   re-check that shapes baked into a pattern fit) — static shapes only;
 - ``replacement_graph``: a replacement traced on a match's shapes, static shapes only, kept
   without fake values; the nodes spliced from it get values computed under the target graph's
-  fake mode, so no fake tensor crosses compiles.
+  fake mode, so no fake tensor crosses compiles;
+- both of these are first looked up by the match's form (dtypes, ranks, 0/1 sizes) among the
+  size-generic traces shipped with the package: see "size-generic".
 Only the ``PatternMatcherPass`` objects (torch's bookkeeping lives on them) are built per run,
 so a target model and its MTP drafter can compile in one process.  ``copy_location`` is the one
 place a new node gets its ``stack_trace`` / ``nn_module_stack`` / ``ascend_*`` tags.
@@ -296,12 +298,26 @@ def _code_digest(code: types.CodeType) -> str:
     return h.hexdigest()
 
 
+def _nested_line(fn: types.FunctionType) -> int | bool:
+    """For a function defined inside a module-level function: its first line counted from that
+    function's (two closures of one qualified name differ; an edit elsewhere in the module does
+    not change it); False for any other function."""
+    if "<" not in fn.__qualname__:
+        return False
+    outer = getattr(sys.modules.get(fn.__module__), fn.__qualname__.partition(".")[0], None)
+    code = getattr(outer, "__code__", None)
+    if code is None:
+        return fn.__code__.co_firstlineno
+    return fn.__code__.co_firstlineno - code.co_firstlineno
+
+
 def _describe(obj: Any, modules: set[str], depth: int = 0, code: bool = True) -> Any:
     """A description of ``obj`` that is equal in any process exactly when ``obj`` means the same
     there (given equal sources of ``modules``, which collects the modules functions come from).
-    ``code=False`` names functions by module, qualified name (and first line, for a function
-    defined inside another) without their bytecode, which differs between Python versions: the
-    shipped patterns check the modules' sources instead."""
+    ``code=False`` names functions by module, qualified name (and, for a function defined inside
+    another, its first line counted from the outer function's: ``_nested_line``) without their
+    bytecode, which differs between Python versions: the shipped patterns check the modules'
+    sources instead."""
     if depth > 16:
         raise _NotStable("nested too deeply")
     d = functools.partial(_describe, modules=modules, depth=depth + 1, code=code)
@@ -332,7 +348,7 @@ def _describe(obj: Any, modules: set[str], depth: int = 0, code: bool = True) ->
             "function",
             obj.__module__,
             obj.__qualname__,
-            _code_digest(obj.__code__) if code else ("<" in obj.__qualname__ and obj.__code__.co_firstlineno),
+            _code_digest(obj.__code__) if code else _nested_line(obj),
             d(obj.__defaults__),
             d(obj.__kwdefaults__),
             tuple(cells),

@@ -50,7 +50,8 @@ MODULE = "ascend_passes.passes._shipped_patterns"
 """The generated module (``tools/gen_patterns.py`` writes it)."""
 FORMAT = 3
 """Bump when the generated module's layout or the key's description changes (2: ``REQUIRES``;
-3: ``GRAPHS`` and ``GENERIC``, the size-generic traces)."""
+3: ``GRAPHS`` and ``GENERIC``, the size-generic traces; a nested function's line counted from its
+outer function's)."""
 MACHINERY = ("_trace_graph", "_trace_initial", "_decomp_fn", "required_ops", "traced_pattern")
 """Functions of ``_pattern`` that make a trace and whose source enters the file's header key."""
 _PATTERN_LIBRARY = ("ascend_passes.patterns", "ascend_passes.ops")

@@ -12,6 +12,8 @@
 #include "kernels.h"
 #include "skinny.h"
 
+#include <vector>
+
 namespace ascend_kernels {
 namespace {
 
@@ -31,22 +33,60 @@ void check_linear(const at::Tensor& input, const at::Tensor& weight, const std::
   }
 }
 
+// y[:, lo:hi] = acc[:, lo:hi] + bias[lo:hi], rounded to T (rows ld apart in both); vectorised.
+template <typename T>
+ASCEND_INLINE void finish_columns_impl(const float* acc, const T* bias, T* y, int64_t ld, int64_t m, int64_t lo,
+                                       int64_t hi) {
+  for (int64_t r = 0; r < m; ++r) {
+    const float* a = acc + r * ld;
+    T* out = y + r * ld;
+    if (bias == nullptr) {
+      for (int64_t j = lo; j < hi; ++j) out[j] = from_f<T>(a[j]);
+    } else {
+      for (int64_t j = lo; j < hi; ++j) out[j] = from_f<T>(a[j] + to_f(bias[j]));
+    }
+  }
+}
+ASCEND_HOT void finish_columns(const float* acc, const float* bias, float* y, int64_t ld, int64_t m, int64_t lo,
+                               int64_t hi) {
+  finish_columns_impl(acc, bias, y, ld, m, lo, hi);
+}
+ASCEND_HOT void finish_columns(const float* acc, const c10::BFloat16* bias, c10::BFloat16* y, int64_t ld, int64_t m,
+                               int64_t lo, int64_t hi) {
+  finish_columns_impl(acc, bias, y, ld, m, lo, hi);
+}
+
 // bf16 input and weight: the bf16 x bf16 kernel reads x as it is (AVX512_BF16 dot products where the
-// CPU has them); fp32: the fp32 kernel. The output is accumulated in fp32 and rounded once (after the bias).
+// CPU has them); fp32: the fp32 kernel. The output is accumulated in fp32 and rounded once, after the
+// bias. Each thread finishes its own columns (bias, rounding into the output) right after computing them,
+// so a call is one parallel region and one allocation (no fp32 output tensor, no separate add and cast).
 template <typename T>
 at::Tensor skinny_linear(const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
   const int64_t m = input.size(0), k = input.size(1), n = weight.size(0);
   const auto xc = input.contiguous();  // no copy for contiguous rows
-  auto y = at::empty({m, n}, input.options().dtype(at::kFloat));
+  const auto bc = bias.has_value() ? bias->contiguous() : at::Tensor();
+  auto y = at::empty({m, n}, input.options());
   const T* xp = xc.const_data_ptr<T>();
   const T* wp = weight.const_data_ptr<T>();
-  float* yp = y.data_ptr<float>();
+  const T* bp = bc.defined() ? bc.const_data_ptr<T>() : nullptr;
+  T* yp = y.data_ptr<T>();
   const int64_t ws = weight.stride(0);
   // every thread gets weight rows, in slices of at least 16
   const int64_t grain = std::max<int64_t>(16, n / (4 * at::get_num_threads()));
-  at::parallel_for(0, n, grain, [&](int64_t lo, int64_t hi) { skinny_nt(xp, k, wp, ws, yp, n, m, k, lo, hi); });
-  if (bias.has_value()) y.add_(*bias);
-  return std::is_same_v<T, float> ? y : y.to(input.scalar_type());
+  at::parallel_for(0, n, grain, [&](int64_t lo, int64_t hi) {
+    float* acc;
+    if constexpr (std::is_same_v<T, float>) {
+      acc = yp;
+    } else {
+      thread_local std::vector<float> buffer;  // [m, n] floats, of which this thread's columns are used
+      if (static_cast<int64_t>(buffer.size()) < m * n) buffer.resize(m * n);
+      acc = buffer.data();
+    }
+    skinny_nt(xp, k, wp, ws, acc, n, m, k, lo, hi);
+    if (bp == nullptr && std::is_same_v<T, float>) return;
+    finish_columns(acc, bp, yp, n, m, lo, hi);
+  });
+  return y;
 }
 
 // bf16 on the swapped-operand AMX kernel (amx_swap.h): the weight read in place, x packed once, N split

@@ -27,7 +27,8 @@ def new_process(tmp_path, monkeypatch):
     monkeypatch.setenv(_pattern.CACHE_DIR_ENV, str(tmp_path / "patterns"))
     monkeypatch.delenv(_pattern.CACHE_ENV, raising=False)
     monkeypatch.delenv(_shipped.SHIPPED_ENV, raising=False)
-    monkeypatch.setattr(_pattern, "_TRACED", _pattern._Lru(4096))
+    for name in ("_TRACED", "_SPECIFIC", "_REPLACEMENTS", "_GENERIC"):
+        monkeypatch.setattr(_pattern, name, _pattern._Lru(4096))
     monkeypatch.setattr(moe, "_patterns", moe._patterns.__wrapped__)
     monkeypatch.setattr(_shipped, "_LOGGED", set())
 

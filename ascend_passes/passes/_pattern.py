@@ -900,13 +900,23 @@ Position = tuple[int, int]
 
 def size_form(key: Any, values: Sequence[Any], decompositions: str) -> tuple[Any, ...] | None:
     """The form of ``values`` (see above) with ``key`` and ``decompositions``, or None when it has
-    none: a symbolic or non-contiguous tensor, a value of another type."""
+    none: a tensor not known to be contiguous, a symbolic size not known to be 2 or more (an
+    unbacked one), a value of another type.  A symbolic size known to be at least 2 (a dynamic
+    dimension: Dynamo's symbols start at 2) is of the form's "s"; nothing here adds a guard."""
     form: list[Any] = [key, decompositions]
     for v in values:
         if isinstance(v, torch.Tensor):
-            if any(isinstance(d, torch.SymInt) for d in (*v.shape, *v.stride())) or not v.is_contiguous():
+            dims = []
+            for d in v.shape:
+                if not isinstance(d, torch.SymInt):
+                    dims.append(d if d < 2 else "s")
+                elif statically_known_true(d >= 2):
+                    dims.append("s")
+                else:
+                    return None
+            if not _known_contiguous(v):
                 return None
-            form.append((tuple(d if d < 2 else "s" for d in v.shape), v.dtype, v.device))
+            form.append((tuple(dims), v.dtype, v.device))
         elif v is None or isinstance(v, (bool, int, float)):
             form.append((type(v), v))
         else:
@@ -914,9 +924,21 @@ def size_form(key: Any, values: Sequence[Any], decompositions: str) -> tuple[Any
     return tuple(form)
 
 
+def _known_contiguous(v: torch.Tensor) -> bool:
+    """Whether ``v``'s strides are the contiguous ones, decided without a guard (a symbolic stride
+    that is not provably so counts as not)."""
+    expected: Any = 1
+    for size, stride in reversed(list(zip(v.shape, v.stride()))):
+        if not statically_known_true(size == 1) and not statically_known_true(stride == expected):
+            return False
+        expected = expected * size
+    return True
+
+
 def meets(values: Sequence[Any], equalities: Iterable[tuple[Position, Position]]) -> bool:
-    """Whether the sizes of ``values`` meet a shared trace's equalities."""
-    return all(values[a[0]].shape[a[1]] == values[b[0]].shape[b[1]] for a, b in equalities)
+    """Whether the sizes of ``values`` meet a shared trace's equalities (symbolic ones provably,
+    without a guard)."""
+    return all(statically_known_true(values[a[0]].shape[a[1]] == values[b[0]].shape[b[1]]) for a, b in equalities)
 
 
 def _symbolic(values: Sequence[Any]) -> tuple[Any, FakeTensorMode, list[Any], dict[Any, Position]]:
@@ -930,7 +952,8 @@ def _symbolic(values: Sequence[Any]) -> tuple[Any, FakeTensorMode, list[Any], di
     mode = FakeTensorMode(shape_env=env)
     positions: dict[Any, Position] = {}
 
-    def size(i: int, j: int, d: int) -> Any:
+    def size(i: int, j: int, d: Any) -> Any:
+        d = d if isinstance(d, int) else int(d.node.hint)  # a dynamic size: its example value (>= 2)
         if d < 2:
             return d
         source = ConstantSource(f"__ascend_size_{i}_{j}")

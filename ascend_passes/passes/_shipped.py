@@ -214,7 +214,7 @@ def lookup_generic(kind: str, form: Any) -> tuple[Any, list[tuple[Any, Any]]] | 
         return None
     try:
         if kind == "specific":
-            value: Any = build(module, entry[1])
+            value: Any = rebuild(module.PATTERNS[entry[1]].splitlines())
         else:
             from . import _pattern
 
@@ -255,6 +255,7 @@ class Recorder:
     def __init__(self) -> None:
         self.entries: dict[str, tuple[str, Any, str, frozenset[str], str]] = {}
         self.generic: dict[tuple[str, Any], tuple[Any, frozenset[str]]] = {}
+        self.initial = True  # record initial traces (``trace_all``'s); the model compiles record only generic ones
 
     @contextlib.contextmanager
     def tracing(self) -> Iterator[set[str]]:
@@ -278,7 +279,8 @@ class Recorder:
         self.generic[(kind, form)] = (found, frozenset(files))
 
     def add(self, shipped_key: tuple[str, str], traced: Any, files: set[str], text: str) -> None:
-        self.entries[shipped_key[0]] = (shipped_key[1], traced.pattern, traced.identity, frozenset(files), text)
+        if self.initial:
+            self.entries[shipped_key[0]] = (shipped_key[1], traced.pattern, traced.identity, frozenset(files), text)
 
 
 RECORDER: Recorder | None = None
@@ -626,22 +628,25 @@ def trace_all() -> None:
 
 MODEL_SHAPES = ((1, 16), (8, 1), (1, 1))
 """(batch, tokens) of the bundled models' compiles whose size-generic traces are shipped: a prefill,
-a batched and a single-sequence decode step (``trace_models``)."""
+a batched and a single-sequence decode step, and the prefill again with dynamic shapes (``dynamic=True``:
+symbolic sizes, float attributes as 0-d tensors; the form vLLM's piecewise compiles have) (``trace_models``)."""
 
 
 def trace_models() -> None:
     """Compile the bundled DeepSeek-V3, Qwen3-MoE and Llama models (tiny configs, fp32 and bf16,
-    ``MODEL_SHAPES``) with the passes on the plain AOT route: every size-generic trace
+    ``MODEL_SHAPES``, static and dynamic) with the passes on the plain AOT route: every size-generic trace
     (``_pattern._generic``) they ask for is recorded.  A form is a match's dtypes, ranks and
     which sizes are 0 or 1, not its sizes, so these forms are those of the full-size models too."""
     from .. import models
 
+    if RECORDER is not None:  # the initial traces shipped are trace_all's (what the passes can ask for)
+        RECORDER.initial = False
     for factory in (models.deepseek_v3, models.qwen3_moe, models.llama_dense):
         for dtype in (torch.float32, torch.bfloat16):
-            for batch, tokens in MODEL_SHAPES:
+            for dynamic, (batch, tokens) in [*((False, shape) for shape in MODEL_SHAPES), (True, MODEL_SHAPES[0])]:
                 model, inputs = factory(num_layers=2, batch=batch, tokens=tokens, dtype=dtype)
                 torch._dynamo.reset()
-                compiled = torch.compile(model, backend="ascend_passes", options={"compiler": "eager"}, dynamic=False)
+                compiled = torch.compile(model, backend="ascend_passes", options={"compiler": "eager"}, dynamic=dynamic)
                 with torch.no_grad():
                     compiled(*inputs)
     torch._dynamo.reset()

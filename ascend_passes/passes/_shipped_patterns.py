@@ -49,8 +49,9 @@ DEPENDS = [
     (('ascend_passes.ops', 'ascend_passes.ops._define', 'ascend_passes.ops.activation', 'ascend_passes.ops.checks', 'ascend_passes.ops.eplb', 'ascend_passes.ops.linear', 'ascend_passes.ops.mla', 'ascend_passes.ops.moe', 'ascend_passes.ops.norm', 'ascend_passes.patterns._layout', 'ascend_passes.patterns.norm'), ('mpmath', 'sympy')),  # 11
     (('ascend_passes.ops', 'ascend_passes.ops._define', 'ascend_passes.ops.activation', 'ascend_passes.ops.checks', 'ascend_passes.ops.eplb', 'ascend_passes.ops.linear', 'ascend_passes.ops.mla', 'ascend_passes.ops.moe', 'ascend_passes.ops.norm', 'ascend_passes.patterns._layout', 'ascend_passes.patterns.activation'), ('mpmath', 'sympy')),  # 12
     (('ascend_passes.ops', 'ascend_passes.ops._define', 'ascend_passes.ops.activation', 'ascend_passes.ops.checks', 'ascend_passes.ops.eplb', 'ascend_passes.ops.linear', 'ascend_passes.ops.mla', 'ascend_passes.ops.moe', 'ascend_passes.ops.norm', 'ascend_passes.patterns.linear'), ('mpmath', 'sympy')),  # 13
+    (('ascend_passes.ops', 'ascend_passes.ops._define', 'ascend_passes.ops.activation', 'ascend_passes.ops.checks', 'ascend_passes.ops.eplb', 'ascend_passes.ops.linear', 'ascend_passes.ops.mla', 'ascend_passes.ops.moe', 'ascend_passes.ops.norm', 'ascend_passes.patterns._layout', 'ascend_passes.patterns.norm'), ('sympy',)),  # 14
 ]
-# 802 traces, 485 distinct patterns, 0 not shipped
+# 802 traces, 491 distinct patterns, 0 not shipped
 # the body of a function that builds the pattern (run by _shipped.build; source compiled only when used)
 PATTERNS = {
     'p0': """
@@ -14596,11 +14597,32 @@ p7 = CallFunction(aten.mul.Tensor, users(KeywordArg('weight'), 1), p6, _users=0)
 return p7
 """,
     'p482': """
+p1 = CallFunction(prims.convert_element_type.default, users(KeywordArg('x'), 1), torch.float32, _users=2)
+p2 = CallFunction(aten.pow.Tensor_Scalar, p1, 2)
+p3 = CallFunction(aten.mean.dim, p2, immutable_list([-1]), True)
+p4 = CallFunction(aten.add.Tensor, p3, users(KeywordArg('eps'), 1))
+p5 = CallFunction(aten.rsqrt.default, p4)
+p6 = CallFunction(aten.mul.Tensor, p1, p5)
+p7 = CallFunction(prims.convert_element_type.default, p6, torch.bfloat16)
+p8 = CallFunction(aten.mul.Tensor, users(KeywordArg('weight'), 1), p7, _users=0)
+return p8
+""",
+    'p483': """
 p1 = CallFunction(aten.permute.default, users(KeywordArg('weight'), 1), immutable_list([1, 0]))
 p2 = CallFunction(aten.mm.default, users(KeywordArg('x'), 1), p1, _users=0)
 return p2
 """,
-    'p483': """
+    'p484': """
+p1 = users(KeywordArg('x'), 2)
+p2 = CallFunction(aten.pow.Tensor_Scalar, p1, 2)
+p3 = CallFunction(aten.mean.dim, p2, immutable_list([-1]), True)
+p4 = CallFunction(aten.add.Tensor, p3, users(KeywordArg('eps'), 1))
+p5 = CallFunction(aten.rsqrt.default, p4)
+p6 = CallFunction(aten.mul.Tensor, p1, p5)
+p7 = CallFunction(aten.mul.Tensor, users(KeywordArg('weight'), 1), p6, _users=0)
+return p7
+""",
+    'p485': """
 p1 = CallFunction(prims.convert_element_type.default, users(KeywordArg('gate'), 1), torch.float32, _users=2)
 p2 = CallFunction(aten.neg.default, p1)
 p3 = CallFunction(aten.exp.default, p2)
@@ -14610,7 +14632,16 @@ p6 = CallFunction(prims.convert_element_type.default, p5, torch.bfloat16)
 p7 = CallFunction(aten.mul.Tensor, p6, users(KeywordArg('up'), 1), _users=0)
 return p7
 """,
-    'p484': """
+    'p486': """
+p1 = users(KeywordArg('x'), 2)
+p2 = CallFunction(aten.pow.Tensor_Scalar, p1, 2)
+p3 = CallFunction(aten.mean.dim, p2, immutable_list([-1]), True)
+p4 = CallFunction(aten.add.Tensor, p3, users(KeywordArg('eps'), 1))
+p5 = CallFunction(aten.rsqrt.default, p4)
+p6 = CallFunction(aten.mul.Tensor, p1, p5, _users=0)
+return p6
+""",
+    'p487': """
 p1 = CallFunction(prims.convert_element_type.default, users(KeywordArg('x'), 1), torch.float32, _users=2)
 p2 = CallFunction(aten.pow.Tensor_Scalar, p1, 2)
 p3 = CallFunction(aten.mean.dim, p2, immutable_list([-1]), True)
@@ -14620,6 +14651,37 @@ p6 = CallFunction(aten.mul.Tensor, p1, p5)
 p7 = CallFunction(prims.convert_element_type.default, p6, torch.bfloat16)
 p8 = CallFunction(aten.mul.Tensor, users(KeywordArg('weight'), 1), p7, _users=0)
 return p8
+""",
+    'p488': """
+p1 = CallFunction(aten._to_copy.default, users(KeywordArg('x'), 1), dtype=torch.float32, _users=2)
+p2 = CallFunction(aten.pow.Tensor_Scalar, p1, 2)
+p3 = CallFunction(aten.mean.dim, p2, immutable_list([-1]), True)
+p4 = CallFunction(aten.add.Tensor, p3, users(KeywordArg('eps'), 1))
+p5 = CallFunction(aten.rsqrt.default, p4)
+p6 = CallFunction(aten.mul.Tensor, p1, p5)
+p7 = CallFunction(aten._to_copy.default, p6, dtype=torch.bfloat16, _users=0)
+return p7
+""",
+    'p489': """
+p1 = CallFunction(aten._to_copy.default, users(KeywordArg('x'), 1), dtype=torch.float32, _users=2)
+p2 = CallFunction(aten.pow.Tensor_Scalar, p1, 2)
+p3 = CallFunction(aten.mean.dim, p2, immutable_list([-1]), True)
+p4 = CallFunction(aten.add.Tensor, p3, users(KeywordArg('eps'), 1))
+p5 = CallFunction(aten.rsqrt.default, p4)
+p6 = CallFunction(aten.mul.Tensor, p1, p5)
+p7 = CallFunction(aten._to_copy.default, p6, dtype=torch.bfloat16)
+p8 = CallFunction(aten.mul.Tensor, users(KeywordArg('weight'), 1), p7, _users=0)
+return p8
+""",
+    'p490': """
+p1 = CallFunction(prims.convert_element_type.default, users(KeywordArg('x'), 1), torch.float32, _users=2)
+p2 = CallFunction(aten.pow.Tensor_Scalar, p1, 2)
+p3 = CallFunction(aten.mean.dim, p2, immutable_list([-1]), True)
+p4 = CallFunction(aten.add.Tensor, p3, users(KeywordArg('eps'), 1))
+p5 = CallFunction(aten.rsqrt.default, p4)
+p6 = CallFunction(aten.mul.Tensor, p1, p5)
+p7 = CallFunction(prims.convert_element_type.default, p6, torch.bfloat16, _users=0)
+return p7
 """,
 }
 # the operators of each pattern (_pattern.required_ops): groups joined by ';', a group's operators by '|'
@@ -15315,9 +15377,15 @@ REQUIRES_OF = {
     'p479': 59,
     'p480': 171,
     'p481': 65,
-    'p482': 137,
-    'p483': 13,
-    'p484': 96,
+    'p482': 96,
+    'p483': 137,
+    'p484': 65,
+    'p485': 13,
+    'p486': 65,
+    'p487': 96,
+    'p488': 59,
+    'p489': 59,
+    'p490': 96,
 }
 # sha256 of the trace's description: (PATTERNS key, identity, DEPENDS index)
 ENTRIES = {
@@ -16165,7 +16233,7 @@ return [
 ]
 """,
 }
-# 112 size-generic traces of the bundled models' forms (36 forms depend on
+# 128 size-generic traces of the bundled models' forms (38 forms depend on
 # the sizes: traced per shape); sha256 of the form's description: (kind, PATTERNS / GRAPHS key,
 # DEPENDS index, pairs of (value, dim) sizes that must be equal)
 GENERIC = {
@@ -16175,31 +16243,36 @@ GENERIC = {
     '0746f97aaff8507aceddc0353b1de68b': ('specific', 'p479', 11, [[[0, 2], [1, 0]]]),  # specific ascend_passes.patterns.norm._weighted_rms_norm.<locals>.rms_norm_pattern [] none ((('s', 1, 's'), torch.bfloat16, device(type='cpu')), (('s',), torch.bfloat16, device(type='cpu')), (<class 'float'>, 1e-06))
     '0abc7f7c6d4c484ba819e8f46d284f89': ('specific', 'p480', 12, [[[0, 2], [1, 2]]]),  # specific ascend_passes.patterns.activation._silu_mul.<locals>.swiglu_pattern [] inductor (((1, 1, 's'), torch.float32, device(type='cpu')), ((1, 1, 's'), torch.float32, device(type='cpu')))
     '0b046800a1bc52cb56026f75dd25ccd4': ('specific', 'p481', 11, [[[0, 2], [1, 0]]]),  # specific ascend_passes.patterns.norm._weighted_rms_norm.<locals>.rms_norm_pattern [] inductor ((('s', 1, 's'), torch.float32, device(type='cpu')), (('s',), torch.float32, device(type='cpu')), (<class 'float'>, 1e-06))
+    '101e3ff7aff8121bebf5b459481ebad3': ('specific', 'p482', 11, [[[0, 2], [1, 0]]]),  # specific ascend_passes.patterns.norm._weighted_rms_norm.<locals>.rms_norm_pattern [] inductor (((1, 's', 's'), torch.bfloat16, device(type='cpu')), (('s',), torch.bfloat16, device(type='cpu')), ((), torch.float32, device(type='cpu')))
     '11b5834230b9b5cf9d76611278f61729': ('replacement', 'g1', 12, [[[0, 1], [1, 1]], [[0, 2], [1, 2]]]),  # replacement ascend_passes.patterns.activation._cat_swiglu.<locals>.swiglu_replacement [] inductor (((1, 's', 's'), torch.bfloat16, device(type='cpu')), ((1, 's', 's'), torch.bfloat16, device(type='cpu')))
     '13ce5daeaf72157714e811b8d794e7a1': ('replacement', 'g1', 12, [[[0, 0], [1, 0]], [[0, 2], [1, 2]]]),  # replacement ascend_passes.patterns.activation._cat_swiglu.<locals>.swiglu_replacement [] none ((('s', 1, 's'), torch.float32, device(type='cpu')), (('s', 1, 's'), torch.float32, device(type='cpu')))
     '153758f193003ac8e5197929116329ef': ('replacement', 'g0', 11, [[[0, 3], [1, 0]]]),  # replacement ascend_passes.patterns.norm.rms_norm_replacement [] inductor (((1, 1, 's', 's'), torch.float32, device(type='cpu')), (('s',), torch.float32, device(type='cpu')), (<class 'float'>, 1e-06))
-    '1783325163791f3462325db6f74c9af5': ('specific', 'p482', 13, [[[0, 1], [1, 1]]]),  # specific ascend_passes.patterns.linear.linear_pattern [] inductor (((1, 's'), torch.bfloat16, device(type='cpu')), (('s', 's'), torch.bfloat16, device(type='cpu')))
+    '1783325163791f3462325db6f74c9af5': ('specific', 'p483', 13, [[[0, 1], [1, 1]]]),  # specific ascend_passes.patterns.linear.linear_pattern [] inductor (((1, 's'), torch.bfloat16, device(type='cpu')), (('s', 's'), torch.bfloat16, device(type='cpu')))
     '188e02455dabe17533d4fbcb3017a12e': ('replacement', 'g2', 13, [[[0, 1], [1, 1]]]),  # replacement ascend_passes.patterns.linear.linear_replacement [] inductor (((1, 's'), torch.bfloat16, device(type='cpu')), (('s', 's'), torch.bfloat16, device(type='cpu')))
     '1b74fcd873df12a7447235acb539345a': ('specific', 'p481', 11, [[[0, 3], [1, 0]]]),  # specific ascend_passes.patterns.norm._weighted_rms_norm.<locals>.rms_norm_pattern [] inductor ((('s', 1, 's', 's'), torch.float32, device(type='cpu')), (('s',), torch.float32, device(type='cpu')), (<class 'float'>, 1e-06))
     '20a5ef25af4644dd8097561b1484c616': ('replacement', 'g0', 11, [[[0, 2], [1, 0]]]),  # replacement ascend_passes.patterns.norm.rms_norm_replacement [] inductor (((1, 1, 's'), torch.bfloat16, device(type='cpu')), (('s',), torch.bfloat16, device(type='cpu')), (<class 'float'>, 1e-06))
     '20aea1f15a12807b296da45500422eaf': ('replacement', 'g2', 13, [[[0, 1], [1, 1]]]),  # replacement ascend_passes.patterns.linear.linear_replacement [] inductor ((('s', 's'), torch.bfloat16, device(type='cpu')), (('s', 's'), torch.bfloat16, device(type='cpu')))
     '24a3cb8e9bad37edcaef9fce0eb0c051': ('specific', 'p42', 11, [[[0, 2], [1, 2]], [[0, 2], [2, 0]]]),  # specific ascend_passes.patterns.norm.add_rms_norm_default_eps_pattern [] none (((1, 1, 's'), torch.bfloat16, device(type='cpu')), ((1, 1, 's'), torch.bfloat16, device(type='cpu')), (('s',), torch.bfloat16, device(type='cpu')))
+    '29508def924b9b4d7303f9005436a8dd': ('specific', 'p484', 11, [[[0, 2], [1, 0]]]),  # specific ascend_passes.patterns.norm._weighted_rms_norm.<locals>.rms_norm_pattern [] none (((1, 's', 's'), torch.float32, device(type='cpu')), (('s',), torch.float32, device(type='cpu')), ((), torch.float32, device(type='cpu')))
     '2967e38a205aff447e3181d69bcec770': ('specific', 'p228', 12, [[[0, 2], [1, 2]]]),  # specific ascend_passes.patterns.activation._silu_mul.<locals>.swiglu_pattern [] none (((1, 1, 's'), torch.float32, device(type='cpu')), ((1, 1, 's'), torch.float32, device(type='cpu')))
-    '2b15351db312fb23c215889c7e8f5aaa': ('specific', 'p483', 12, [[[0, 1], [1, 1]], [[0, 2], [1, 2]]]),  # specific ascend_passes.patterns.activation._silu_mul.<locals>.swiglu_pattern [] inductor (((1, 's', 's'), torch.bfloat16, device(type='cpu')), ((1, 's', 's'), torch.bfloat16, device(type='cpu')))
+    '2b15351db312fb23c215889c7e8f5aaa': ('specific', 'p485', 12, [[[0, 1], [1, 1]], [[0, 2], [1, 2]]]),  # specific ascend_passes.patterns.activation._silu_mul.<locals>.swiglu_pattern [] inductor (((1, 's', 's'), torch.bfloat16, device(type='cpu')), ((1, 's', 's'), torch.bfloat16, device(type='cpu')))
     '2b5cc551800a778596354bc68772a835': ('replacement', 'g1', 12, [[[0, 2], [1, 2]]]),  # replacement ascend_passes.patterns.activation._cat_swiglu.<locals>.swiglu_replacement [] none (((1, 1, 's'), torch.bfloat16, device(type='cpu')), ((1, 1, 's'), torch.bfloat16, device(type='cpu')))
-    '2cdc5f8af2461f82c97425c725cce708': ('specific', 'p483', 12, [[[0, 0], [1, 0]], [[0, 2], [1, 2]]]),  # specific ascend_passes.patterns.activation._silu_mul.<locals>.swiglu_pattern [] inductor ((('s', 1, 's'), torch.bfloat16, device(type='cpu')), (('s', 1, 's'), torch.bfloat16, device(type='cpu')))
+    '2cd9a0ca702214ebb219010b26583872': ('specific', 'p484', 11, [[[0, 2], [1, 0]]]),  # specific ascend_passes.patterns.norm._weighted_rms_norm.<locals>.rms_norm_pattern [] inductor (((1, 's', 's'), torch.float32, device(type='cpu')), (('s',), torch.float32, device(type='cpu')), ((), torch.float32, device(type='cpu')))
+    '2cdc5f8af2461f82c97425c725cce708': ('specific', 'p485', 12, [[[0, 0], [1, 0]], [[0, 2], [1, 2]]]),  # specific ascend_passes.patterns.activation._silu_mul.<locals>.swiglu_pattern [] inductor ((('s', 1, 's'), torch.bfloat16, device(type='cpu')), (('s', 1, 's'), torch.bfloat16, device(type='cpu')))
     '2d71e160067dbe18a2521577e12c4884': ('specific', 'p228', 12, [[[0, 0], [1, 0]], [[0, 2], [1, 2]]]),  # specific ascend_passes.patterns.activation._silu_mul.<locals>.swiglu_pattern [] none ((('s', 1, 's'), torch.float32, device(type='cpu')), (('s', 1, 's'), torch.float32, device(type='cpu')))
     '2fb9a909ffc3b6eca83e82696673d621': ('replacement', 'g3', 11, [[[0, 1], [1, 1]], [[0, 2], [1, 2]], [[0, 2], [2, 0]]]),  # replacement ascend_passes.patterns.norm.add_rms_norm_default_eps_replacement [] inductor (((1, 's', 's'), torch.bfloat16, device(type='cpu')), ((1, 's', 's'), torch.bfloat16, device(type='cpu')), (('s',), torch.bfloat16, device(type='cpu')))
+    '32334b8398e5b4c94262f6938cb22ca6': ('specific', 'p486', 14, []),  # specific ascend_passes.patterns.norm.unweighted_rms_norm_pattern [] none (((1, 's', 's'), torch.float32, device(type='cpu')), ((), torch.float32, device(type='cpu')))
     '32e8c66f02ca66ac103608b7abca2f34': ('replacement', 'g0', 11, [[[0, 3], [1, 0]]]),  # replacement ascend_passes.patterns.norm.rms_norm_replacement [] inductor (((1, 1, 's', 's'), torch.bfloat16, device(type='cpu')), (('s',), torch.bfloat16, device(type='cpu')), (<class 'float'>, 1e-06))
-    '3307ebdeb8e12b0ee19b5f404361a6e3': ('specific', 'p484', 11, [[[0, 3], [1, 0]]]),  # specific ascend_passes.patterns.norm._weighted_rms_norm.<locals>.rms_norm_pattern [] inductor (((1, 1, 's', 's'), torch.bfloat16, device(type='cpu')), (('s',), torch.bfloat16, device(type='cpu')), (<class 'float'>, 1e-06))
+    '3307ebdeb8e12b0ee19b5f404361a6e3': ('specific', 'p487', 11, [[[0, 3], [1, 0]]]),  # specific ascend_passes.patterns.norm._weighted_rms_norm.<locals>.rms_norm_pattern [] inductor (((1, 1, 's', 's'), torch.bfloat16, device(type='cpu')), (('s',), torch.bfloat16, device(type='cpu')), (<class 'float'>, 1e-06))
     '3671e9f78646ef513280aab29679d250': ('specific', 'p481', 11, [[[0, 2], [1, 0]]]),  # specific ascend_passes.patterns.norm._weighted_rms_norm.<locals>.rms_norm_pattern [] none (((1, 's', 's'), torch.float32, device(type='cpu')), (('s',), torch.float32, device(type='cpu')), (<class 'float'>, 1e-06))
     '3a171a8c1282631296cfc8cf126abba6': ('replacement', 'g3', 11, [[[0, 0], [1, 0]], [[0, 2], [1, 2]], [[0, 2], [2, 0]]]),  # replacement ascend_passes.patterns.norm.add_rms_norm_default_eps_replacement [] none ((('s', 1, 's'), torch.float32, device(type='cpu')), (('s', 1, 's'), torch.float32, device(type='cpu')), (('s',), torch.float32, device(type='cpu')))
     '3b9eb280c36e93d0bfda2e58040017f8': ('replacement', 'g0', 11, [[[0, 3], [1, 0]]]),  # replacement ascend_passes.patterns.norm.rms_norm_replacement [] none (((1, 1, 's', 's'), torch.bfloat16, device(type='cpu')), (('s',), torch.bfloat16, device(type='cpu')), (<class 'float'>, 1e-06))
     '405b8f0e8e5ba7ce44331abd72eb12ab': ('replacement', 'g2', 13, [[[0, 1], [1, 1]]]),  # replacement ascend_passes.patterns.linear.linear_replacement [] none ((('s', 's'), torch.bfloat16, device(type='cpu')), (('s', 's'), torch.bfloat16, device(type='cpu')))
     '446fbb00eab38dfcf560d32241764480': ('specific', 'p42', 11, [[[0, 2], [1, 2]], [[0, 2], [2, 0]]]),  # specific ascend_passes.patterns.norm.add_rms_norm_default_eps_pattern [] none (((1, 1, 's'), torch.float32, device(type='cpu')), ((1, 1, 's'), torch.float32, device(type='cpu')), (('s',), torch.float32, device(type='cpu')))
-    '477c44c0e24bb16bea490dc4573bcb8b': ('specific', 'p482', 13, [[[0, 1], [1, 1]]]),  # specific ascend_passes.patterns.linear.linear_pattern [] inductor ((('s', 's'), torch.bfloat16, device(type='cpu')), (('s', 's'), torch.bfloat16, device(type='cpu')))
+    '477c44c0e24bb16bea490dc4573bcb8b': ('specific', 'p483', 13, [[[0, 1], [1, 1]]]),  # specific ascend_passes.patterns.linear.linear_pattern [] inductor ((('s', 's'), torch.bfloat16, device(type='cpu')), (('s', 's'), torch.bfloat16, device(type='cpu')))
     '4809a8a258503110cb26de9bd4272e68': ('replacement', 'g3', 11, [[[0, 2], [1, 2]], [[0, 2], [2, 0]]]),  # replacement ascend_passes.patterns.norm.add_rms_norm_default_eps_replacement [] inductor (((1, 1, 's'), torch.float32, device(type='cpu')), ((1, 1, 's'), torch.float32, device(type='cpu')), (('s',), torch.float32, device(type='cpu')))
-    '4a45e3cf0257f93bd4c5dfe4d7496cf8': ('specific', 'p484', 11, [[[0, 3], [1, 0]]]),  # specific ascend_passes.patterns.norm._weighted_rms_norm.<locals>.rms_norm_pattern [] inductor (((1, 's', 's', 's'), torch.bfloat16, device(type='cpu')), (('s',), torch.bfloat16, device(type='cpu')), (<class 'float'>, 1e-06))
+    '4a45e3cf0257f93bd4c5dfe4d7496cf8': ('specific', 'p487', 11, [[[0, 3], [1, 0]]]),  # specific ascend_passes.patterns.norm._weighted_rms_norm.<locals>.rms_norm_pattern [] inductor (((1, 's', 's', 's'), torch.bfloat16, device(type='cpu')), (('s',), torch.bfloat16, device(type='cpu')), (<class 'float'>, 1e-06))
+    '4bec74e557fd41726cd7a7d5609052ab': ('specific', 'p486', 14, []),  # specific ascend_passes.patterns.norm.unweighted_rms_norm_pattern [] inductor (((1, 's', 's'), torch.float32, device(type='cpu')), ((), torch.float32, device(type='cpu')))
     '4c59d0afeb2c2a4e86e81d2b35b96f43': ('specific', 'p480', 12, [[[0, 0], [1, 0]], [[0, 2], [1, 2]]]),  # specific ascend_passes.patterns.activation._silu_mul.<locals>.swiglu_pattern [] inductor ((('s', 1, 's'), torch.float32, device(type='cpu')), (('s', 1, 's'), torch.float32, device(type='cpu')))
     '4dfd070793716ffba58b2c40ad040672': ('replacement', 'g2', 13, [[[0, 1], [1, 1]]]),  # replacement ascend_passes.patterns.linear.linear_replacement [] none ((('s', 's'), torch.float32, device(type='cpu')), (('s', 's'), torch.float32, device(type='cpu')))
     '4ee982e51b1cd834dc25b9ceb5653de5': ('specific', 'p481', 11, [[[0, 2], [1, 0]]]),  # specific ascend_passes.patterns.norm._weighted_rms_norm.<locals>.rms_norm_pattern [] none ((('s', 1, 's'), torch.float32, device(type='cpu')), (('s',), torch.float32, device(type='cpu')), (<class 'float'>, 1e-06))
@@ -16208,20 +16281,22 @@ GENERIC = {
     '5296d79a57d3ffcfcaee0d9a4e6b7130': ('specific', 'p42', 11, [[[0, 2], [1, 2]], [[0, 2], [2, 0]]]),  # specific ascend_passes.patterns.norm.add_rms_norm_default_eps_pattern [] inductor (((1, 1, 's'), torch.bfloat16, device(type='cpu')), ((1, 1, 's'), torch.bfloat16, device(type='cpu')), (('s',), torch.bfloat16, device(type='cpu')))
     '52f33188a6526399aa3360cbf4265db3': ('replacement', 'g0', 11, [[[0, 2], [1, 0]]]),  # replacement ascend_passes.patterns.norm.rms_norm_replacement [] inductor ((('s', 1, 's'), torch.bfloat16, device(type='cpu')), (('s',), torch.bfloat16, device(type='cpu')), (<class 'float'>, 1e-06))
     '55333b9a274c6c3e3a63896f923adb98': ('replacement', 'g0', 11, [[[0, 3], [1, 0]]]),  # replacement ascend_passes.patterns.norm.rms_norm_replacement [] none (((1, 's', 's', 's'), torch.bfloat16, device(type='cpu')), (('s',), torch.bfloat16, device(type='cpu')), (<class 'float'>, 1e-06))
-    '584c55fa2ea61b5c60cab22dfa945216': ('specific', 'p484', 11, [[[0, 3], [1, 0]]]),  # specific ascend_passes.patterns.norm._weighted_rms_norm.<locals>.rms_norm_pattern [] inductor ((('s', 1, 's', 's'), torch.bfloat16, device(type='cpu')), (('s',), torch.bfloat16, device(type='cpu')), (<class 'float'>, 1e-06))
+    '584c55fa2ea61b5c60cab22dfa945216': ('specific', 'p487', 11, [[[0, 3], [1, 0]]]),  # specific ascend_passes.patterns.norm._weighted_rms_norm.<locals>.rms_norm_pattern [] inductor ((('s', 1, 's', 's'), torch.bfloat16, device(type='cpu')), (('s',), torch.bfloat16, device(type='cpu')), (<class 'float'>, 1e-06))
+    '5b73263f35e43457ed2c77974f5fafcd': ('specific', 'p486', 14, []),  # specific ascend_passes.patterns.norm.unweighted_rms_norm_pattern [] inductor (((1, 's', 's', 's'), torch.float32, device(type='cpu')), ((), torch.float32, device(type='cpu')))
     '5b8ff1e37ea8c2d9f43147da9b115b5d': ('replacement', 'g3', 11, [[[0, 0], [1, 0]], [[0, 2], [1, 2]], [[0, 2], [2, 0]]]),  # replacement ascend_passes.patterns.norm.add_rms_norm_default_eps_replacement [] inductor ((('s', 1, 's'), torch.float32, device(type='cpu')), (('s', 1, 's'), torch.float32, device(type='cpu')), (('s',), torch.float32, device(type='cpu')))
     '5d7954de160d2b3c7f3748f1fc4c8675': ('replacement', 'g0', 11, [[[0, 2], [1, 0]]]),  # replacement ascend_passes.patterns.norm.rms_norm_replacement [] none ((('s', 1, 's'), torch.float32, device(type='cpu')), (('s',), torch.float32, device(type='cpu')), (<class 'float'>, 1e-06))
     '5de1d5d52bf60b95d9fc55f4c2200a66': ('specific', 'p42', 11, [[[0, 1], [1, 1]], [[0, 2], [1, 2]], [[0, 2], [2, 0]]]),  # specific ascend_passes.patterns.norm.add_rms_norm_default_eps_pattern [] none (((1, 's', 's'), torch.bfloat16, device(type='cpu')), ((1, 's', 's'), torch.bfloat16, device(type='cpu')), (('s',), torch.bfloat16, device(type='cpu')))
     '5ef1142634e23b01fa735f1b3a872bb6': ('replacement', 'g1', 12, [[[0, 2], [1, 2]]]),  # replacement ascend_passes.patterns.activation._cat_swiglu.<locals>.swiglu_replacement [] inductor (((1, 1, 's'), torch.float32, device(type='cpu')), ((1, 1, 's'), torch.float32, device(type='cpu')))
     '5f0258f518d64fcce8f1e3f8edc16c6a': ('specific', 'p191', 13, [[[0, 1], [1, 1]]]),  # specific ascend_passes.patterns.linear.linear_pattern [] none ((('s', 's'), torch.float32, device(type='cpu')), (('s', 's'), torch.float32, device(type='cpu')))
-    '60ed9f06477f4294599fafe11c4a75b8': ('specific', 'p484', 11, [[[0, 2], [1, 0]]]),  # specific ascend_passes.patterns.norm._weighted_rms_norm.<locals>.rms_norm_pattern [] inductor ((('s', 1, 's'), torch.bfloat16, device(type='cpu')), (('s',), torch.bfloat16, device(type='cpu')), (<class 'float'>, 1e-06))
-    '6202c6741e2d34ea4f626f4e4d908159': ('specific', 'p482', 13, [[[0, 1], [1, 1]]]),  # specific ascend_passes.patterns.linear.linear_pattern [] inductor ((('s', 's'), torch.float32, device(type='cpu')), (('s', 's'), torch.float32, device(type='cpu')))
+    '60ed9f06477f4294599fafe11c4a75b8': ('specific', 'p487', 11, [[[0, 2], [1, 0]]]),  # specific ascend_passes.patterns.norm._weighted_rms_norm.<locals>.rms_norm_pattern [] inductor ((('s', 1, 's'), torch.bfloat16, device(type='cpu')), (('s',), torch.bfloat16, device(type='cpu')), (<class 'float'>, 1e-06))
+    '6202c6741e2d34ea4f626f4e4d908159': ('specific', 'p483', 13, [[[0, 1], [1, 1]]]),  # specific ascend_passes.patterns.linear.linear_pattern [] inductor ((('s', 's'), torch.float32, device(type='cpu')), (('s', 's'), torch.float32, device(type='cpu')))
     '62b524fa591bf95abe35e635a6ae1b5c': ('replacement', 'g0', 11, [[[0, 2], [1, 0]]]),  # replacement ascend_passes.patterns.norm.rms_norm_replacement [] none ((('s', 1, 's'), torch.bfloat16, device(type='cpu')), (('s',), torch.bfloat16, device(type='cpu')), (<class 'float'>, 1e-06))
     '64554d9c1699a0ed1c0f23bc4c2e7fbf': ('replacement', 'g1', 12, [[[0, 2], [1, 2]]]),  # replacement ascend_passes.patterns.activation._cat_swiglu.<locals>.swiglu_replacement [] none (((1, 1, 's'), torch.float32, device(type='cpu')), ((1, 1, 's'), torch.float32, device(type='cpu')))
     '6a9d49c606dee1970f3f2e906497f700': ('replacement', 'g1', 12, [[[0, 0], [1, 0]], [[0, 2], [1, 2]]]),  # replacement ascend_passes.patterns.activation._cat_swiglu.<locals>.swiglu_replacement [] inductor ((('s', 1, 's'), torch.bfloat16, device(type='cpu')), (('s', 1, 's'), torch.bfloat16, device(type='cpu')))
     '6f0fdfd40c5f6994c93e65ea22c9248c': ('replacement', 'g0', 11, [[[0, 3], [1, 0]]]),  # replacement ascend_passes.patterns.norm.rms_norm_replacement [] inductor ((('s', 1, 's', 's'), torch.bfloat16, device(type='cpu')), (('s',), torch.bfloat16, device(type='cpu')), (<class 'float'>, 1e-06))
     '7128bfa22fbf400dffa334870b349855': ('replacement', 'g2', 13, [[[0, 1], [1, 1]]]),  # replacement ascend_passes.patterns.linear.linear_replacement [] inductor (((1, 's'), torch.float32, device(type='cpu')), (('s', 's'), torch.float32, device(type='cpu')))
     '7a382b804606169f7b3c78f8906c0efc': ('replacement', 'g0', 11, [[[0, 2], [1, 0]]]),  # replacement ascend_passes.patterns.norm.rms_norm_replacement [] inductor (((1, 's', 's'), torch.bfloat16, device(type='cpu')), (('s',), torch.bfloat16, device(type='cpu')), (<class 'float'>, 1e-06))
+    '7b458a9376a2b5f4dedfa120611bcf18': ('specific', 'p488', 14, []),  # specific ascend_passes.patterns.norm.unweighted_rms_norm_pattern [] none (((1, 's', 's', 's'), torch.bfloat16, device(type='cpu')), ((), torch.float32, device(type='cpu')))
     '7d11ed3b0f9ad0090f03a29e119302ac': ('replacement', 'g1', 12, [[[0, 1], [1, 1]], [[0, 2], [1, 2]]]),  # replacement ascend_passes.patterns.activation._cat_swiglu.<locals>.swiglu_replacement [] none (((1, 's', 's'), torch.float32, device(type='cpu')), ((1, 's', 's'), torch.float32, device(type='cpu')))
     '7f32fef7d53db48cfb8c0524917b8a75': ('specific', 'p42', 11, [[[0, 0], [1, 0]], [[0, 2], [1, 2]], [[0, 2], [2, 0]]]),  # specific ascend_passes.patterns.norm.add_rms_norm_default_eps_pattern [] inductor ((('s', 1, 's'), torch.float32, device(type='cpu')), (('s', 1, 's'), torch.float32, device(type='cpu')), (('s',), torch.float32, device(type='cpu')))
     '7f6bee847847c67511939696a3747ae7': ('specific', 'p42', 11, [[[0, 0], [1, 0]], [[0, 2], [1, 2]], [[0, 2], [2, 0]]]),  # specific ascend_passes.patterns.norm.add_rms_norm_default_eps_pattern [] inductor ((('s', 1, 's'), torch.bfloat16, device(type='cpu')), (('s', 1, 's'), torch.bfloat16, device(type='cpu')), (('s',), torch.bfloat16, device(type='cpu')))
@@ -16233,10 +16308,11 @@ GENERIC = {
     '8898ff575764403cbbafaf4343388bdb': ('replacement', 'g3', 11, [[[0, 2], [1, 2]], [[0, 2], [2, 0]]]),  # replacement ascend_passes.patterns.norm.add_rms_norm_default_eps_replacement [] none (((1, 1, 's'), torch.float32, device(type='cpu')), ((1, 1, 's'), torch.float32, device(type='cpu')), (('s',), torch.float32, device(type='cpu')))
     '89f71fc90513be0a10093761eba124d2': ('specific', 'p228', 12, [[[0, 0], [1, 0]], [[0, 2], [1, 2]]]),  # specific ascend_passes.patterns.activation._silu_mul.<locals>.swiglu_pattern [] none ((('s', 1, 's'), torch.bfloat16, device(type='cpu')), (('s', 1, 's'), torch.bfloat16, device(type='cpu')))
     '8a4a1514605884786acb040d840c867f': ('replacement', 'g0', 11, [[[0, 3], [1, 0]]]),  # replacement ascend_passes.patterns.norm.rms_norm_replacement [] none (((1, 1, 's', 's'), torch.float32, device(type='cpu')), (('s',), torch.float32, device(type='cpu')), (<class 'float'>, 1e-06))
+    '8a507147ff1cde6479037f3154241f91': ('specific', 'p488', 14, []),  # specific ascend_passes.patterns.norm.unweighted_rms_norm_pattern [] none (((1, 's', 's'), torch.bfloat16, device(type='cpu')), ((), torch.float32, device(type='cpu')))
     '9227b5dc0f7e653f9695e5073ab32ae3': ('replacement', 'g0', 11, [[[0, 2], [1, 0]]]),  # replacement ascend_passes.patterns.norm.rms_norm_replacement [] none (((1, 's', 's'), torch.float32, device(type='cpu')), (('s',), torch.float32, device(type='cpu')), (<class 'float'>, 1e-06))
     '95b57c0f92f61f155f3794856e786f1e': ('replacement', 'g3', 11, [[[0, 1], [1, 1]], [[0, 2], [1, 2]], [[0, 2], [2, 0]]]),  # replacement ascend_passes.patterns.norm.add_rms_norm_default_eps_replacement [] none (((1, 's', 's'), torch.float32, device(type='cpu')), ((1, 's', 's'), torch.float32, device(type='cpu')), (('s',), torch.float32, device(type='cpu')))
     '96444f8530204e6e99b334fd508bdc18': ('replacement', 'g0', 11, [[[0, 3], [1, 0]]]),  # replacement ascend_passes.patterns.norm.rms_norm_replacement [] none ((('s', 1, 's', 's'), torch.bfloat16, device(type='cpu')), (('s',), torch.bfloat16, device(type='cpu')), (<class 'float'>, 1e-06))
-    '9e52bc8a75efe20f794d76bade63adc3': ('specific', 'p484', 11, [[[0, 2], [1, 0]]]),  # specific ascend_passes.patterns.norm._weighted_rms_norm.<locals>.rms_norm_pattern [] inductor (((1, 1, 's'), torch.bfloat16, device(type='cpu')), (('s',), torch.bfloat16, device(type='cpu')), (<class 'float'>, 1e-06))
+    '9e52bc8a75efe20f794d76bade63adc3': ('specific', 'p487', 11, [[[0, 2], [1, 0]]]),  # specific ascend_passes.patterns.norm._weighted_rms_norm.<locals>.rms_norm_pattern [] inductor (((1, 1, 's'), torch.bfloat16, device(type='cpu')), (('s',), torch.bfloat16, device(type='cpu')), (<class 'float'>, 1e-06))
     'a0b1c50b157e4554bc44f3cf1a2a090d': ('specific', 'p481', 11, [[[0, 3], [1, 0]]]),  # specific ascend_passes.patterns.norm._weighted_rms_norm.<locals>.rms_norm_pattern [] inductor (((1, 's', 's', 's'), torch.float32, device(type='cpu')), (('s',), torch.float32, device(type='cpu')), (<class 'float'>, 1e-06))
     'a5485b4a2605210df4d88af7066adbb2': ('specific', 'p481', 11, [[[0, 2], [1, 0]]]),  # specific ascend_passes.patterns.norm._weighted_rms_norm.<locals>.rms_norm_pattern [] inductor (((1, 's', 's'), torch.float32, device(type='cpu')), (('s',), torch.float32, device(type='cpu')), (<class 'float'>, 1e-06))
     'a91c17949c8fcef30c1b79af09e8fe67': ('specific', 'p481', 11, [[[0, 2], [1, 0]]]),  # specific ascend_passes.patterns.norm._weighted_rms_norm.<locals>.rms_norm_pattern [] none (((1, 1, 's'), torch.float32, device(type='cpu')), (('s',), torch.float32, device(type='cpu')), (<class 'float'>, 1e-06))
@@ -16244,19 +16320,23 @@ GENERIC = {
     'af51d3c4b4ae4acb4305a6d94e4ab063': ('replacement', 'g2', 13, [[[0, 1], [1, 1]]]),  # replacement ascend_passes.patterns.linear.linear_replacement [] none (((1, 's'), torch.bfloat16, device(type='cpu')), (('s', 's'), torch.bfloat16, device(type='cpu')))
     'b0935465f21d7adaeb8c9378cecc0315': ('replacement', 'g1', 12, [[[0, 0], [1, 0]], [[0, 2], [1, 2]]]),  # replacement ascend_passes.patterns.activation._cat_swiglu.<locals>.swiglu_replacement [] none ((('s', 1, 's'), torch.bfloat16, device(type='cpu')), (('s', 1, 's'), torch.bfloat16, device(type='cpu')))
     'b2951c10a9bef6798ef5d766d27fe46f': ('specific', 'p42', 11, [[[0, 1], [1, 1]], [[0, 2], [1, 2]], [[0, 2], [2, 0]]]),  # specific ascend_passes.patterns.norm.add_rms_norm_default_eps_pattern [] inductor (((1, 's', 's'), torch.bfloat16, device(type='cpu')), ((1, 's', 's'), torch.bfloat16, device(type='cpu')), (('s',), torch.bfloat16, device(type='cpu')))
+    'b3345c86f03d23c98e5928fdf629af93': ('specific', 'p489', 11, [[[0, 2], [1, 0]]]),  # specific ascend_passes.patterns.norm._weighted_rms_norm.<locals>.rms_norm_pattern [] none (((1, 's', 's'), torch.bfloat16, device(type='cpu')), (('s',), torch.bfloat16, device(type='cpu')), ((), torch.float32, device(type='cpu')))
     'b398272a2ea4d0b4209ffaa95fa8960b': ('replacement', 'g1', 12, [[[0, 1], [1, 1]], [[0, 2], [1, 2]]]),  # replacement ascend_passes.patterns.activation._cat_swiglu.<locals>.swiglu_replacement [] inductor (((1, 's', 's'), torch.float32, device(type='cpu')), ((1, 's', 's'), torch.float32, device(type='cpu')))
-    'b46b0bc4c8be58123a5c1ecb319ee10f': ('specific', 'p483', 12, [[[0, 2], [1, 2]]]),  # specific ascend_passes.patterns.activation._silu_mul.<locals>.swiglu_pattern [] inductor (((1, 1, 's'), torch.bfloat16, device(type='cpu')), ((1, 1, 's'), torch.bfloat16, device(type='cpu')))
+    'b46b0bc4c8be58123a5c1ecb319ee10f': ('specific', 'p485', 12, [[[0, 2], [1, 2]]]),  # specific ascend_passes.patterns.activation._silu_mul.<locals>.swiglu_pattern [] inductor (((1, 1, 's'), torch.bfloat16, device(type='cpu')), ((1, 1, 's'), torch.bfloat16, device(type='cpu')))
     'b52dd641e6c3d57055e2f46beacfa369': ('replacement', 'g3', 11, [[[0, 2], [1, 2]], [[0, 2], [2, 0]]]),  # replacement ascend_passes.patterns.norm.add_rms_norm_default_eps_replacement [] none (((1, 1, 's'), torch.bfloat16, device(type='cpu')), ((1, 1, 's'), torch.bfloat16, device(type='cpu')), (('s',), torch.bfloat16, device(type='cpu')))
+    'b5548296ea26fac321020eccad276a07': ('specific', 'p489', 11, [[[0, 3], [1, 0]]]),  # specific ascend_passes.patterns.norm._weighted_rms_norm.<locals>.rms_norm_pattern [] none (((1, 's', 's', 's'), torch.bfloat16, device(type='cpu')), (('s',), torch.bfloat16, device(type='cpu')), ((), torch.float32, device(type='cpu')))
     'b6c6bf35d0355ddb23ad4191b141928d': ('replacement', 'g3', 11, [[[0, 1], [1, 1]], [[0, 2], [1, 2]], [[0, 2], [2, 0]]]),  # replacement ascend_passes.patterns.norm.add_rms_norm_default_eps_replacement [] inductor (((1, 's', 's'), torch.float32, device(type='cpu')), ((1, 's', 's'), torch.float32, device(type='cpu')), (('s',), torch.float32, device(type='cpu')))
     'b72d37ae64c07cf4bccf8fe4d06ad97e': ('replacement', 'g1', 12, [[[0, 2], [1, 2]]]),  # replacement ascend_passes.patterns.activation._cat_swiglu.<locals>.swiglu_replacement [] inductor (((1, 1, 's'), torch.bfloat16, device(type='cpu')), ((1, 1, 's'), torch.bfloat16, device(type='cpu')))
     'b87a109d3a7f135fd9e9bfdd80758cae': ('replacement', 'g1', 12, [[[0, 0], [1, 0]], [[0, 2], [1, 2]]]),  # replacement ascend_passes.patterns.activation._cat_swiglu.<locals>.swiglu_replacement [] inductor ((('s', 1, 's'), torch.float32, device(type='cpu')), (('s', 1, 's'), torch.float32, device(type='cpu')))
     'bc3dbd98775098c5e0205270289ec3bb': ('replacement', 'g0', 11, [[[0, 2], [1, 0]]]),  # replacement ascend_passes.patterns.norm.rms_norm_replacement [] inductor ((('s', 1, 's'), torch.float32, device(type='cpu')), (('s',), torch.float32, device(type='cpu')), (<class 'float'>, 1e-06))
     'bcb1981ef8944476cee5fb122833d448': ('specific', 'p228', 12, [[[0, 1], [1, 1]], [[0, 2], [1, 2]]]),  # specific ascend_passes.patterns.activation._silu_mul.<locals>.swiglu_pattern [] none (((1, 's', 's'), torch.float32, device(type='cpu')), ((1, 's', 's'), torch.float32, device(type='cpu')))
-    'bcd54471b3439db2a340e68309d1c298': ('specific', 'p482', 13, [[[0, 1], [1, 1]]]),  # specific ascend_passes.patterns.linear.linear_pattern [] inductor (((1, 's'), torch.float32, device(type='cpu')), (('s', 's'), torch.float32, device(type='cpu')))
+    'bcd54471b3439db2a340e68309d1c298': ('specific', 'p483', 13, [[[0, 1], [1, 1]]]),  # specific ascend_passes.patterns.linear.linear_pattern [] inductor (((1, 's'), torch.float32, device(type='cpu')), (('s', 's'), torch.float32, device(type='cpu')))
+    'bd4656b272f982dcd75786a35b15aa42': ('specific', 'p484', 11, [[[0, 3], [1, 0]]]),  # specific ascend_passes.patterns.norm._weighted_rms_norm.<locals>.rms_norm_pattern [] none (((1, 's', 's', 's'), torch.float32, device(type='cpu')), (('s',), torch.float32, device(type='cpu')), ((), torch.float32, device(type='cpu')))
     'bef690dfb0bddc7fb3b3c7903454d6ca': ('replacement', 'g3', 11, [[[0, 1], [1, 1]], [[0, 2], [1, 2]], [[0, 2], [2, 0]]]),  # replacement ascend_passes.patterns.norm.add_rms_norm_default_eps_replacement [] none (((1, 's', 's'), torch.bfloat16, device(type='cpu')), ((1, 's', 's'), torch.bfloat16, device(type='cpu')), (('s',), torch.bfloat16, device(type='cpu')))
     'c0acba3dbd52520a78f9f4432333c45d': ('specific', 'p42', 11, [[[0, 1], [1, 1]], [[0, 2], [1, 2]], [[0, 2], [2, 0]]]),  # specific ascend_passes.patterns.norm.add_rms_norm_default_eps_pattern [] inductor (((1, 's', 's'), torch.float32, device(type='cpu')), ((1, 's', 's'), torch.float32, device(type='cpu')), (('s',), torch.float32, device(type='cpu')))
     'c53c044f9006259b65167a4c91d46d7a': ('specific', 'p479', 11, [[[0, 2], [1, 0]]]),  # specific ascend_passes.patterns.norm._weighted_rms_norm.<locals>.rms_norm_pattern [] none (((1, 's', 's'), torch.bfloat16, device(type='cpu')), (('s',), torch.bfloat16, device(type='cpu')), (<class 'float'>, 1e-06))
     'c77f82e906245fb74a3b941e01f85cb7': ('specific', 'p191', 13, [[[0, 1], [1, 1]]]),  # specific ascend_passes.patterns.linear.linear_pattern [] none (((1, 's'), torch.float32, device(type='cpu')), (('s', 's'), torch.float32, device(type='cpu')))
+    'd5e90f330cf1fb7211006f1c0c61dffa': ('specific', 'p484', 11, [[[0, 3], [1, 0]]]),  # specific ascend_passes.patterns.norm._weighted_rms_norm.<locals>.rms_norm_pattern [] inductor (((1, 's', 's', 's'), torch.float32, device(type='cpu')), (('s',), torch.float32, device(type='cpu')), ((), torch.float32, device(type='cpu')))
     'dbb59d5d5686c8cee4b6112cdfb1be16': ('replacement', 'g0', 11, [[[0, 2], [1, 0]]]),  # replacement ascend_passes.patterns.norm.rms_norm_replacement [] none (((1, 's', 's'), torch.bfloat16, device(type='cpu')), (('s',), torch.bfloat16, device(type='cpu')), (<class 'float'>, 1e-06))
     'dd28ba23704cb8432f5983c3f3911356': ('specific', 'p481', 11, [[[0, 3], [1, 0]]]),  # specific ascend_passes.patterns.norm._weighted_rms_norm.<locals>.rms_norm_pattern [] none ((('s', 1, 's', 's'), torch.float32, device(type='cpu')), (('s',), torch.float32, device(type='cpu')), (<class 'float'>, 1e-06))
     'de09a9f22884b76323e760820c375679': ('specific', 'p191', 13, [[[0, 1], [1, 1]]]),  # specific ascend_passes.patterns.linear.linear_pattern [] none (((1, 's'), torch.bfloat16, device(type='cpu')), (('s', 's'), torch.bfloat16, device(type='cpu')))
@@ -16271,14 +16351,18 @@ GENERIC = {
     'e872aadd15b9c550ab5c2f3b13631c6a': ('replacement', 'g0', 11, [[[0, 3], [1, 0]]]),  # replacement ascend_passes.patterns.norm.rms_norm_replacement [] inductor (((1, 's', 's', 's'), torch.float32, device(type='cpu')), (('s',), torch.float32, device(type='cpu')), (<class 'float'>, 1e-06))
     'eacce8ecd4e7fbe08d09b3ac06ba16b1': ('replacement', 'g0', 11, [[[0, 2], [1, 0]]]),  # replacement ascend_passes.patterns.norm.rms_norm_replacement [] none (((1, 1, 's'), torch.float32, device(type='cpu')), (('s',), torch.float32, device(type='cpu')), (<class 'float'>, 1e-06))
     'ec45141ab1da84e5d77291d30950517f': ('replacement', 'g0', 11, [[[0, 2], [1, 0]]]),  # replacement ascend_passes.patterns.norm.rms_norm_replacement [] inductor (((1, 's', 's'), torch.float32, device(type='cpu')), (('s',), torch.float32, device(type='cpu')), (<class 'float'>, 1e-06))
+    'ed37c3b9d838be79d76aa00b0c548502': ('specific', 'p490', 14, []),  # specific ascend_passes.patterns.norm.unweighted_rms_norm_pattern [] inductor (((1, 's', 's', 's'), torch.bfloat16, device(type='cpu')), ((), torch.float32, device(type='cpu')))
     'f0896cf713dbae0622cef7d88cff6b4e': ('replacement', 'g0', 11, [[[0, 2], [1, 0]]]),  # replacement ascend_passes.patterns.norm.rms_norm_replacement [] inductor (((1, 1, 's'), torch.float32, device(type='cpu')), (('s',), torch.float32, device(type='cpu')), (<class 'float'>, 1e-06))
+    'f1acacae0e05e293bfa89cdfff5e093b': ('specific', 'p486', 14, []),  # specific ascend_passes.patterns.norm.unweighted_rms_norm_pattern [] none (((1, 's', 's', 's'), torch.float32, device(type='cpu')), ((), torch.float32, device(type='cpu')))
     'f3dd156cfde4e7745e7eea919b15d515': ('specific', 'p228', 12, [[[0, 1], [1, 1]], [[0, 2], [1, 2]]]),  # specific ascend_passes.patterns.activation._silu_mul.<locals>.swiglu_pattern [] none (((1, 's', 's'), torch.bfloat16, device(type='cpu')), ((1, 's', 's'), torch.bfloat16, device(type='cpu')))
     'f4105e2e29b18a7689397223c073be3b': ('specific', 'p228', 12, [[[0, 2], [1, 2]]]),  # specific ascend_passes.patterns.activation._silu_mul.<locals>.swiglu_pattern [] none (((1, 1, 's'), torch.bfloat16, device(type='cpu')), ((1, 1, 's'), torch.bfloat16, device(type='cpu')))
     'f97864cee7e4b167cc1201a8ba253790': ('specific', 'p42', 11, [[[0, 1], [1, 1]], [[0, 2], [1, 2]], [[0, 2], [2, 0]]]),  # specific ascend_passes.patterns.norm.add_rms_norm_default_eps_pattern [] none (((1, 's', 's'), torch.float32, device(type='cpu')), ((1, 's', 's'), torch.float32, device(type='cpu')), (('s',), torch.float32, device(type='cpu')))
     'fbf547eb4d690b4dd208087c7deb6448': ('specific', 'p479', 11, [[[0, 3], [1, 0]]]),  # specific ascend_passes.patterns.norm._weighted_rms_norm.<locals>.rms_norm_pattern [] none (((1, 's', 's', 's'), torch.bfloat16, device(type='cpu')), (('s',), torch.bfloat16, device(type='cpu')), (<class 'float'>, 1e-06))
     'fc6bb227c4c00ecf1a95ae09abe5488c': ('specific', 'p42', 11, [[[0, 0], [1, 0]], [[0, 2], [1, 2]], [[0, 2], [2, 0]]]),  # specific ascend_passes.patterns.norm.add_rms_norm_default_eps_pattern [] none ((('s', 1, 's'), torch.float32, device(type='cpu')), (('s', 1, 's'), torch.float32, device(type='cpu')), (('s',), torch.float32, device(type='cpu')))
     'fcaa7bada95aa79c9a4a472fe4d5741d': ('replacement', 'g2', 13, [[[0, 1], [1, 1]]]),  # replacement ascend_passes.patterns.linear.linear_replacement [] inductor ((('s', 's'), torch.float32, device(type='cpu')), (('s', 's'), torch.float32, device(type='cpu')))
-    'fcd12ea36527fe6e72833044e4aa0f55': ('specific', 'p484', 11, [[[0, 2], [1, 0]]]),  # specific ascend_passes.patterns.norm._weighted_rms_norm.<locals>.rms_norm_pattern [] inductor (((1, 's', 's'), torch.bfloat16, device(type='cpu')), (('s',), torch.bfloat16, device(type='cpu')), (<class 'float'>, 1e-06))
+    'fcd12ea36527fe6e72833044e4aa0f55': ('specific', 'p487', 11, [[[0, 2], [1, 0]]]),  # specific ascend_passes.patterns.norm._weighted_rms_norm.<locals>.rms_norm_pattern [] inductor (((1, 's', 's'), torch.bfloat16, device(type='cpu')), (('s',), torch.bfloat16, device(type='cpu')), (<class 'float'>, 1e-06))
+    'fd4910c4bb58b713aee80ba1c9a4370e': ('specific', 'p482', 11, [[[0, 3], [1, 0]]]),  # specific ascend_passes.patterns.norm._weighted_rms_norm.<locals>.rms_norm_pattern [] inductor (((1, 's', 's', 's'), torch.bfloat16, device(type='cpu')), (('s',), torch.bfloat16, device(type='cpu')), ((), torch.float32, device(type='cpu')))
     'fd8d73864b7e72cb16f35567e4dd546d': ('specific', 'p481', 11, [[[0, 2], [1, 0]]]),  # specific ascend_passes.patterns.norm._weighted_rms_norm.<locals>.rms_norm_pattern [] inductor (((1, 1, 's'), torch.float32, device(type='cpu')), (('s',), torch.float32, device(type='cpu')), (<class 'float'>, 1e-06))
     'fe2b2bb2eae83b7ac90d381f6376f263': ('specific', 'p481', 11, [[[0, 3], [1, 0]]]),  # specific ascend_passes.patterns.norm._weighted_rms_norm.<locals>.rms_norm_pattern [] inductor (((1, 1, 's', 's'), torch.float32, device(type='cpu')), (('s',), torch.float32, device(type='cpu')), (<class 'float'>, 1e-06))
+    'fea975ddd37fd86f5534ec168911999f': ('specific', 'p490', 14, []),  # specific ascend_passes.patterns.norm.unweighted_rms_norm_pattern [] inductor (((1, 's', 's'), torch.bfloat16, device(type='cpu')), ((), torch.float32, device(type='cpu')))
 }

@@ -5,6 +5,7 @@ most 10% of tracing, warm and cold, and grows linearly with the node count).
     python tools/bench_passes.py                   # 4, 16, 61 layers, each in a fresh process
     python tools/bench_passes.py --layers 4 16     # fewer sizes
     python tools/bench_passes.py --json out.json   # also write the numbers
+    python tools/bench_passes.py --dynamic         # dynamic=True compiles (symbolic sizes, as vLLM's)
     python tools/bench_passes.py --profile 61      # cProfile of one warm pipeline run, top functions
     python tools/bench_passes.py --profile 4 --profile-run first   # ... of the first run of a process
                                                    # (cold with an empty ASCEND_PASSES_PATTERN_CACHE_DIR,
@@ -41,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 
-def measure(num_layers: int, warm_runs: int, profile: str | None = None) -> dict[str, Any]:
+def measure(num_layers: int, warm_runs: int, profile: str | None = None, dynamic: bool = False) -> dict[str, Any]:
     """One size, in this process: trace time, cold and warm pipeline times, per pass (the
     pass manager's CPU seconds per pass); with ``profile`` ("first": the process's first
     pipeline run, cold or disk as the cache directory makes it; "warm": the last run), a
@@ -111,16 +112,18 @@ def measure(num_layers: int, warm_runs: int, profile: str | None = None) -> dict
     torch._dynamo.reset()
     with torch.no_grad():
         start.extend((time.process_time(), time.perf_counter()))
-        torch.compile(model, backend=backend)(*inputs)
+        torch.compile(model, backend=backend, dynamic=dynamic)(*inputs)
     return out
 
 
-def _child(num_layers: int, warm_runs: int, cache_dir: str, shipped: bool = True) -> dict[str, Any]:
+def _child(
+    num_layers: int, warm_runs: int, cache_dir: str, shipped: bool = True, dynamic: bool = False
+) -> dict[str, Any]:
     env = {**os.environ, "ASCEND_PASSES_PATTERN_CACHE_DIR": cache_dir}
     env.pop("ASCEND_PASSES_PATTERN_CACHE", None)
     env["ASCEND_PASSES_SHIPPED_PATTERNS"] = "1" if shipped else "0"
     proc = subprocess.run(
-        [sys.executable, __file__, "--one", str(num_layers), "--warm", str(warm_runs)],
+        [sys.executable, __file__, "--one", str(num_layers), "--warm", str(warm_runs), *(["--dynamic"] * dynamic)],
         capture_output=True,
         text=True,
         env=env,
@@ -242,23 +245,29 @@ def main() -> int:
         default="warm",
         help="which run --profile profiles: the last warm one, or the process's first (cold / disk)",
     )
+    parser.add_argument(
+        "--dynamic",
+        action="store_true",
+        help="compile with dynamic=True (symbolic sizes, as vLLM's piecewise graphs): every column then "
+        "re-traces the matches whose form no shipped size-generic trace covers (nothing keys a cache on symbols)",
+    )
     parser.add_argument("--one", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one is not None:
-        print(json.dumps(measure(args.one, args.warm)))
+        print(json.dumps(measure(args.one, args.warm, dynamic=args.dynamic)))
         return 0
     if args.profile is not None:
-        row = measure(args.profile, max(args.warm, 1), profile=args.profile_run)
+        row = measure(args.profile, max(args.warm, 1), profile=args.profile_run, dynamic=args.dynamic)
         print("\n".join(report([row])))
         return 0
     rows = []
     for n in args.layers:
         print(f"measuring {n} layers …", file=sys.stderr, flush=True)
         with tempfile.TemporaryDirectory(prefix="bench_passes_patterns_") as cache:
-            row = _child(n, args.warm, cache)  # shipped patterns, empty pattern cache: cold, and warm
-            disk = _child(n, 0, cache)  # a second process: the rest from the disk cache
+            row = _child(n, args.warm, cache, dynamic=args.dynamic)  # shipped patterns, empty cache: cold, warm
+            disk = _child(n, 0, cache, dynamic=args.dynamic)  # a second process: the rest from the disk cache
         with tempfile.TemporaryDirectory(prefix="bench_passes_patterns_") as cache:
-            unshipped = _child(n, 0, cache, shipped=False)  # every pattern traced
+            unshipped = _child(n, 0, cache, shipped=False, dynamic=args.dynamic)  # every pattern traced
         for name, child in (("unshipped", unshipped), ("disk", disk)):  # each a first compile of its process
             row.update(
                 {

@@ -1072,14 +1072,6 @@ def _generic(
     return found[0]
 
 
-def _replacement_to_entry(gm: fx.GraphModule) -> dict[str, Any]:
-    return {"nodes": _graph_to_data(gm.graph)}
-
-
-def _replacement_from_entry(entry: Mapping[str, Any]) -> fx.GraphModule:
-    return _graph_from_data(entry["nodes"])
-
-
 def replacement_graph(
     fn: Callable[..., Any], values: Sequence[Any], *, decompositions: str = "none", key: Any = None
 ) -> fx.GraphModule:
@@ -1103,19 +1095,15 @@ def replacement_graph(
         return trace()
 
     def cached() -> fx.GraphModule:
-        return _cached_on_disk("replacement", signature, trace, _replacement_to_entry, _replacement_from_entry)
+        return _cached_on_disk(
+            "replacement",
+            signature,
+            trace,
+            lambda gm: {"nodes": _graph_to_data(gm.graph)},
+            lambda entry: _graph_from_data(entry["nodes"]),
+        )
 
     return _REPLACEMENTS.get(signature, cached)
-
-
-def _specific_to_entry(pattern: pm.PatternExpr) -> dict[str, Any]:
-    return {"pattern": pattern}
-
-
-def _specific_from_entry(entry: Mapping[str, Any]) -> pm.PatternExpr:
-    if not isinstance(entry["pattern"], pm.PatternExpr):
-        raise ValueError("the entry holds no pattern")
-    return entry["pattern"]
 
 
 def _specific_pattern(
@@ -1174,8 +1162,13 @@ def _specific_pattern(
     if signature is None:  # symbolic shapes: this compile's own trace
         return trace()
 
+    def from_entry(entry: Mapping[str, Any]) -> pm.PatternExpr:
+        if not isinstance(entry["pattern"], pm.PatternExpr):
+            raise ValueError("the entry holds no pattern")
+        return entry["pattern"]
+
     def cached() -> pm.PatternExpr | None:
-        return _cached_on_disk("specific", signature, trace, _specific_to_entry, _specific_from_entry)
+        return _cached_on_disk("specific", signature, trace, lambda p: {"pattern": p}, from_entry)
 
     return _SPECIFIC.get(signature, cached)
 

@@ -184,9 +184,6 @@ def lookup(digest: str) -> tuple[Callable[[], pm.PatternExpr], str, frozenset[fr
     return functools.partial(build, module, entry[0]), entry[1], requires
 
 
-_GENERIC_KINDS = ("specific", "replacement")
-
-
 def generic_key(kind: str, form: Any) -> tuple[str, str] | None:
     """``(sha256, description)`` of a size-generic trace (``_pattern._generic``), or None."""
     return key(("generic", kind, form))
@@ -708,6 +705,33 @@ def generate(models: bool = True) -> str:
     packages: dict[str, str | None] = {}
     depends: dict[tuple[tuple[str, ...], tuple[str, ...]], int] = {}
     skipped = 0
+
+    def body_name(lines: list[str], table: dict[str, str], store: list[str], prefix: str, text: str) -> str | None:
+        """The name of the generated function with body ``lines`` (equal bodies share one), or
+        None when its source needs escapes (not shipped)."""
+        nonlocal skipped
+        body = "".join(f"{line}\n" for line in lines)
+        if '"""' in body or "\\" in body:
+            log.warning("not shipped: %s (its source needs escapes)", text)
+            skipped += 1
+            return None
+        name = table.get(body)
+        if name is None:
+            name = table[body] = f"{prefix}{len(table)}"
+            store.append(f'    {name!r}: """\n{body}""",')
+        return name
+
+    def depends_index(files: frozenset[str]) -> int:
+        """The ``DEPENDS`` index of the code that ran while a trace was made (recording its sources)."""
+        modules, others = code_that_ran(files, names)
+        for module in modules:
+            source = module_digest(module)
+            assert source is not None, module
+            sources[module] = source
+        for package in others:
+            packages[package] = package_version(package)
+        return depends.setdefault((modules, others), len(depends))
+
     for digest in sorted(recorder.entries):
         description, pattern, identity, files, text = recorder.entries[digest]
         try:
@@ -722,25 +746,13 @@ def generate(models: bool = True) -> str:
             log.warning("not shipped: %s (%s)", text, exc)
             skipped += 1
             continue
-        body = "".join(f"{line}\n" for line in lines)
-        if '"""' in body or "\\" in body:
-            log.warning("not shipped: %s (its source needs escapes)", text)
-            skipped += 1
-            continue
-        name = bodies.get(body)
+        new = len(bodies)
+        name = body_name(lines, bodies, functions, "p", text)
         if name is None:
-            name = bodies[body] = f"p{len(bodies)}"
-            functions.append(f'    {name!r}: """\n{body}""",')
+            continue
+        if len(bodies) > new:
             requires_of.append(f"    {name!r}: {requires.setdefault(required, len(requires))},")
-        modules, others = code_that_ran(files, names)
-        for module in modules:
-            source = module_digest(module)
-            assert source is not None, module
-            sources[module] = source
-        for package in others:
-            packages[package] = package_version(package)
-        index = depends.setdefault((modules, others), len(depends))
-        rows.append(f"    {digest!r}: ({name!r}, {identity!r}, {index}),  # {text}\n")
+        rows.append(f"    {digest!r}: ({name!r}, {identity!r}, {depends_index(files)}),  # {text}\n")
     graphs: dict[str, str] = {}  # function body -> name, as for PATTERNS
     graph_functions: list[str] = []
     generic_rows: list[str] = []
@@ -768,28 +780,17 @@ def generate(models: bool = True) -> str:
             log.warning("not shipped: %s (%s)", text, exc)
             skipped += 1
             continue
-        body = "".join(f"{line}\n" for line in lines)
-        if '"""' in body or "\\" in body:
-            log.warning("not shipped: %s (its source needs escapes)", text)
-            skipped += 1
-            continue
-        name = table.get(body)
+        new = len(table)
+        name = body_name(lines, table, store, prefix, text)
         if name is None:
-            name = table[body] = f"{prefix}{len(table)}"
-            store.append(f'    {name!r}: """\n{body}""",')
-            if kind == "specific":
-                required = requires_source(_pattern.required_ops(value))
-                requires_of.append(f"    {name!r}: {requires.setdefault(required, len(requires))},")
-        modules, others = code_that_ran(files, names)
-        for module in modules:
-            source = module_digest(module)
-            assert source is not None, module
-            sources[module] = source
-        for package in others:
-            packages[package] = package_version(package)
-        index = depends.setdefault((modules, others), len(depends))
+            continue
+        if kind == "specific" and len(table) > new:
+            required = requires_source(_pattern.required_ops(value))
+            requires_of.append(f"    {name!r}: {requires.setdefault(required, len(requires))},")
         pairs = [list(map(list, pair)) for pair in equalities]
-        generic_rows.append(f"    {shipped_key[0]!r}: ({kind!r}, {name!r}, {index}, {pairs!r}),  # {text}\n")
+        generic_rows.append(
+            f"    {shipped_key[0]!r}: ({kind!r}, {name!r}, {depends_index(files)}, {pairs!r}),  # {text}\n"
+        )
     head = header()
     out = [
         '"""Pre-traced patterns of the pattern passes (``_shipped``), generated by ``python tools/gen_patterns.py``',

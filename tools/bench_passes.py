@@ -7,6 +7,7 @@ most 10% of tracing, warm and cold, and grows linearly with the node count).
     python tools/bench_passes.py --json out.json   # also write the numbers
     python tools/bench_passes.py --dynamic         # dynamic=True compiles (symbolic sizes, as vLLM's)
     python tools/bench_passes.py --profile 61      # cProfile of one warm pipeline run, top functions
+    python tools/bench_passes.py --profile 61 --profile-out p.prof   # ... also saved for pstats
     python tools/bench_passes.py --profile 4 --profile-run first   # ... of the first run of a process
                                                    # (cold with an empty ASCEND_PASSES_PATTERN_CACHE_DIR,
                                                    # disk with a filled one)
@@ -42,11 +43,13 @@ from pathlib import Path
 from typing import Any
 
 
-def measure(num_layers: int, warm_runs: int, profile: str | None = None, dynamic: bool = False) -> dict[str, Any]:
+def measure(
+    num_layers: int, warm_runs: int, profile: str | None = None, dynamic: bool = False, profile_out: str | None = None
+) -> dict[str, Any]:
     """One size, in this process: trace time, cold and warm pipeline times, per pass (the
     pass manager's CPU seconds per pass); with ``profile`` ("first": the process's first
     pipeline run, cold or disk as the cache directory makes it; "warm": the last run), a
-    cProfile of that run goes to stderr."""
+    cProfile of that run goes to stderr (and to the file ``profile_out``, for ``pstats``)."""
     import torch
     import torch.fx as fx
     from torch._dynamo.backends.common import aot_autograd
@@ -87,6 +90,8 @@ def measure(num_layers: int, warm_runs: int, profile: str | None = None, dynamic
             result = PassManager(config).run(copy, ctx)
             if profiler is not None:
                 profiler.disable()
+                if profile_out:
+                    profiler.dump_stats(profile_out)
                 stats = pstats.Stats(profiler, stream=sys.stderr)
                 stats.sort_stats("cumulative").print_stats(60)
                 stats.sort_stats("tottime").print_stats(30)
@@ -245,6 +250,7 @@ def main() -> int:
         default="warm",
         help="which run --profile profiles: the last warm one, or the process's first (cold / disk)",
     )
+    parser.add_argument("--profile-out", default=None, metavar="FILE", help="also save --profile's stats (pstats)")
     parser.add_argument(
         "--dynamic",
         action="store_true",
@@ -257,7 +263,13 @@ def main() -> int:
         print(json.dumps(measure(args.one, args.warm, dynamic=args.dynamic)))
         return 0
     if args.profile is not None:
-        row = measure(args.profile, max(args.warm, 1), profile=args.profile_run, dynamic=args.dynamic)
+        row = measure(
+            args.profile,
+            max(args.warm, 1),
+            profile=args.profile_run,
+            dynamic=args.dynamic,
+            profile_out=args.profile_out,
+        )
         print("\n".join(report([row])))
         return 0
     rows = []

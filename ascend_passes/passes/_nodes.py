@@ -1,7 +1,8 @@
 """Small helpers for passes that insert nodes: the view ops that only reshape, ``meta["val"]`` of a
 new node computed from its inputs' fake values, the one copy of a replaced node's source location
 onto its replacements (``copy_location``), and the one way passes read a constant off a node
-(``const_float`` / ``const_int``: None unless it is a plain Python number, never a default)."""
+(``const_float`` / ``const_int``: None unless it is a plain Python number, never a default), and
+dead-code elimination sized for large graphs (``eliminate_dead_code``)."""
 
 from __future__ import annotations
 
@@ -35,6 +36,29 @@ def set_val(node: fx.Node) -> None:
     if mode is None:
         return
     node.meta["val"] = run_fake(node.target, args, kwargs, mode)
+
+
+def eliminate_dead_code(graph: fx.Graph) -> int:
+    """``graph.eliminate_dead_code()`` (the same nodes go: unread and not impure, random ops
+    impure unless Inductor's ``fallback_random`` says otherwise), returning how many went, without
+    its cost on large graphs: torch lints the whole graph first and asks every node whether it is
+    impure; here only unread nodes are asked (the pass manager lints after every pass).  A graph
+    whose module holds subgraphs (a higher-order op's) goes to torch's, which also cleans those."""
+    owner = graph.owning_module
+    if owner is not None and any(isinstance(child, fx.GraphModule) for child in owner.children()):
+        before = len(graph.nodes)
+        graph.eliminate_dead_code()
+        return before - len(graph.nodes)
+    from torch._guards import TracingContext
+    from torch._inductor import config as inductor_config
+
+    impure_random = inductor_config.fallback_random if TracingContext.try_get() else True
+    removed = 0
+    for node in reversed(graph.nodes):
+        if not node.users and not node.is_impure(impure_random):
+            graph.erase_node(node)
+            removed += 1
+    return removed
 
 
 # ----------------------------------------------------------------------------- location

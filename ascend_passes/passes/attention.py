@@ -28,7 +28,7 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from ..pass_manager import PassContext, PassResult
-from ._nodes import copy_location, set_val
+from ._nodes import copy_location, eliminate_dead_code, set_val
 from ._pattern import PatternPass
 from .layers import layer_of
 
@@ -71,7 +71,7 @@ class AttentionPass(PatternPass):
                 assembled += isinstance(arg, fx.Node) and assemble_by_cat(arg)
             copies += drop_output_copy(node)
         if causal or assembled or copies:
-            gm.graph.eliminate_dead_code()  # the pass manager regenerates the code once, after the pipeline
+            eliminate_dead_code(gm.graph)  # the pass manager regenerates the code once, after the pipeline
         log.info(
             "attention: %d math-path attentions → flash (%d with is_causal, %d inputs written by slices → cat, "
             "%d output copies dropped)",

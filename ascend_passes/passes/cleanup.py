@@ -15,6 +15,7 @@ import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..pass_manager import Pass, PassContext, PassResult
+from ._nodes import eliminate_dead_code
 
 aten = torch.ops.aten
 
@@ -77,8 +78,6 @@ class CleanupPass(Pass):
             result.match(kind, nodes=[node])
             node.replace_all_uses_with(node.args[0])
             graph.erase_node(node)
-        before = len(graph.nodes)
-        graph.eliminate_dead_code()
-        for _ in range(before - len(graph.nodes)):
+        for _ in range(eliminate_dead_code(graph)):
             result.match("dead_code")
         return result

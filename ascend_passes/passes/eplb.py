@@ -50,7 +50,7 @@ import torch.fx as fx
 from ..errors import ConfigError
 from ..pass_manager import Pass, PassContext, PassResult
 from ..process_group import resolve_group
-from ._nodes import copy_location, set_val
+from ._nodes import copy_location, eliminate_dead_code, set_val
 from .layers import layer_of, where
 
 log = logging.getLogger("ascend_passes.passes.eplb")
@@ -243,7 +243,7 @@ class EplbPass(Pass):
                 collectives += 1 + len(gathered) // 2
             self._physical_weights(graph, layer)
             facts.append(self._report(result, layer, gathered, phys, recorded, reduced))
-        graph.eliminate_dead_code()
+        eliminate_dead_code(graph)
         for name, reason in unrouted:
             result.near_miss("eplb_indirection", reason, layer=name)
             log.warning("eplb: MoE layer %s not indirected: %s", name, reason)

@@ -27,7 +27,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from .. import npu
 from ..errors import AscendPassesError
 from ..pass_manager import Pass, PassContext, PassResult
-from ._nodes import copy_location, set_val
+from ._nodes import copy_location, eliminate_dead_code, set_val
 from .layers import where
 
 log = logging.getLogger("ascend_passes.lower")
@@ -390,7 +390,7 @@ class LowerPass(Pass):
             name = _ascend_name(node)
             if name is not None:
                 lower_node(gm, node, name, result)
-        gm.graph.eliminate_dead_code()
+        eliminate_dead_code(gm.graph)
         left = [n.name for n in gm.graph.nodes if _ascend_name(n)]
         if left:
             raise LoweringError(f"ascend nodes left after lowering: {left}")

@@ -22,7 +22,7 @@ from torch._inductor import pattern_matcher as pm
 
 from ..pass_manager import Pass, PassContext, PassResult
 from ..patterns import mla as patterns
-from ._nodes import const_float, const_int, const_ints, not_constant
+from ._nodes import const_float, const_int, const_ints, eliminate_dead_code, not_constant
 from ._pattern import TracedPattern, replace, traced_pattern
 from .layers import layer_of, where
 
@@ -115,7 +115,7 @@ class MlaPass(Pass):
                 handler=functools.partial(self._rewrite, form, result, facts, ctx.decompositions, refused),
             ).register(matcher)
         matcher.apply(gm)
-        gm.graph.eliminate_dead_code()
+        eliminate_dead_code(gm.graph)
         self._diagnose(gm, result, refused)
         ctx.facts["mla_layers"] = facts
         return result

@@ -28,7 +28,16 @@ from ..pass_manager import Pass, PassContext, PassResult
 from ..patterns import moe_experts, moe_gptoss, moe_llama4, moe_router, moe_v4
 from ..patterns.moe_router import RouterConstants
 from . import moe_candidates, vllm_opaque
-from ._nodes import VIEWS, const_float, const_int, const_ints, graph_input_of, is_scalar_tensor, not_constant
+from ._nodes import (
+    VIEWS,
+    const_float,
+    const_int,
+    const_ints,
+    eliminate_dead_code,
+    graph_input_of,
+    is_scalar_tensor,
+    not_constant,
+)
 from ._pattern import STATS, TracedPattern, graph_dtypes, graph_targets, possible, replace, traced_pattern
 from .layers import layer_of, where
 
@@ -609,13 +618,11 @@ class MoePass(Pass):
                         pm.GraphPatternEntry(pattern=traced.pattern, extra_check=_always, handler=on_match).register(
                             matcher
                         )
-            if matcher.patterns and matcher.apply(gm):
-                # a replacement goes in before the match's first node; an input of it made later
-                # (the routed scaling factor's cast of a graph input) moves up: def before use
-                pm.stable_topological_sort(gm.graph)
+            if matcher.patterns:
+                matcher.apply(gm)  # an input made after a replacement's place moves up (``replace``)
 
         self._check_unfused_blocks(gm, result, layers)
-        gm.graph.eliminate_dead_code()
+        eliminate_dead_code(gm.graph)
         ctx.facts["moe_layers"] = [layers[k] for k in layers]
         return result
 

@@ -46,7 +46,7 @@ import torch.fx as fx
 from ..errors import ConfigError
 from ..pass_manager import Pass, PassContext, PassResult
 from ..process_group import resolve_group
-from ._nodes import VIEWS, copy_location, set_val
+from ._nodes import VIEWS, copy_location, eliminate_dead_code, set_val
 from .layers import where
 
 log = logging.getLogger("ascend_passes.passes.sequence_parallel")
@@ -575,4 +575,4 @@ class _Rewriter:
         for node in sorted(set(old), key=order.__getitem__, reverse=True):
             if not node.users:
                 self.graph.erase_node(node)
-        self.graph.eliminate_dead_code()
+        eliminate_dead_code(self.graph)

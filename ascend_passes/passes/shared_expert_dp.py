@@ -22,7 +22,7 @@ import torch
 import torch.fx as fx
 
 from ..pass_manager import Pass, PassContext, PassResult
-from ._nodes import VIEWS, set_val
+from ._nodes import VIEWS, eliminate_dead_code, set_val
 from .layers import where
 from .moe import has_matmul_producer
 
@@ -160,7 +160,7 @@ class SharedExpertDpPass(Pass):
             cut.replace_all_uses_with(out)
             moved.add(layer or full.name)
             result.match("shared_expert_on_shard", layer=layer, nodes=[full], tokens="T/W", world_size=sp.world_size)
-        gm.graph.eliminate_dead_code()
+        eliminate_dead_code(gm.graph)
         for entry in ctx.facts.get("moe_layers", []):
             if entry.shared_expert_add and entry.shared_expert_add in by_name and entry.layer not in moved:
                 result.near_miss(

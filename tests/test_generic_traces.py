@@ -1,14 +1,16 @@
 """Size-generic re-traces and replacement graphs (``_pattern._generic``, shipped by ``_shipped``): a
 match's re-check pattern and replacement graph come from one trace per *form* (dtypes, ranks, 0/1
-sizes) on symbolic sizes, shared across sizes only where that trace reads no size and assumed
-nothing but equalities between sizes; they equal a trace on any sizes of the form, a match that
-breaks an equality or does not match the shared pattern is traced on its own sizes, and a first
-compile of a DeepSeek-V3 graph re-traces no linear, RMSNorm or SwiGLU."""
+sizes) on symbolic sizes, shared across sizes only where that trace reads no size and fixed no size
+to a number; what it assumed of the sizes (equalities, other relations) becomes its conditions; they
+equal a trace on any sizes of the form that meet them, a match that breaks a condition or does not
+match the shared pattern is traced on its own sizes, and a first compile of a DeepSeek-V3 graph
+re-traces no linear, RMSNorm, SwiGLU or router."""
 
 from __future__ import annotations
 
 import collections
 import random
+import re
 
 import pytest
 import torch
@@ -62,13 +64,26 @@ def test_linear_and_norm_are_size_free_with_their_equalities():
     "fn",
     [
         pytest.param(lambda x: x.reshape(-1, x.shape[-1]) * 2, id="view-of-sizes"),
-        pytest.param(lambda x: x * 2 if x.shape[0] % 4 == 0 else x * 3, id="branch-on-a-size"),
+        pytest.param(lambda x: x * 2 if x.shape[0] == 16 else x * 3, id="branch-fixing-a-size"),
         pytest.param(lambda x: x * x.shape[1], id="size-in-arithmetic"),
-        pytest.param(lambda x: x[:, :8] + 1, id="size-fixed-by-a-slice"),
     ],
 )
 def test_what_depends_on_the_sizes_is_not_shared(fn):
     assert _pattern.generic_trace(fakes((16, 64)), trace(fn)) is None
+
+
+def test_a_branch_on_a_relation_of_sizes_is_shared_under_its_condition():
+    """A divisibility (a router's expert groups) is no size of its own: the trace is shared by the
+    sizes that meet it, the others are traced on their sizes."""
+    gm, conditions = _pattern.generic_trace(fakes((16, 64)), trace(lambda x: x * 2 if x.shape[0] % 4 == 0 else x * 3))
+    assert conditions == ["Eq(Mod(v0_0, 4), 0)"]
+    assert _pattern.meets(fakes((8, 5)), conditions) and not _pattern.meets(fakes((6, 64)), conditions)
+    assert _pattern.holds("Eq(Mod(v0_0, 4), 0) | (v0_1 >= 2*((v0_0//4)))", {(0, 0): 6, (0, 1): 2}.__getitem__)
+    # a slice of 8 columns: the same graph for every width above 8 (a width of 8 is the whole row)
+    gm, conditions = _pattern.generic_trace(fakes((16, 64)), trace(lambda x: x[:, :8] + 1))
+    assert conditions == ["Ne(v0_1, 8)", "v0_1 >= 8"]
+    assert _pattern.meets(fakes((3, 9)), conditions)
+    assert not _pattern.meets(fakes((3, 8)), conditions) and not _pattern.meets(fakes((3, 7)), conditions)
 
 
 def test_a_form_is_dtypes_ranks_and_unit_sizes():
@@ -129,7 +144,8 @@ def test_first_compile_retraces_no_linear_norm_or_swiglu(fresh, monkeypatch, dyn
     shipped = _pattern.STATS["generic_specific_shipped"] - before["generic_specific_shipped"]
     assert shipped >= 4, f"no size-generic trace shipped for these forms: {REGENERATE}"
     # the MLA norms read a slice of the kv projection (not contiguous): traced on their sizes
-    assert not [t for t in traced if "linear" in t or "swiglu" in t or "add_rms_norm" in t], traced
+    # ... nor the fused router (its trace assumed the expert count divisible by the groups)
+    assert not [t for t in traced if "linear" in t or "swiglu" in t or "add_rms_norm" in t or "_as_fn" in t], traced
     if dynamic:  # the re-traces on symbolic sizes: the MLA norms (a slice) and the attention's two
         assert len([t for t in traced if "with_symbols" in t]) <= 6, traced
     ops = reports[0].rewritten_ops()
@@ -139,8 +155,9 @@ def test_first_compile_retraces_no_linear_norm_or_swiglu(fresh, monkeypatch, dyn
 
 
 # ------------------------------------------------------------------------------ shipped = traced
-def _sizes_of(form, equalities, rng):
-    """Values of ``form`` with random sizes (2-64) that meet ``equalities``."""
+def _sizes_of(form, conditions, rng):
+    """Values of ``form`` with random sizes (2-64, or multiples of the numbers a condition names)
+    that meet ``conditions``."""
     parent: dict = {}
 
     def find(p):
@@ -148,16 +165,28 @@ def _sizes_of(form, equalities, rng):
             p = parent[p]
         return p
 
-    for a, b in equalities:
+    texts = [c for c in conditions if isinstance(c, str)]
+    for a, b in (c for c in conditions if not isinstance(c, str)):
         parent[find(a)] = find(b)
-    chosen: dict = {}
+    numbers = sorted({int(n) for t in texts for n in re.findall(r"(?<![\w])\d+", t)} - {0, 1})
+    for _ in range(2000):
+        chosen: dict = {}
+        pick = lambda: rng.choice(numbers) * rng.randint(1, 4) if numbers and rng.random() < 0.5 else rng.randint(2, 64)  # noqa: E731
+        dims = {
+            (i, j): chosen.setdefault(find((i, j)), pick())
+            for i, part in enumerate(form[2:])
+            if isinstance(part[0], tuple)
+            for j, d in enumerate(part[0])
+            if d == "s"
+        }
+        if all(_pattern.holds(t, dims.__getitem__) for t in texts):
+            break
+    else:
+        raise AssertionError(f"no sizes of {form} meet {texts}")
     shapes = []
     for i, part in enumerate(form[2:]):
         if isinstance(part[0], tuple):
-            dims = [
-                d if d != "s" else chosen.setdefault(find((i, j)), rng.randint(2, 64)) for j, d in enumerate(part[0])
-            ]
-            shapes.append(("t", dims, part[1]))
+            shapes.append(("t", [d if d != "s" else dims[(i, j)] for j, d in enumerate(part[0])], part[1]))
         else:
             shapes.append(("n", part[1]))
     with FakeTensorMode():
@@ -183,15 +212,15 @@ def test_shipped_generic_traces_are_current_and_equal_traces_on_sizes(fresh):
             continue
         shipped = _shipped.lookup_generic(kind, form)
         assert shipped is not None, f"{kind} {form} is not shipped: {REGENERATE}"
-        value, equalities = found
-        assert shipped[1] == equalities, f"{kind} {form}: other equalities now: {REGENERATE}"
+        value, conditions = found
+        assert shipped[1] == conditions, f"{kind} {form}: other conditions now: {REGENERATE}"
         if kind == "specific":
             assert shipped[0].pattern_eq(value), f"{kind} {form} traces differently now: {REGENERATE}"
         else:
             assert str(shipped[0].graph) == str(value.graph), f"{kind} {form} traces differently now: {REGENERATE}"
         key, decompositions = form[0], form[1]
         for _ in range(2):
-            values = _sizes_of(form, equalities, rng)
+            values = _sizes_of(form, conditions, rng)
             get_decomp_fn = _pattern._decomp_fn(decompositions)
             if kind == "specific":
                 fn, argnames, scalars = key

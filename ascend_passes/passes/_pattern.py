@@ -47,6 +47,7 @@ import logging
 import operator
 import os
 import pickle
+import re
 import sys
 import threading
 import types
@@ -879,14 +880,16 @@ def _strip_values(gm: fx.GraphModule) -> fx.GraphModule:
 # by ``tools/gen_patterns.py`` (the recorder: never during a compile, where a symbolic trace costs
 # 2-4x a trace on numbers) on symbolic sizes, every size of 2 or more its own symbol, and shipped
 # with the package (``_shipped``) when (1) no node of it reads or computes a size (no ``sym_size``,
-# no symbolic value: its graph is the same for every size) and (2) the trace's guards are only
-# equalities between sizes (an mm's inner sizes, a norm's width and its weight's): by the
-# guarantee of symbolic tracing the graph is then what a trace on any sizes of the form that meet
-# those equalities gives, or an equally valid one where torch took a size-oblivious branch.  A
-# match uses it when its sizes meet the equalities; when the shared re-trace does not match (a
+# no symbolic value: its graph is the same for every size) and (2) no guard of the trace fixes a
+# size to a number.  Its guards become the trace's conditions: equalities between sizes (an mm's
+# inner sizes, a norm's width and its weight's) and any other relation between them (a router's
+# expert count divisible by its groups, a bound), kept as text a restricted ``eval`` checks.  By
+# the guarantee of symbolic tracing the graph is then what a trace on any sizes of the form that
+# meet those conditions gives, or an equally valid one where torch took a size-oblivious branch.
+# A match uses it when its sizes meet the conditions; when the shared re-trace does not match (a
 # graph made by a branch the symbolic trace did not take), the match is re-traced on its numbers
 # as before, so sharing never loses a rewrite.  A form not shipped is traced on its numbers.
-_GENERIC = _Lru(4096)  # (kind, form) -> (trace, equalities), or None
+_GENERIC = _Lru(4096)  # (kind, form) -> (trace, conditions), or None
 _SIZE_OPS = frozenset(
     {
         torch.ops.aten.sym_size.int,
@@ -936,10 +939,50 @@ def _known_contiguous(v: torch.Tensor) -> bool:
     return True
 
 
-def meets(values: Sequence[Any], equalities: Iterable[tuple[Position, Position]]) -> bool:
-    """Whether the sizes of ``values`` meet a shared trace's equalities (symbolic ones provably,
+Condition = tuple[Position, Position] | str
+"""What a shared trace assumed of the sizes: a pair of equal sizes, or the text of any other
+relation between them (``_conditions``), its variables ``v<i>_<j>`` (value i, dimension j)."""
+
+# the functions a condition's text calls (sympy's printing of a guard); sizes are ints or SymInts
+_CONDITION_NAMES: dict[str, Any] = {
+    "Eq": operator.eq,
+    "Ne": operator.ne,
+    "Mod": operator.mod,
+    "Max": lambda *a: functools.reduce(torch.sym_max, a),
+    "Min": lambda *a: functools.reduce(torch.sym_min, a),
+}
+_VARIABLE = re.compile(r"\bv(\d+)_(\d+)\b")
+
+
+@functools.lru_cache(maxsize=1024)
+def _compiled_condition(text: str) -> tuple[Any, tuple[tuple[str, Position], ...]]:
+    names = {m.group(0): (int(m.group(1)), int(m.group(2))) for m in _VARIABLE.finditer(text)}
+    return compile(text, "<size condition>", "eval"), tuple(names.items())
+
+
+def holds(text: str, sizes: Callable[[Position], Any]) -> bool:
+    """Whether the condition ``text`` holds for the sizes ``sizes(position)`` gives (symbolic
+    ones provably, without a guard)."""
+    code, names = _compiled_condition(text)
+    env = {name: sizes(position) for name, position in names}
+    result = eval(code, {"__builtins__": {}, **_CONDITION_NAMES}, env)  # a condition the generator verified
+    return bool(statically_known_true(result))
+
+
+def meets(values: Sequence[Any], conditions: Iterable[Condition]) -> bool:
+    """Whether the sizes of ``values`` meet a shared trace's conditions (symbolic ones provably,
     without a guard)."""
-    return all(statically_known_true(values[a[0]].shape[a[1]] == values[b[0]].shape[b[1]]) for a, b in equalities)
+
+    def size(position: Position) -> Any:
+        return values[position[0]].shape[position[1]]
+
+    for condition in conditions:
+        if isinstance(condition, str):
+            if not holds(condition, size):
+                return False
+        elif not statically_known_true(size(condition[0]) == size(condition[1])):
+            return False
+    return True
 
 
 def _symbolic(values: Sequence[Any]) -> tuple[Any, FakeTensorMode, list[Any], dict[Any, Position]]:
@@ -972,32 +1015,49 @@ def _symbolic(values: Sequence[Any]) -> tuple[Any, FakeTensorMode, list[Any], di
     return env, mode, inputs, positions
 
 
-def _equalities(env: Any, positions: Mapping[Any, Position]) -> list[tuple[Position, Position]] | None:
-    """The guards and replacements a symbolic trace added, as pairs of equal sizes; None when one of
-    them is anything else (a size bound, a divisibility, a size fixed to a number)."""
+def _conditions(env: Any, positions: Mapping[Any, Position]) -> list[Condition] | None:
+    """The guards and replacements a symbolic trace added, as conditions on the match's sizes
+    (pairs of equal sizes; the text of any other relation: a divisibility, a bound, a choice
+    between two equalities); None when one of them fixes a size to a number (the trace is then
+    one size's: traced on the sizes, as a form would wrongly promise otherwise), involves a symbol
+    that is not a size of the inputs, or cannot be written as a condition that holds for the sizes
+    it was traced on."""
     import sympy
 
     pairs: set[tuple[Position, Position]] = set()
+    texts: set[str] = set()
+    names = {symbol: sympy.Symbol(f"v{i}_{j}", integer=True, positive=True) for symbol, (i, j) in positions.items()}
 
-    def add(a: Any, b: Any) -> bool:
-        if a not in positions or b not in positions:
+    def add(expr: Any) -> bool:
+        if isinstance(expr, sympy.And):
+            return all(add(arg) for arg in expr.args)
+        if expr is sympy.true:
+            return True
+        if isinstance(expr, sympy.Eq) and all(arg in positions for arg in expr.args):
+            pairs.add(tuple(sorted(positions[arg] for arg in expr.args)))  # type: ignore[arg-type]
+            return True
+        if not expr.free_symbols or not expr.free_symbols <= positions.keys():
             return False
-        pairs.add(tuple(sorted((positions[a], positions[b]))))  # type: ignore[arg-type]
+        if isinstance(expr, sympy.Eq) and any(arg.is_number for arg in expr.args):
+            other = expr.args[1] if expr.args[0].is_number else expr.args[0]
+            if other.is_polynomial():
+                return False  # a size (or a product of sizes) fixed to a number; a remainder is not
+        text = str(expr.xreplace(names))
+        hint = {positions[symbol]: int(env.backed_var_to_val[symbol]) for symbol in expr.free_symbols}
+        try:
+            if not holds(text, hint.__getitem__):
+                return False
+        except Exception:  # noqa: BLE001 - a function the condition's text cannot call
+            return False
+        texts.add(text)
         return True
 
-    def walk(expr: Any) -> bool:
-        if isinstance(expr, sympy.And):
-            return all(walk(arg) for arg in expr.args)
-        if isinstance(expr, sympy.Eq):
-            return add(*expr.args)
-        return expr is sympy.true
-
     for symbol, expr in env.replacements.items():
-        if not add(symbol, expr):
+        if expr.is_number or not add(sympy.Eq(symbol, expr)):
             return None
-    if not all(walk(guard.expr) for guard in env.guards):
+    if not all(add(guard.expr) for guard in env.guards):
         return None
-    return sorted(pairs)
+    return [*sorted(pairs), *sorted(texts)]
 
 
 def _size_free(gm: fx.GraphModule) -> bool:
@@ -1012,8 +1072,8 @@ def _size_free(gm: fx.GraphModule) -> bool:
 
 def generic_trace(
     values: Sequence[Any], trace: Callable[[list[Any]], fx.GraphModule]
-) -> tuple[fx.GraphModule, list[tuple[Position, Position]]] | None:
-    """``trace(inputs)`` on symbolic inputs of ``values``' form, with the size equalities it
+) -> tuple[fx.GraphModule, list[Condition]] | None:
+    """``trace(inputs)`` on symbolic inputs of ``values``' form, with the size conditions it
     assumed, or None when its graph depends on the sizes (see above) or it fails."""
     env, mode, inputs, positions = _symbolic(values)
     try:
@@ -1022,10 +1082,10 @@ def generic_trace(
     except Exception as exc:  # noqa: BLE001 - any failure: traced on the numbers, as before
         log.debug("no size-generic trace of %s: %s: %s", trace, type(exc).__name__, exc)
         return None
-    equalities = _equalities(env, positions)
-    if equalities is None or not _size_free(gm):
+    conditions = _conditions(env, positions)
+    if conditions is None or not _size_free(gm):
         return None
-    return gm, equalities
+    return gm, conditions
 
 
 def _generic(
@@ -1044,13 +1104,13 @@ def _generic(
     if form is None:
         return None
 
-    def traced(decompositions: str) -> tuple[Any, list[tuple[Position, Position]]] | None:
+    def traced(decompositions: str) -> tuple[Any, list[Condition]] | None:
         STATS[f"generic_{kind}_traced"] += 1
         get_decomp_fn = _decomp_fn(decompositions)
         made = generic_trace(values, lambda inputs: pm.fwd_only(fn, inputs, get_decomp_fn=get_decomp_fn))
         return None if made is None else (finish(made[0]), made[1])
 
-    def find() -> tuple[Any, list[tuple[Position, Position]]] | None:
+    def find() -> tuple[Any, list[Condition]] | None:
         recorder = _shipped.RECORDER
         if recorder is None:
             found = _shipped.lookup_generic(kind, form)

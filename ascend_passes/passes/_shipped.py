@@ -189,8 +189,8 @@ def generic_key(kind: str, form: Any) -> tuple[str, str] | None:
     return key(("generic", kind, form))
 
 
-def lookup_generic(kind: str, form: Any) -> tuple[Any, list[tuple[Any, Any]]] | None:
-    """``(pattern or replacement graph, size equalities)`` of the shipped size-generic trace of
+def lookup_generic(kind: str, form: Any) -> tuple[Any, list[Any]] | None:
+    """``(pattern or replacement graph, size conditions)`` of the shipped size-generic trace of
     ``form`` (``_pattern._generic``), or None (switched off, absent, stale, not buildable here)."""
     if not enabled():
         return None
@@ -219,7 +219,7 @@ def lookup_generic(kind: str, form: Any) -> tuple[Any, list[tuple[Any, Any]]] | 
     except Exception as exc:  # an operator this process does not have: traced on the sizes instead
         log.debug("shipped size-generic trace %s not used (%s: %s)", found, type(exc).__name__, exc)
         return None
-    return value, [tuple(map(tuple, pair)) for pair in entry[3]]
+    return value, [c if isinstance(c, str) else tuple(map(tuple, c)) for c in entry[3]]
 
 
 _REQUIRES: dict[str, frozenset[frozenset[Any]]] = {}  # PATTERNS key -> its operators, read
@@ -271,7 +271,7 @@ class Recorder:
             sys.setprofile(old)
 
     def add_generic(self, kind: str, form: Any, found: Any, files: set[str]) -> None:
-        """A size-generic trace (``_pattern._generic``): ``(value, equalities)``, or None where
+        """A size-generic trace (``_pattern._generic``): ``(value, conditions)``, or None where
         the form's graph depends on the sizes."""
         self.generic[(kind, form)] = (found, frozenset(files))
 
@@ -762,7 +762,7 @@ def generate(models: bool = True) -> str:
         if found is None or shipped_key is None:
             size_dependent += found is None
             continue
-        value, equalities = found
+        value, conditions = found
         text = f"{kind} {label((), form[0][0] if kind == 'specific' else form[0], form[1])} {form[2:]}"
         try:
             if kind == "specific":
@@ -787,7 +787,7 @@ def generate(models: bool = True) -> str:
         if kind == "specific" and len(table) > new:
             required = requires_source(_pattern.required_ops(value))
             requires_of.append(f"    {name!r}: {requires.setdefault(required, len(requires))},")
-        pairs = [list(map(list, pair)) for pair in equalities]
+        pairs = [c if isinstance(c, str) else list(map(list, c)) for c in conditions]
         generic_rows.append(
             f"    {shipped_key[0]!r}: ({kind!r}, {name!r}, {depends_index(files)}, {pairs!r}),  # {text}\n"
         )

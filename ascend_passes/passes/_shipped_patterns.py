@@ -50,6 +50,7 @@ DEPENDS = [
     (('ascend_passes.ops', 'ascend_passes.ops._define', 'ascend_passes.ops.activation', 'ascend_passes.ops.checks', 'ascend_passes.ops.eplb', 'ascend_passes.ops.linear', 'ascend_passes.ops.mla', 'ascend_passes.ops.moe', 'ascend_passes.ops.norm', 'ascend_passes.patterns._layout', 'ascend_passes.patterns.activation'), ('mpmath', 'sympy')),  # 12
     (('ascend_passes.ops', 'ascend_passes.ops._define', 'ascend_passes.ops.activation', 'ascend_passes.ops.checks', 'ascend_passes.ops.eplb', 'ascend_passes.ops.linear', 'ascend_passes.ops.mla', 'ascend_passes.ops.moe', 'ascend_passes.ops.norm', 'ascend_passes.patterns.linear'), ('mpmath', 'sympy')),  # 13
     (('ascend_passes.ops', 'ascend_passes.ops._define', 'ascend_passes.ops.activation', 'ascend_passes.ops.checks', 'ascend_passes.ops.eplb', 'ascend_passes.ops.linear', 'ascend_passes.ops.mla', 'ascend_passes.ops.moe', 'ascend_passes.ops.norm', 'ascend_passes.patterns._layout', 'ascend_passes.patterns.norm'), ('sympy',)),  # 14
+    (('ascend_passes.ops', 'ascend_passes.ops._define', 'ascend_passes.ops.activation', 'ascend_passes.ops.checks', 'ascend_passes.ops.eplb', 'ascend_passes.ops.linear', 'ascend_passes.ops.mla', 'ascend_passes.ops.moe', 'ascend_passes.ops.norm', 'ascend_passes.passes.moe', 'ascend_passes.patterns.moe_experts', 'ascend_passes.patterns.moe_gptoss', 'ascend_passes.patterns.moe_llama4', 'ascend_passes.patterns.moe_router', 'ascend_passes.patterns.moe_v4'), ('mpmath', 'sympy')),  # 15
 ]
 # 802 traces, 491 distinct patterns, 0 not shipped
 # the body of a function that builds the pattern (run by _shipped.build; source compiled only when used)
@@ -16232,8 +16233,80 @@ return [
     ('output', 'output', 'output', ((R(4), R(5), ), ), {}, ),
 ]
 """,
+    'g4': """
+return [
+    ('placeholder', 'a_1', 'a_1', (), {}, ),
+    ('call_function', 'moe_gating_top_k_softmax', torch.ops.ascend.moe_gating_top_k_softmax.default, (R(0), None, 4, ), {}, ),
+    ('call_function', 'getitem', operator.getitem, (R(1), 0, ), {}, ),
+    ('call_function', 'getitem_1', operator.getitem, (R(1), 1, ), {}, ),
+    ('call_function', 'sum_1', aten.sum.dim_IntList, (R(2), [-1], True, ), {}, ),
+    ('call_function', 'div', aten.div.Tensor, (R(2), R(4), ), {}, ),
+    ('call_function', 'convert_element_type', prims.convert_element_type.default, (R(3), torch.int64, ), {}, ),
+    ('output', 'output', 'output', ((R(5), R(6), ), ), {}, ),
+]
+""",
+    'g5': """
+return [
+    ('placeholder', 'a_1', 'a_1', (), {}, ),
+    ('placeholder', 'b_1', 'b_1', (), {}, ),
+    ('placeholder', 'c_1', 'c_1', (), {}, ),
+    ('call_function', 'moe_gating_top_k', torch.ops.ascend.moe_gating_top_k.default, (R(0), 4, ), {'bias': R(1), 'k_group': 2, 'group_count': 4, 'group_select_mode': 1, 'norm_type': 1}, ),
+    ('call_function', 'getitem', operator.getitem, (R(3), 0, ), {}, ),
+    ('call_function', 'getitem_1', operator.getitem, (R(3), 1, ), {}, ),
+    ('call_function', 'mul', aten.mul.Tensor, (R(4), R(2), ), {}, ),
+    ('call_function', '_to_copy', aten._to_copy.default, (R(5), ), {'dtype': torch.int64}, ),
+    ('output', 'output', 'output', ((R(6), R(7), ), ), {}, ),
+]
+""",
+    'g6': """
+return [
+    ('placeholder', 'a_1', 'a_1', (), {}, ),
+    ('call_function', 'moe_gating_top_k_softmax', torch.ops.ascend.moe_gating_top_k_softmax.default, (R(0), None, 4, ), {}, ),
+    ('call_function', 'getitem', operator.getitem, (R(1), 0, ), {}, ),
+    ('call_function', 'getitem_1', operator.getitem, (R(1), 1, ), {}, ),
+    ('call_function', 'sum_1', aten.sum.dim_IntList, (R(2), [-1], True, ), {}, ),
+    ('call_function', 'div', aten.div.Tensor, (R(2), R(4), ), {}, ),
+    ('call_function', '_to_copy', aten._to_copy.default, (R(3), ), {'dtype': torch.int64}, ),
+    ('output', 'output', 'output', ((R(5), R(6), ), ), {}, ),
+]
+""",
+    'g7': """
+return [
+    ('placeholder', 'a_1', 'a_1', (), {}, ),
+    ('placeholder', 'b_1', 'b_1', (), {}, ),
+    ('call_function', 'moe_gating_top_k', torch.ops.ascend.moe_gating_top_k.default, (R(0), 4, ), {'bias': R(1), 'k_group': 2, 'group_count': 4, 'group_select_mode': 1, 'norm_type': 1, 'routed_scaling_factor': 2.5}, ),
+    ('call_function', 'getitem', operator.getitem, (R(2), 0, ), {}, ),
+    ('call_function', 'getitem_1', operator.getitem, (R(2), 1, ), {}, ),
+    ('call_function', 'convert_element_type', prims.convert_element_type.default, (R(4), torch.int64, ), {}, ),
+    ('output', 'output', 'output', ((R(3), R(5), ), ), {}, ),
+]
+""",
+    'g8': """
+return [
+    ('placeholder', 'a_1', 'a_1', (), {}, ),
+    ('placeholder', 'b_1', 'b_1', (), {}, ),
+    ('call_function', 'moe_gating_top_k', torch.ops.ascend.moe_gating_top_k.default, (R(0), 4, ), {'bias': R(1), 'k_group': 2, 'group_count': 4, 'group_select_mode': 1, 'norm_type': 1, 'routed_scaling_factor': 2.5}, ),
+    ('call_function', 'getitem', operator.getitem, (R(2), 0, ), {}, ),
+    ('call_function', 'getitem_1', operator.getitem, (R(2), 1, ), {}, ),
+    ('call_function', '_to_copy', aten._to_copy.default, (R(4), ), {'dtype': torch.int64}, ),
+    ('output', 'output', 'output', ((R(3), R(5), ), ), {}, ),
+]
+""",
+    'g9': """
+return [
+    ('placeholder', 'a_1', 'a_1', (), {}, ),
+    ('placeholder', 'b_1', 'b_1', (), {}, ),
+    ('placeholder', 'c_1', 'c_1', (), {}, ),
+    ('call_function', 'moe_gating_top_k', torch.ops.ascend.moe_gating_top_k.default, (R(0), 4, ), {'bias': R(1), 'k_group': 2, 'group_count': 4, 'group_select_mode': 1, 'norm_type': 1}, ),
+    ('call_function', 'getitem', operator.getitem, (R(3), 0, ), {}, ),
+    ('call_function', 'getitem_1', operator.getitem, (R(3), 1, ), {}, ),
+    ('call_function', 'mul', aten.mul.Tensor, (R(4), R(2), ), {}, ),
+    ('call_function', 'convert_element_type', prims.convert_element_type.default, (R(5), torch.int64, ), {}, ),
+    ('output', 'output', 'output', ((R(6), R(7), ), ), {}, ),
+]
+""",
 }
-# 128 size-generic traces of the bundled models' forms (38 forms depend on
+# 142 size-generic traces of the bundled models' forms (24 forms depend on
 # the sizes: traced per shape); sha256 of the form's description: (kind, PATTERNS / GRAPHS key,
 # DEPENDS index, pairs of (value, dim) sizes that must be equal)
 GENERIC = {
@@ -16281,6 +16354,7 @@ GENERIC = {
     '5296d79a57d3ffcfcaee0d9a4e6b7130': ('specific', 'p42', 11, [[[0, 2], [1, 2]], [[0, 2], [2, 0]]]),  # specific ascend_passes.patterns.norm.add_rms_norm_default_eps_pattern [] inductor (((1, 1, 's'), torch.bfloat16, device(type='cpu')), ((1, 1, 's'), torch.bfloat16, device(type='cpu')), (('s',), torch.bfloat16, device(type='cpu')))
     '52f33188a6526399aa3360cbf4265db3': ('replacement', 'g0', 11, [[[0, 2], [1, 0]]]),  # replacement ascend_passes.patterns.norm.rms_norm_replacement [] inductor ((('s', 1, 's'), torch.bfloat16, device(type='cpu')), (('s',), torch.bfloat16, device(type='cpu')), (<class 'float'>, 1e-06))
     '55333b9a274c6c3e3a63896f923adb98': ('replacement', 'g0', 11, [[[0, 3], [1, 0]]]),  # replacement ascend_passes.patterns.norm.rms_norm_replacement [] none (((1, 's', 's', 's'), torch.bfloat16, device(type='cpu')), (('s',), torch.bfloat16, device(type='cpu')), (<class 'float'>, 1e-06))
+    '57607522ad1e8e6ce0efe5cb0584931e': ('replacement', 'g4', 15, ['v0_1 >= 4']),  # replacement ?.? [] inductor ((('s', 's'), torch.float32, device(type='cpu')),)
     '584c55fa2ea61b5c60cab22dfa945216': ('specific', 'p487', 11, [[[0, 3], [1, 0]]]),  # specific ascend_passes.patterns.norm._weighted_rms_norm.<locals>.rms_norm_pattern [] inductor ((('s', 1, 's', 's'), torch.bfloat16, device(type='cpu')), (('s',), torch.bfloat16, device(type='cpu')), (<class 'float'>, 1e-06))
     '5b73263f35e43457ed2c77974f5fafcd': ('specific', 'p486', 14, []),  # specific ascend_passes.patterns.norm.unweighted_rms_norm_pattern [] inductor (((1, 's', 's', 's'), torch.float32, device(type='cpu')), ((), torch.float32, device(type='cpu')))
     '5b8ff1e37ea8c2d9f43147da9b115b5d': ('replacement', 'g3', 11, [[[0, 0], [1, 0]], [[0, 2], [1, 2]], [[0, 2], [2, 0]]]),  # replacement ascend_passes.patterns.norm.add_rms_norm_default_eps_replacement [] inductor ((('s', 1, 's'), torch.float32, device(type='cpu')), (('s', 1, 's'), torch.float32, device(type='cpu')), (('s',), torch.float32, device(type='cpu')))
@@ -16298,6 +16372,7 @@ GENERIC = {
     '7a382b804606169f7b3c78f8906c0efc': ('replacement', 'g0', 11, [[[0, 2], [1, 0]]]),  # replacement ascend_passes.patterns.norm.rms_norm_replacement [] inductor (((1, 's', 's'), torch.bfloat16, device(type='cpu')), (('s',), torch.bfloat16, device(type='cpu')), (<class 'float'>, 1e-06))
     '7b458a9376a2b5f4dedfa120611bcf18': ('specific', 'p488', 14, []),  # specific ascend_passes.patterns.norm.unweighted_rms_norm_pattern [] none (((1, 's', 's', 's'), torch.bfloat16, device(type='cpu')), ((), torch.float32, device(type='cpu')))
     '7d11ed3b0f9ad0090f03a29e119302ac': ('replacement', 'g1', 12, [[[0, 1], [1, 1]], [[0, 2], [1, 2]]]),  # replacement ascend_passes.patterns.activation._cat_swiglu.<locals>.swiglu_replacement [] none (((1, 's', 's'), torch.float32, device(type='cpu')), ((1, 's', 's'), torch.float32, device(type='cpu')))
+    '7dec623a2f3f7b27efc1737c53048cb7': ('replacement', 'g5', 15, [[[0, 1], [1, 0]], '2*((v1_0//4)) >= 4', 'Eq(Mod(v1_0, 4), 0)']),  # replacement ?.? [] none ((('s', 's'), torch.float32, device(type='cpu')), (('s',), torch.float32, device(type='cpu')), ((), torch.float32, device(type='cpu')))
     '7f32fef7d53db48cfb8c0524917b8a75': ('specific', 'p42', 11, [[[0, 0], [1, 0]], [[0, 2], [1, 2]], [[0, 2], [2, 0]]]),  # specific ascend_passes.patterns.norm.add_rms_norm_default_eps_pattern [] inductor ((('s', 1, 's'), torch.float32, device(type='cpu')), (('s', 1, 's'), torch.float32, device(type='cpu')), (('s',), torch.float32, device(type='cpu')))
     '7f6bee847847c67511939696a3747ae7': ('specific', 'p42', 11, [[[0, 0], [1, 0]], [[0, 2], [1, 2]], [[0, 2], [2, 0]]]),  # specific ascend_passes.patterns.norm.add_rms_norm_default_eps_pattern [] inductor ((('s', 1, 's'), torch.bfloat16, device(type='cpu')), (('s', 1, 's'), torch.bfloat16, device(type='cpu')), (('s',), torch.bfloat16, device(type='cpu')))
     '7f8f3ea4b4e3e436f068f0551840a91a': ('specific', 'p479', 11, [[[0, 3], [1, 0]]]),  # specific ascend_passes.patterns.norm._weighted_rms_norm.<locals>.rms_norm_pattern [] none ((('s', 1, 's', 's'), torch.bfloat16, device(type='cpu')), (('s',), torch.bfloat16, device(type='cpu')), (<class 'float'>, 1e-06))
@@ -16312,11 +16387,14 @@ GENERIC = {
     '9227b5dc0f7e653f9695e5073ab32ae3': ('replacement', 'g0', 11, [[[0, 2], [1, 0]]]),  # replacement ascend_passes.patterns.norm.rms_norm_replacement [] none (((1, 's', 's'), torch.float32, device(type='cpu')), (('s',), torch.float32, device(type='cpu')), (<class 'float'>, 1e-06))
     '95b57c0f92f61f155f3794856e786f1e': ('replacement', 'g3', 11, [[[0, 1], [1, 1]], [[0, 2], [1, 2]], [[0, 2], [2, 0]]]),  # replacement ascend_passes.patterns.norm.add_rms_norm_default_eps_replacement [] none (((1, 's', 's'), torch.float32, device(type='cpu')), ((1, 's', 's'), torch.float32, device(type='cpu')), (('s',), torch.float32, device(type='cpu')))
     '96444f8530204e6e99b334fd508bdc18': ('replacement', 'g0', 11, [[[0, 3], [1, 0]]]),  # replacement ascend_passes.patterns.norm.rms_norm_replacement [] none ((('s', 1, 's', 's'), torch.bfloat16, device(type='cpu')), (('s',), torch.bfloat16, device(type='cpu')), (<class 'float'>, 1e-06))
+    '98361148dc769c4e550c9c132f4a1700': ('replacement', 'g6', 15, ['v0_1 >= 4']),  # replacement ?.? [] none ((('s', 's'), torch.float32, device(type='cpu')),)
+    '99a96877148cb6bf3bb174d3c2a936fd': ('replacement', 'g4', 15, ['v0_1 >= 4']),  # replacement ?.? [] inductor ((('s', 's'), torch.bfloat16, device(type='cpu')),)
     '9e52bc8a75efe20f794d76bade63adc3': ('specific', 'p487', 11, [[[0, 2], [1, 0]]]),  # specific ascend_passes.patterns.norm._weighted_rms_norm.<locals>.rms_norm_pattern [] inductor (((1, 1, 's'), torch.bfloat16, device(type='cpu')), (('s',), torch.bfloat16, device(type='cpu')), (<class 'float'>, 1e-06))
     'a0b1c50b157e4554bc44f3cf1a2a090d': ('specific', 'p481', 11, [[[0, 3], [1, 0]]]),  # specific ascend_passes.patterns.norm._weighted_rms_norm.<locals>.rms_norm_pattern [] inductor (((1, 's', 's', 's'), torch.float32, device(type='cpu')), (('s',), torch.float32, device(type='cpu')), (<class 'float'>, 1e-06))
     'a5485b4a2605210df4d88af7066adbb2': ('specific', 'p481', 11, [[[0, 2], [1, 0]]]),  # specific ascend_passes.patterns.norm._weighted_rms_norm.<locals>.rms_norm_pattern [] inductor (((1, 's', 's'), torch.float32, device(type='cpu')), (('s',), torch.float32, device(type='cpu')), (<class 'float'>, 1e-06))
     'a91c17949c8fcef30c1b79af09e8fe67': ('specific', 'p481', 11, [[[0, 2], [1, 0]]]),  # specific ascend_passes.patterns.norm._weighted_rms_norm.<locals>.rms_norm_pattern [] none (((1, 1, 's'), torch.float32, device(type='cpu')), (('s',), torch.float32, device(type='cpu')), (<class 'float'>, 1e-06))
     'ab48ca5e41142b3c2d315796cc0cd94f': ('specific', 'p479', 11, [[[0, 3], [1, 0]]]),  # specific ascend_passes.patterns.norm._weighted_rms_norm.<locals>.rms_norm_pattern [] none (((1, 1, 's', 's'), torch.bfloat16, device(type='cpu')), (('s',), torch.bfloat16, device(type='cpu')), (<class 'float'>, 1e-06))
+    'adc7136cc118d7759177e76e38db1975': ('replacement', 'g6', 15, ['v0_1 >= 4']),  # replacement ?.? [] none (((1, 's'), torch.bfloat16, device(type='cpu')),)
     'af51d3c4b4ae4acb4305a6d94e4ab063': ('replacement', 'g2', 13, [[[0, 1], [1, 1]]]),  # replacement ascend_passes.patterns.linear.linear_replacement [] none (((1, 's'), torch.bfloat16, device(type='cpu')), (('s', 's'), torch.bfloat16, device(type='cpu')))
     'b0935465f21d7adaeb8c9378cecc0315': ('replacement', 'g1', 12, [[[0, 0], [1, 0]], [[0, 2], [1, 2]]]),  # replacement ascend_passes.patterns.activation._cat_swiglu.<locals>.swiglu_replacement [] none ((('s', 1, 's'), torch.bfloat16, device(type='cpu')), (('s', 1, 's'), torch.bfloat16, device(type='cpu')))
     'b2951c10a9bef6798ef5d766d27fe46f': ('specific', 'p42', 11, [[[0, 1], [1, 1]], [[0, 2], [1, 2]], [[0, 2], [2, 0]]]),  # specific ascend_passes.patterns.norm.add_rms_norm_default_eps_pattern [] inductor (((1, 's', 's'), torch.bfloat16, device(type='cpu')), ((1, 's', 's'), torch.bfloat16, device(type='cpu')), (('s',), torch.bfloat16, device(type='cpu')))
@@ -16332,12 +16410,16 @@ GENERIC = {
     'bcb1981ef8944476cee5fb122833d448': ('specific', 'p221', 12, [[[0, 1], [1, 1]], [[0, 2], [1, 2]]]),  # specific ascend_passes.patterns.activation._silu_mul.<locals>.swiglu_pattern [] none (((1, 's', 's'), torch.float32, device(type='cpu')), ((1, 's', 's'), torch.float32, device(type='cpu')))
     'bcd54471b3439db2a340e68309d1c298': ('specific', 'p483', 13, [[[0, 1], [1, 1]]]),  # specific ascend_passes.patterns.linear.linear_pattern [] inductor (((1, 's'), torch.float32, device(type='cpu')), (('s', 's'), torch.float32, device(type='cpu')))
     'bd4656b272f982dcd75786a35b15aa42': ('specific', 'p484', 11, [[[0, 3], [1, 0]]]),  # specific ascend_passes.patterns.norm._weighted_rms_norm.<locals>.rms_norm_pattern [] none (((1, 's', 's', 's'), torch.float32, device(type='cpu')), (('s',), torch.float32, device(type='cpu')), ((), torch.float32, device(type='cpu')))
+    'be0457f2245dfdb7e5c1e228d236b580': ('replacement', 'g7', 15, [[[0, 1], [1, 0]], '2*((v1_0//4)) >= 4', 'Eq(Mod(v1_0, 4), 0)']),  # replacement ?.? [] inductor ((('s', 's'), torch.float32, device(type='cpu')), (('s',), torch.float32, device(type='cpu')))
     'bef690dfb0bddc7fb3b3c7903454d6ca': ('replacement', 'g3', 11, [[[0, 1], [1, 1]], [[0, 2], [1, 2]], [[0, 2], [2, 0]]]),  # replacement ascend_passes.patterns.norm.add_rms_norm_default_eps_replacement [] none (((1, 's', 's'), torch.bfloat16, device(type='cpu')), ((1, 's', 's'), torch.bfloat16, device(type='cpu')), (('s',), torch.bfloat16, device(type='cpu')))
     'c0acba3dbd52520a78f9f4432333c45d': ('specific', 'p42', 11, [[[0, 1], [1, 1]], [[0, 2], [1, 2]], [[0, 2], [2, 0]]]),  # specific ascend_passes.patterns.norm.add_rms_norm_default_eps_pattern [] inductor (((1, 's', 's'), torch.float32, device(type='cpu')), ((1, 's', 's'), torch.float32, device(type='cpu')), (('s',), torch.float32, device(type='cpu')))
     'c53c044f9006259b65167a4c91d46d7a': ('specific', 'p479', 11, [[[0, 2], [1, 0]]]),  # specific ascend_passes.patterns.norm._weighted_rms_norm.<locals>.rms_norm_pattern [] none (((1, 's', 's'), torch.bfloat16, device(type='cpu')), (('s',), torch.bfloat16, device(type='cpu')), (<class 'float'>, 1e-06))
     'c77f82e906245fb74a3b941e01f85cb7': ('specific', 'p186', 13, [[[0, 1], [1, 1]]]),  # specific ascend_passes.patterns.linear.linear_pattern [] none (((1, 's'), torch.float32, device(type='cpu')), (('s', 's'), torch.float32, device(type='cpu')))
+    'd0656a99965ca9238f918c85291cb185': ('replacement', 'g6', 15, ['v0_1 >= 4']),  # replacement ?.? [] none (((1, 's'), torch.float32, device(type='cpu')),)
+    'd0c3f2d27d52f05ef3105685a1965278': ('replacement', 'g6', 15, ['v0_1 >= 4']),  # replacement ?.? [] none ((('s', 's'), torch.bfloat16, device(type='cpu')),)
     'd5e90f330cf1fb7211006f1c0c61dffa': ('specific', 'p484', 11, [[[0, 3], [1, 0]]]),  # specific ascend_passes.patterns.norm._weighted_rms_norm.<locals>.rms_norm_pattern [] inductor (((1, 's', 's', 's'), torch.float32, device(type='cpu')), (('s',), torch.float32, device(type='cpu')), ((), torch.float32, device(type='cpu')))
     'dbb59d5d5686c8cee4b6112cdfb1be16': ('replacement', 'g0', 11, [[[0, 2], [1, 0]]]),  # replacement ascend_passes.patterns.norm.rms_norm_replacement [] none (((1, 's', 's'), torch.bfloat16, device(type='cpu')), (('s',), torch.bfloat16, device(type='cpu')), (<class 'float'>, 1e-06))
+    'dc54e56f3aa05170c778ef7e08b77378': ('replacement', 'g8', 15, [[[0, 1], [1, 0]], '2*((v1_0//4)) >= 4', 'Eq(Mod(v1_0, 4), 0)']),  # replacement ?.? [] none (((1, 's'), torch.float32, device(type='cpu')), (('s',), torch.float32, device(type='cpu')))
     'dd28ba23704cb8432f5983c3f3911356': ('specific', 'p481', 11, [[[0, 3], [1, 0]]]),  # specific ascend_passes.patterns.norm._weighted_rms_norm.<locals>.rms_norm_pattern [] none ((('s', 1, 's', 's'), torch.float32, device(type='cpu')), (('s',), torch.float32, device(type='cpu')), (<class 'float'>, 1e-06))
     'de09a9f22884b76323e760820c375679': ('specific', 'p186', 13, [[[0, 1], [1, 1]]]),  # specific ascend_passes.patterns.linear.linear_pattern [] none (((1, 's'), torch.bfloat16, device(type='cpu')), (('s', 's'), torch.bfloat16, device(type='cpu')))
     'dfe8961679c1626ac6eecd094966020f': ('replacement', 'g1', 12, [[[0, 1], [1, 1]], [[0, 2], [1, 2]]]),  # replacement ascend_passes.patterns.activation._cat_swiglu.<locals>.swiglu_replacement [] none (((1, 's', 's'), torch.bfloat16, device(type='cpu')), ((1, 's', 's'), torch.bfloat16, device(type='cpu')))
@@ -16350,10 +16432,13 @@ GENERIC = {
     'e6d2691977dcb77cf8a80e5b03eea319': ('replacement', 'g3', 11, [[[0, 2], [1, 2]], [[0, 2], [2, 0]]]),  # replacement ascend_passes.patterns.norm.add_rms_norm_default_eps_replacement [] inductor (((1, 1, 's'), torch.bfloat16, device(type='cpu')), ((1, 1, 's'), torch.bfloat16, device(type='cpu')), (('s',), torch.bfloat16, device(type='cpu')))
     'e872aadd15b9c550ab5c2f3b13631c6a': ('replacement', 'g0', 11, [[[0, 3], [1, 0]]]),  # replacement ascend_passes.patterns.norm.rms_norm_replacement [] inductor (((1, 's', 's', 's'), torch.float32, device(type='cpu')), (('s',), torch.float32, device(type='cpu')), (<class 'float'>, 1e-06))
     'eacce8ecd4e7fbe08d09b3ac06ba16b1': ('replacement', 'g0', 11, [[[0, 2], [1, 0]]]),  # replacement ascend_passes.patterns.norm.rms_norm_replacement [] none (((1, 1, 's'), torch.float32, device(type='cpu')), (('s',), torch.float32, device(type='cpu')), (<class 'float'>, 1e-06))
+    'eb3991448aa090830df9f99dfa8d19f2': ('replacement', 'g7', 15, [[[0, 1], [1, 0]], '2*((v1_0//4)) >= 4', 'Eq(Mod(v1_0, 4), 0)']),  # replacement ?.? [] inductor (((1, 's'), torch.float32, device(type='cpu')), (('s',), torch.float32, device(type='cpu')))
     'ec45141ab1da84e5d77291d30950517f': ('replacement', 'g0', 11, [[[0, 2], [1, 0]]]),  # replacement ascend_passes.patterns.norm.rms_norm_replacement [] inductor (((1, 's', 's'), torch.float32, device(type='cpu')), (('s',), torch.float32, device(type='cpu')), (<class 'float'>, 1e-06))
     'ed37c3b9d838be79d76aa00b0c548502': ('specific', 'p490', 14, []),  # specific ascend_passes.patterns.norm.unweighted_rms_norm_pattern [] inductor (((1, 's', 's', 's'), torch.bfloat16, device(type='cpu')), ((), torch.float32, device(type='cpu')))
+    'f0055d2fe7852b549a56625325a87f98': ('replacement', 'g4', 15, ['v0_1 >= 4']),  # replacement ?.? [] inductor (((1, 's'), torch.bfloat16, device(type='cpu')),)
     'f0896cf713dbae0622cef7d88cff6b4e': ('replacement', 'g0', 11, [[[0, 2], [1, 0]]]),  # replacement ascend_passes.patterns.norm.rms_norm_replacement [] inductor (((1, 1, 's'), torch.float32, device(type='cpu')), (('s',), torch.float32, device(type='cpu')), (<class 'float'>, 1e-06))
     'f1acacae0e05e293bfa89cdfff5e093b': ('specific', 'p486', 14, []),  # specific ascend_passes.patterns.norm.unweighted_rms_norm_pattern [] none (((1, 's', 's', 's'), torch.float32, device(type='cpu')), ((), torch.float32, device(type='cpu')))
+    'f39d8cb5654e97f6d96e64b61e8ef7c1': ('replacement', 'g9', 15, [[[0, 1], [1, 0]], '2*((v1_0//4)) >= 4', 'Eq(Mod(v1_0, 4), 0)']),  # replacement ?.? [] inductor ((('s', 's'), torch.float32, device(type='cpu')), (('s',), torch.float32, device(type='cpu')), ((), torch.float32, device(type='cpu')))
     'f3dd156cfde4e7745e7eea919b15d515': ('specific', 'p221', 12, [[[0, 1], [1, 1]], [[0, 2], [1, 2]]]),  # specific ascend_passes.patterns.activation._silu_mul.<locals>.swiglu_pattern [] none (((1, 's', 's'), torch.bfloat16, device(type='cpu')), ((1, 's', 's'), torch.bfloat16, device(type='cpu')))
     'f4105e2e29b18a7689397223c073be3b': ('specific', 'p221', 12, [[[0, 2], [1, 2]]]),  # specific ascend_passes.patterns.activation._silu_mul.<locals>.swiglu_pattern [] none (((1, 1, 's'), torch.bfloat16, device(type='cpu')), ((1, 1, 's'), torch.bfloat16, device(type='cpu')))
     'f97864cee7e4b167cc1201a8ba253790': ('specific', 'p42', 11, [[[0, 1], [1, 1]], [[0, 2], [1, 2]], [[0, 2], [2, 0]]]),  # specific ascend_passes.patterns.norm.add_rms_norm_default_eps_pattern [] none (((1, 's', 's'), torch.float32, device(type='cpu')), ((1, 's', 's'), torch.float32, device(type='cpu')), (('s',), torch.float32, device(type='cpu')))
@@ -16361,7 +16446,9 @@ GENERIC = {
     'fc6bb227c4c00ecf1a95ae09abe5488c': ('specific', 'p42', 11, [[[0, 0], [1, 0]], [[0, 2], [1, 2]], [[0, 2], [2, 0]]]),  # specific ascend_passes.patterns.norm.add_rms_norm_default_eps_pattern [] none ((('s', 1, 's'), torch.float32, device(type='cpu')), (('s', 1, 's'), torch.float32, device(type='cpu')), (('s',), torch.float32, device(type='cpu')))
     'fcaa7bada95aa79c9a4a472fe4d5741d': ('replacement', 'g2', 13, [[[0, 1], [1, 1]]]),  # replacement ascend_passes.patterns.linear.linear_replacement [] inductor ((('s', 's'), torch.float32, device(type='cpu')), (('s', 's'), torch.float32, device(type='cpu')))
     'fcd12ea36527fe6e72833044e4aa0f55': ('specific', 'p487', 11, [[[0, 2], [1, 0]]]),  # specific ascend_passes.patterns.norm._weighted_rms_norm.<locals>.rms_norm_pattern [] inductor (((1, 's', 's'), torch.bfloat16, device(type='cpu')), (('s',), torch.bfloat16, device(type='cpu')), (<class 'float'>, 1e-06))
+    'fd370f943027aba561c8840104d832f2': ('replacement', 'g8', 15, [[[0, 1], [1, 0]], '2*((v1_0//4)) >= 4', 'Eq(Mod(v1_0, 4), 0)']),  # replacement ?.? [] none ((('s', 's'), torch.float32, device(type='cpu')), (('s',), torch.float32, device(type='cpu')))
     'fd4910c4bb58b713aee80ba1c9a4370e': ('specific', 'p482', 11, [[[0, 3], [1, 0]]]),  # specific ascend_passes.patterns.norm._weighted_rms_norm.<locals>.rms_norm_pattern [] inductor (((1, 's', 's', 's'), torch.bfloat16, device(type='cpu')), (('s',), torch.bfloat16, device(type='cpu')), ((), torch.float32, device(type='cpu')))
+    'fd5be8b25c0648cf17203bb50dc375e3': ('replacement', 'g4', 15, ['v0_1 >= 4']),  # replacement ?.? [] inductor (((1, 's'), torch.float32, device(type='cpu')),)
     'fd8d73864b7e72cb16f35567e4dd546d': ('specific', 'p481', 11, [[[0, 2], [1, 0]]]),  # specific ascend_passes.patterns.norm._weighted_rms_norm.<locals>.rms_norm_pattern [] inductor (((1, 1, 's'), torch.float32, device(type='cpu')), (('s',), torch.float32, device(type='cpu')), (<class 'float'>, 1e-06))
     'fe2b2bb2eae83b7ac90d381f6376f263': ('specific', 'p481', 11, [[[0, 3], [1, 0]]]),  # specific ascend_passes.patterns.norm._weighted_rms_norm.<locals>.rms_norm_pattern [] inductor (((1, 1, 's', 's'), torch.float32, device(type='cpu')), (('s',), torch.float32, device(type='cpu')), (<class 'float'>, 1e-06))
     'fea975ddd37fd86f5534ec168911999f': ('specific', 'p490', 14, []),  # specific ascend_passes.patterns.norm.unweighted_rms_norm_pattern [] inductor (((1, 's', 's'), torch.bfloat16, device(type='cpu')), ((), torch.float32, device(type='cpu')))

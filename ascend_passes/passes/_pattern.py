@@ -52,6 +52,7 @@ import sys
 import threading
 import types
 import warnings
+import weakref
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -856,6 +857,39 @@ def _signature(fn: Any, values: Sequence[Any], decompositions: str) -> Any:
     return tuple(sig)
 
 
+_PER_COMPILE: weakref.WeakKeyDictionary[Any, dict[Any, Any]] = weakref.WeakKeyDictionary()
+"""Traces on symbolic sizes, per ``ShapeEnv`` (one compile): its symbols mean nothing elsewhere."""
+
+
+def _per_compile(fn: Any, values: Sequence[Any], decompositions: str, trace: Callable[[], Any]) -> Any:
+    """``trace()`` for values with symbolic sizes, made once per compile for the same ``fn`` and
+    the same symbolic sizes, strides and dtypes (a layer's norm, attention or experts have the
+    same as the next layer's: one trace instead of one per layer).  The trace's guards are the
+    compile's already; a value that is not a tensor or a number, or no shape environment, traces."""
+
+    def expr(d: Any) -> Any:
+        return d.node.expr if isinstance(d, (torch.SymInt, torch.SymFloat, torch.SymBool)) else d
+
+    env = None
+    sig: list[Any] = [fn, decompositions]
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            dims = (*v.shape, *v.stride())
+            env = env or next((d.node.shape_env for d in dims if isinstance(d, torch.SymInt)), None)
+            sig.append((tuple(map(expr, v.shape)), tuple(map(expr, v.stride())), v.dtype, v.device))
+        elif v is None or isinstance(v, (bool, int, float, torch.SymInt, torch.SymFloat)):
+            sig.append((type(v), expr(v)))
+        else:
+            return trace()
+    if env is None:
+        return trace()
+    memo = _PER_COMPILE.setdefault(env, {})
+    key = tuple(sig)
+    if key not in memo:
+        memo[key] = trace()
+    return memo[key]
+
+
 def _fresh(values: Sequence[Any]) -> list[Any]:
     """Tensors of the values' sizes, strides and dtypes under the current (fake) mode."""
     return [
@@ -1153,7 +1187,7 @@ def replacement_graph(
         return generic
     signature = _signature(fn if key is None else key, values, decompositions)
     if signature is None:  # symbolic shapes: this compile's own trace
-        return trace()
+        return _per_compile(("replacement", fn if key is None else key), values, decompositions, trace)
 
     def cached() -> fx.GraphModule:
         return _cached_on_disk(
@@ -1221,7 +1255,7 @@ def _specific_pattern(
     key = (fn, tuple(argnames), tuple(sorted(scalars.items())))  # all that changes this trace
     signature = _signature(key, values, decompositions)
     if signature is None:  # symbolic shapes: this compile's own trace
-        return trace()
+        return _per_compile(("specific", key), values, decompositions, trace)
 
     def from_entry(entry: Mapping[str, Any]) -> pm.PatternExpr:
         if not isinstance(entry["pattern"], pm.PatternExpr):

@@ -93,8 +93,23 @@ def test_a_form_is_dtypes_ranks_and_unit_sizes():
     assert form("k", fakes((16, 64)), "none") != form("k", fakes((16, 64), dtype=torch.bfloat16), "none")
     assert form("k", fakes((16, 64)), "none") != form("k", fakes((16, 64)), "inductor")
     assert form("k", [*fakes((16, 64)), 1e-6], "none") != form("k", [*fakes((16, 64)), 1e-5], "none")
-    strided = fakes((16, 64))[0][:, :32]
-    assert form("k", [strided], "none") is None  # not contiguous: traced on its sizes
+    strided = fakes((16, 64))[0][:, :32]  # a slice: its strides' form too (each 0, 1 or "s")
+    assert form("k", [strided], "none") == ("k", "none", (("s", "s"), torch.float32, strided.device, ("s", 1)))
+    assert form("k", [strided], "none") != form("k", fakes((16, 32)), "none")
+
+
+def test_a_slice_is_shared_under_its_strides_conditions():
+    """The MLA norms read a slice of the kv projection: their trace on symbolic sizes and strides
+    is shared by every slice that meets what it assumed."""
+    rw = norm.REWRITES[0]
+    wide = fakes((1, 16, 40), (32,))
+    values = [wide[0][..., :32], wide[1], 1e-6]
+    gm, conditions = _pattern.generic_trace(values, trace(rw.replace))
+    assert ops(gm)[0] is torch.ops.ascend.rms_norm.default
+    assert _pattern.meets(values, conditions)
+    other = fakes((1, 7, 72), (64,))
+    assert _pattern.meets([other[0][..., :64], other[1], 1e-6], conditions)
+    assert not _pattern.meets([other[0][..., :64], fakes((32,))[0], 1e-6], conditions)  # the weight's width
 
 
 # ------------------------------------------------------------------------------ lookup
@@ -147,11 +162,11 @@ def test_first_compile_retraces_no_linear_norm_or_swiglu(fresh, monkeypatch, dyn
         out = torch.compile(model, backend="ascend_passes", options={"compiler": "eager"}, dynamic=dynamic)(*inputs)
     shipped = _pattern.STATS["generic_specific_shipped"] - before["generic_specific_shipped"]
     assert shipped >= 4, f"no size-generic trace shipped for these forms: {REGENERATE}"
-    # the MLA norms read a slice of the kv projection (not contiguous): traced on their sizes
-    # ... nor the fused router (its trace assumed the expert count divisible by the groups)
-    assert not [t for t in traced if "linear" in t or "swiglu" in t or "add_rms_norm" in t or "_as_fn" in t], traced
-    if dynamic:  # the re-traces on symbolic sizes: the MLA norms (a slice) and the attention's two
-        assert len([t for t in traced if "with_symbols" in t]) <= 3, traced
+    # nor the MLA norms (a slice of the kv projection: shared by their strides' form), nor the fused
+    # router (its trace assumed the expert count divisible by the groups)
+    assert not [t for t in traced if any(k in t for k in ("linear", "swiglu", "rms_norm", "_as_fn"))], traced
+    if dynamic:  # the re-checks on symbolic sizes: the attention's (views of its sizes)
+        assert len([t for t in traced if "with_symbols" in t]) <= 1, traced
         # once per compile, not once per layer: both layers' norms and attentions have the same sizes
         assert symbolic and len(set(symbolic)) == len(symbolic), collections.Counter(symbolic).most_common(3)
     ops = reports[0].rewritten_ops()
@@ -178,11 +193,12 @@ def _sizes_of(form, conditions, rng):
     for _ in range(2000):
         chosen: dict = {}
         pick = lambda: rng.choice(numbers) * rng.randint(1, 4) if numbers and rng.random() < 0.5 else rng.randint(2, 64)  # noqa: E731
-        dims = {
-            (i, j): chosen.setdefault(find((i, j)), pick())
+        dims = {  # sizes at (i, j), a strided tensor's strides at (i, -1 - j)
+            (i, j if k == 0 else -1 - j): chosen.setdefault(find((i, j if k == 0 else -1 - j)), pick())
             for i, part in enumerate(form[2:])
             if isinstance(part[0], tuple)
-            for j, d in enumerate(part[0])
+            for k in ((0, 3) if len(part) > 3 else (0,))
+            for j, d in enumerate(part[k])
             if d == "s"
         }
         if all(_pattern.holds(t, dims.__getitem__) for t in texts):
@@ -192,11 +208,20 @@ def _sizes_of(form, conditions, rng):
     shapes = []
     for i, part in enumerate(form[2:]):
         if isinstance(part[0], tuple):
-            shapes.append(("t", [d if d != "s" else dims[(i, j)] for j, d in enumerate(part[0])], part[1]))
+            sizes = [d if d != "s" else dims[(i, j)] for j, d in enumerate(part[0])]
+            strides = [d if d != "s" else dims[(i, -1 - j)] for j, d in enumerate(part[3])] if len(part) > 3 else None
+            shapes.append(("t", sizes, part[1], strides))
         else:
             shapes.append(("n", part[1]))
     with FakeTensorMode():
-        return [torch.empty(s[1], dtype=s[2]) if s[0] == "t" else s[1] for s in shapes]
+        return [
+            s[1]
+            if s[0] == "n"
+            else torch.empty(s[1], dtype=s[2])
+            if s[3] is None
+            else torch.empty_strided(s[1], s[3], dtype=s[2])
+            for s in shapes
+        ]
 
 
 def test_shipped_generic_traces_are_current_and_equal_traces_on_sizes(fresh):

@@ -938,28 +938,44 @@ Position = tuple[int, int]
 
 def size_form(key: Any, values: Sequence[Any], decompositions: str) -> tuple[Any, ...] | None:
     """The form of ``values`` (see above) with ``key`` and ``decompositions``, or None when it has
-    none: a tensor not known to be contiguous, a symbolic size not known to be 2 or more (an
-    unbacked one), a value of another type.  A symbolic size known to be at least 2 (a dynamic
-    dimension: Dynamo's symbols start at 2) is of the form's "s"; nothing here adds a guard."""
+    none: a symbolic size or stride not known to be 2 or more, 0 or 1 (an unbacked one), a value of
+    another type.  A symbolic size known to be at least 2 (a dynamic dimension: Dynamo's symbols
+    start at 2) is of the form's "s"; nothing here adds a guard.  A tensor whose strides are not
+    the contiguous ones also has its strides' form (each 0, 1 or "s": a slice of a wider tensor)."""
     form: list[Any] = [key, decompositions]
     for v in values:
         if isinstance(v, torch.Tensor):
-            dims = []
-            for d in v.shape:
-                if not isinstance(d, torch.SymInt):
-                    dims.append(d if d < 2 else "s")
-                elif statically_known_true(d >= 2):
-                    dims.append("s")
-                else:
-                    return None
-            if not _known_contiguous(v):
+            dims = _unit_or_s(v.shape)
+            if dims is None:
                 return None
-            form.append((tuple(dims), v.dtype, v.device))
+            if _known_contiguous(v):
+                form.append((dims, v.dtype, v.device))
+                continue
+            strides = _unit_or_s(v.stride())
+            if strides is None:
+                return None
+            form.append((dims, v.dtype, v.device, strides))
         elif v is None or isinstance(v, (bool, int, float)):
             form.append((type(v), v))
         else:
             return None
     return tuple(form)
+
+
+def _unit_or_s(numbers: Sequence[Any]) -> tuple[Any, ...] | None:
+    """Each number as itself when it is 0 or 1, else "s" (a symbolic one provably >= 2); None when
+    a symbolic one is neither provably."""
+    out: list[Any] = []
+    for d in numbers:
+        if not isinstance(d, torch.SymInt):
+            out.append(d if d < 2 else "s")
+        elif statically_known_true(d >= 2):
+            out.append("s")
+        elif statically_known_true(d == 1) or statically_known_true(d == 0):
+            out.append(int(d.node.hint))
+        else:
+            return None
+    return tuple(out)
 
 
 def _known_contiguous(v: torch.Tensor) -> bool:
@@ -975,7 +991,8 @@ def _known_contiguous(v: torch.Tensor) -> bool:
 
 Condition = tuple[Position, Position] | str
 """What a shared trace assumed of the sizes: a pair of equal sizes, or the text of any other
-relation between them (``_conditions``), its variables ``v<i>_<j>`` (value i, dimension j)."""
+relation between them (``_conditions``), its variables ``v<i>_<j>`` (value i, dimension j; the
+stride of dimension j is position ``(i, -1 - j)``, variable ``w<i>_<j>``)."""
 
 # the functions a condition's text calls (sympy's printing of a guard); sizes are ints or SymInts
 _CONDITION_NAMES: dict[str, Any] = {
@@ -985,12 +1002,20 @@ _CONDITION_NAMES: dict[str, Any] = {
     "Max": lambda *a: functools.reduce(torch.sym_max, a),
     "Min": lambda *a: functools.reduce(torch.sym_min, a),
 }
-_VARIABLE = re.compile(r"\bv(\d+)_(\d+)\b")
+_VARIABLE = re.compile(r"\b([vw])(\d+)_(\d+)\b")
+
+
+def _variable(position: Position) -> str:
+    i, j = position
+    return f"v{i}_{j}" if j >= 0 else f"w{i}_{-1 - j}"
 
 
 @functools.lru_cache(maxsize=1024)
 def _compiled_condition(text: str) -> tuple[Any, tuple[tuple[str, Position], ...]]:
-    names = {m.group(0): (int(m.group(1)), int(m.group(2))) for m in _VARIABLE.finditer(text)}
+    names = {
+        m.group(0): (int(m.group(2)), int(m.group(3)) if m.group(1) == "v" else -1 - int(m.group(3)))
+        for m in _VARIABLE.finditer(text)
+    }
     return compile(text, "<size condition>", "eval"), tuple(names.items())
 
 
@@ -1008,7 +1033,8 @@ def meets(values: Sequence[Any], conditions: Iterable[Condition]) -> bool:
     without a guard)."""
 
     def size(position: Position) -> Any:
-        return values[position[0]].shape[position[1]]
+        i, j = position
+        return values[i].shape[j] if j >= 0 else values[i].stride()[-1 - j]
 
     for condition in conditions:
         if isinstance(condition, str):
@@ -1020,9 +1046,9 @@ def meets(values: Sequence[Any], conditions: Iterable[Condition]) -> bool:
 
 
 def _symbolic(values: Sequence[Any]) -> tuple[Any, FakeTensorMode, list[Any], dict[Any, Position]]:
-    """``(shape_env, fake_mode, inputs, positions)``: contiguous fake tensors of ``values``' form
-    with a symbol for every size of 2 or more, Python numbers as they are, and where each symbol
-    came from."""
+    """``(shape_env, fake_mode, inputs, positions)``: fake tensors of ``values``' form with a symbol
+    for every size of 2 or more (and every stride of 2 or more of a tensor that is not contiguous;
+    the others contiguous), Python numbers as they are, and where each symbol came from."""
     from torch._dynamo.source import ConstantSource
     from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
 
@@ -1030,22 +1056,24 @@ def _symbolic(values: Sequence[Any]) -> tuple[Any, FakeTensorMode, list[Any], di
     mode = FakeTensorMode(shape_env=env)
     positions: dict[Any, Position] = {}
 
-    def size(i: int, j: int, d: Any) -> Any:
+    def symbol(i: int, j: int, d: Any) -> Any:
         d = d if isinstance(d, int) else int(d.node.hint)  # a dynamic size: its example value (>= 2)
         if d < 2:
             return d
-        source = ConstantSource(f"__ascend_size_{i}_{j}")
+        source = ConstantSource(f"__ascend_{_variable((i, j))}")
         expr = env.create_symbol(d, source, dynamic_dim=DimDynamic.DYNAMIC)
         positions[expr] = (i, j)
         return env.create_symintnode(expr, hint=d, source=source)
 
+    def fake(i: int, v: torch.Tensor) -> torch.Tensor:
+        sizes = [symbol(i, j, d) for j, d in enumerate(v.shape)]
+        if _known_contiguous(v):
+            return torch.empty(sizes, dtype=v.dtype, device=v.device)
+        strides = [symbol(i, -1 - j, d) for j, d in enumerate(v.stride())]
+        return torch.empty_strided(sizes, strides, dtype=v.dtype, device=v.device)
+
     with mode:
-        inputs = [
-            torch.empty([size(i, j, d) for j, d in enumerate(v.shape)], dtype=v.dtype, device=v.device)
-            if isinstance(v, torch.Tensor)
-            else v
-            for i, v in enumerate(values)
-        ]
+        inputs = [fake(i, v) if isinstance(v, torch.Tensor) else v for i, v in enumerate(values)]
     return env, mode, inputs, positions
 
 
@@ -1060,7 +1088,9 @@ def _conditions(env: Any, positions: Mapping[Any, Position]) -> list[Condition] 
 
     pairs: set[tuple[Position, Position]] = set()
     texts: set[str] = set()
-    names = {symbol: sympy.Symbol(f"v{i}_{j}", integer=True, positive=True) for symbol, (i, j) in positions.items()}
+    names = {
+        symbol: sympy.Symbol(_variable(position), integer=True, positive=True) for symbol, position in positions.items()
+    }
 
     def add(expr: Any) -> bool:
         if isinstance(expr, sympy.And):

@@ -255,7 +255,8 @@ def main() -> int:
         "--dynamic",
         action="store_true",
         help="compile with dynamic=True (symbolic sizes, as vLLM's piecewise graphs): every column then "
-        "re-traces the matches whose form no shipped size-generic trace covers (nothing keys a cache on symbols)",
+        "re-traces, once per compile, the matches whose form no shipped size-generic trace covers (symbols key "
+        "no cache across compiles)",
     )
     parser.add_argument("--one", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -840,51 +840,39 @@ def traced_pattern(
     return _TRACED.get(parts, make)
 
 
-def _signature(fn: Any, values: Sequence[Any], decompositions: str) -> Any:
-    """What a trace of ``fn`` on ``values`` depends on, or None when a shape is symbolic (such
-    traces are not shared: their symbols belong to one compile)."""
+def _signature(fn: Any, values: Sequence[Any], decompositions: str) -> tuple[Any, Any]:
+    """``(what a trace of fn on values depends on, the ShapeEnv of its symbolic sizes or None)``;
+    ``(None, None)`` when a value is neither a tensor nor a number (not shared).  A symbolic size or
+    stride enters as its expression: such a key means something only in its ShapeEnv (one compile,
+    ``_per_compile``); a key without one is shared by every compile of the process."""
+
+    def expr(d: Any) -> Any:
+        return d.node.expr if isinstance(d, (torch.SymInt, torch.SymFloat)) else d
+
+    env = None
     sig: list[Any] = [fn, decompositions]
     for v in values:
         if isinstance(v, torch.Tensor):
-            dims = (*v.shape, *v.stride())
-            if any(isinstance(d, torch.SymInt) for d in dims):
-                return None
-            sig.append((tuple(v.shape), v.stride(), v.dtype, v.device))
-        elif v is None or isinstance(v, (bool, int, float)):
-            sig.append((type(v), v))
+            sym = [d for d in (*v.shape, *v.stride()) if isinstance(d, torch.SymInt)]
+            env = env or (sym[0].node.shape_env if sym else None)
+            sig.append((tuple(map(expr, v.shape)), tuple(map(expr, v.stride())), v.dtype, v.device))
+        elif v is None or isinstance(v, (bool, int, float, torch.SymInt, torch.SymFloat)):
+            env = env or (v.node.shape_env if isinstance(v, (torch.SymInt, torch.SymFloat)) else None)
+            sig.append((type(v), expr(v)))
         else:
-            return None
-    return tuple(sig)
+            return None, None
+    return tuple(sig), env
 
 
 _PER_COMPILE: weakref.WeakKeyDictionary[Any, dict[Any, Any]] = weakref.WeakKeyDictionary()
 """Traces on symbolic sizes, per ``ShapeEnv`` (one compile): its symbols mean nothing elsewhere."""
 
 
-def _per_compile(fn: Any, values: Sequence[Any], decompositions: str, trace: Callable[[], Any]) -> Any:
-    """``trace()`` for values with symbolic sizes, made once per compile for the same ``fn`` and
-    the same symbolic sizes, strides and dtypes (a layer's norm, attention or experts have the
-    same as the next layer's: one trace instead of one per layer).  The trace's guards are the
-    compile's already; a value that is not a tensor or a number, or no shape environment, traces."""
-
-    def expr(d: Any) -> Any:
-        return d.node.expr if isinstance(d, (torch.SymInt, torch.SymFloat, torch.SymBool)) else d
-
-    env = None
-    sig: list[Any] = [fn, decompositions]
-    for v in values:
-        if isinstance(v, torch.Tensor):
-            dims = (*v.shape, *v.stride())
-            env = env or next((d.node.shape_env for d in dims if isinstance(d, torch.SymInt)), None)
-            sig.append((tuple(map(expr, v.shape)), tuple(map(expr, v.stride())), v.dtype, v.device))
-        elif v is None or isinstance(v, (bool, int, float, torch.SymInt, torch.SymFloat)):
-            sig.append((type(v), expr(v)))
-        else:
-            return trace()
-    if env is None:
-        return trace()
+def _per_compile(env: Any, key: Any, trace: Callable[[], Any]) -> Any:
+    """``trace()`` made once per compile (``env``, its ShapeEnv) for ``key`` (``_signature``'s, with
+    symbolic sizes): a layer's norm, attention or experts have the same symbolic sizes as the next
+    layer's, so one trace serves all of them.  Its guards are the compile's already."""
     memo = _PER_COMPILE.setdefault(env, {})
-    key = tuple(sig)
     if key not in memo:
         memo[key] = trace()
     return memo[key]
@@ -1215,9 +1203,11 @@ def replacement_graph(
     generic = _generic("replacement", fn if key is None else key, values, decompositions, fn, _strip_values)
     if generic is not None:
         return generic
-    signature = _signature(fn if key is None else key, values, decompositions)
-    if signature is None:  # symbolic shapes: this compile's own trace
-        return _per_compile(("replacement", fn if key is None else key), values, decompositions, trace)
+    signature, env = _signature(fn if key is None else key, values, decompositions)
+    if signature is None:
+        return trace()
+    if env is not None:  # symbolic sizes: their symbols belong to this compile
+        return _per_compile(env, ("replacement", signature), trace)
 
     def cached() -> fx.GraphModule:
         return _cached_on_disk(
@@ -1283,9 +1273,11 @@ def _specific_pattern(
         return pm.fx_to_pattern(gm, argnames=names, scalar_workaround=dict(scalars))
 
     key = (fn, tuple(argnames), tuple(sorted(scalars.items())))  # all that changes this trace
-    signature = _signature(key, values, decompositions)
-    if signature is None:  # symbolic shapes: this compile's own trace
-        return _per_compile(("specific", key), values, decompositions, trace)
+    signature, env = _signature(key, values, decompositions)
+    if signature is None:
+        return trace()
+    if env is not None:  # symbolic sizes: their symbols belong to this compile
+        return _per_compile(env, ("specific", signature), trace)
 
     def from_entry(entry: Mapping[str, Any]) -> pm.PatternExpr:
         if not isinstance(entry["pattern"], pm.PatternExpr):

@@ -1,16 +1,23 @@
 // The AVX-512 kernel of swap_gemm.h. x is packed once per call into chunks of up to 32 rows, each stored
-// k-major as x^T ([k][16 * V] floats, V = 1 or 2 vectors of rows, rows past m zero). For each block of
-// kRows weight rows and each chunk, R x V zmm accumulators run over the whole of K: per step of K, V loads
-// of x^T, R broadcasts of w (one float of each weight row, read in place) and R * V FMAs. The accumulators
-// hold y^T[n][m]; a 16 x 16 transpose per vector of rows turns them into y rows, stored with a mask of the
+// pair-major as x^T: a vector holds 8 rows x 2 consecutive k ("a pair"), lane 2i + s = x[8v + i][2p + s], and a
+// chunk of r rows takes V = ceil(r / 8) vectors per pair ([k / 2][V][16] floats; rows past m and the k past
+// an odd K are zero). For each block of R(V) weight rows and each chunk, R x V zmm accumulators run over
+// the whole of K: per pair, V loads of x^T, R broadcasts of a pair of w (two floats of one weight row, read in
+// place) and R * V FMAs. Lane 2i + s of an accumulator sums the even (s = 0) or odd k of y^T[n][8v + i]; a
+// 16 x 16 transpose per vector and one add of the two lanes' rows give y's rows, stored with a mask of the
 // block's columns. While the first chunk runs on a block, the next block's weight rows (past the last: the
 // next weight's first rows) are prefetched into L2, one line per row every 16 steps of K.
+//
+// Why pairs: with one k per vector (16 rows per lane group, the layout before) a chunk is padded to 16 or 32
+// rows, so a 24-row piece, the mean expert piece of a 1x256 prefill at top-6 of 64, ran 25% zero FMAs; pairs
+// pad to 8 rows.
 #include "swap_gemm.h"
 
 #include "common.h"
 #include "transpose.h"
 
 #include <algorithm>
+#include <cstring>
 #include <vector>
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
@@ -23,31 +30,42 @@ namespace ascend_kernels {
 #if ASCEND_SWAP_AVX512
 namespace {
 
-constexpr int kRows = 12;   // weight rows per block: 12 x 2 accumulators + 2 vectors of x^T + 1 broadcast
-constexpr int kChunk = 32;  // rows of x per chunk (V = 2 vectors)
+constexpr int kMaxRows = 12;  // the most weight rows of a block
+
+// weight rows per block when a chunk has v vectors of x^T: R x V accumulators + V vectors of x^T + 1 broadcast
+constexpr int rows_for(int v) { return v <= 2 ? 12 : 8; }
 
 #define ASCEND_AVX512 __attribute__((target("avx512f,avx512vl,avx512bw,avx512dq,fma")))
 #define ASCEND_AVX512_INLINE ASCEND_AVX512 inline __attribute__((always_inline))
 
-// xt[kk * 16V + j] = x[j * xs + kk] for j < rows (<= 16V), 0 for rows <= j < 16V
-template <int V>
-ASCEND_AVX512_INLINE void pack_chunk(const float* x, int64_t xs, int rows, int64_t k, float* xt) {
-  for (int v = 0; v < V; ++v) {
-    const int in_vec = std::clamp(rows - 16 * v, 0, 16);
-    for (int64_t kk = 0; kk < k; kk += 16) {
-      const int cols = static_cast<int>(std::min<int64_t>(16, k - kk));
-      const __mmask16 mask = static_cast<__mmask16>((1u << cols) - 1);
-      __m512 r[16], out[16];
-      for (int i = 0; i < 16; ++i)
-        r[i] = i < in_vec ? _mm512_maskz_loadu_ps(mask, x + (16 * v + i) * xs + kk) : _mm512_setzero_ps();
-      transpose16x16_regs(r, out);  // out[t]: x[16v .. 16v + 15][kk + t]
-      for (int t = 0; t < cols; ++t) _mm512_storeu_ps(xt + (kk + t) * 16 * V + 16 * v, out[t]);
+// xt[(p * V + v) * 16 + 2i + s] = x[(8v + i) * xs + 2p + s] for 8v + i < rows and 2p + s < k, else 0;
+// p < ceil(k / 2)
+ASCEND_AVX512_INLINE void pack_chunk(const float* x, int64_t xs, int rows, int v_count, int64_t k, float* xt) {
+  const int64_t pairs = (k + 1) / 2, full = k / 2;
+  const int64_t stride = 16 * v_count;
+  for (int v = 0; v < v_count; ++v) {
+    for (int i = 0; i < 8; ++i) {
+      const int row = 8 * v + i;
+      float* dst = xt + 16 * v + 2 * i;
+      if (row >= rows) {
+        for (int64_t p = 0; p < pairs; ++p) dst[p * stride] = dst[p * stride + 1] = 0.f;
+        continue;
+      }
+      const float* src = x + row * xs;
+      for (int64_t p = 0; p < full; ++p) std::memcpy(dst + p * stride, src + 2 * p, 2 * sizeof(float));
+      if (pairs > full) dst[full * stride] = src[k - 1], dst[full * stride + 1] = 0.f;
     }
   }
 }
 
-// y[0:rows, 0:R] = (x chunk) @ w[0:R, 0:k]^T, xt the chunk packed by pack_chunk<V>; prefetches pf[r] + 4 * kk
-// bytes (one line of the row every 16 steps) for kk < pf_k[r]
+ASCEND_AVX512_INLINE __m512 broadcast_pair(const float* w) {  // lanes alternate w[0], w[1]
+  double pair;
+  std::memcpy(&pair, w, sizeof(pair));
+  return _mm512_castpd_ps(_mm512_set1_pd(pair));
+}
+
+// y[0:rows, 0:R] = (x chunk) @ w[0:R, 0:k]^T, xt the chunk packed by pack_chunk with V vectors; prefetches
+// pf[r] + 4 * kk bytes (one line of the row every 16 steps of k) for kk < pf_k[r]
 template <int R, int V>
 ASCEND_AVX512 void swap_block(const float* xt, const float* w, int64_t ws, int64_t k, float* y, int64_t ys, int rows,
                               const char* const* pf, const int64_t* pf_k) {
@@ -55,24 +73,34 @@ ASCEND_AVX512 void swap_block(const float* xt, const float* w, int64_t ws, int64
   __m512 acc[R][V];
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < V; ++v) acc[r][v] = _mm512_setzero_ps();
-  int64_t kk = 0;
-  for (; kk + 16 <= k; kk += 16) {
-#pragma GCC unroll 16
-    for (int u = 0; u < 16; ++u) {
+  const int64_t full = k / 2;
+  int64_t p = 0;
+  for (; p + 8 <= full; p += 8) {  // 16 steps of k
+#pragma GCC unroll 8
+    for (int u = 0; u < 8; ++u) {
       __m512 xv[V];
-      for (int v = 0; v < V; ++v) xv[v] = _mm512_loadu_ps(xt + (kk + u) * S + 16 * v);
+      for (int v = 0; v < V; ++v) xv[v] = _mm512_loadu_ps(xt + (p + u) * S + 16 * v);
       for (int r = 0; r < R; ++r) {
-        const __m512 b = _mm512_set1_ps(w[r * ws + kk + u]);
+        const __m512 b = broadcast_pair(w + r * ws + 2 * (p + u));
         for (int v = 0; v < V; ++v) acc[r][v] = _mm512_fmadd_ps(b, xv[v], acc[r][v]);
       }
-      if (u < R && kk < pf_k[u]) _mm_prefetch(pf[u] + 4 * kk, _MM_HINT_T1);
+      for (int r = u; r < R; r += 8)
+        if (2 * p < pf_k[r]) _mm_prefetch(pf[r] + 8 * p, _MM_HINT_T1);
     }
   }
-  for (; kk < k; ++kk) {
+  for (; p < full; ++p) {
     __m512 xv[V];
-    for (int v = 0; v < V; ++v) xv[v] = _mm512_loadu_ps(xt + kk * S + 16 * v);
+    for (int v = 0; v < V; ++v) xv[v] = _mm512_loadu_ps(xt + p * S + 16 * v);
     for (int r = 0; r < R; ++r) {
-      const __m512 b = _mm512_set1_ps(w[r * ws + kk]);
+      const __m512 b = broadcast_pair(w + r * ws + 2 * p);
+      for (int v = 0; v < V; ++v) acc[r][v] = _mm512_fmadd_ps(b, xv[v], acc[r][v]);
+    }
+  }
+  if (k % 2 != 0) {  // the last k alone: w's odd lanes zero (not read: past the row; x's are zero)
+    __m512 xv[V];
+    for (int v = 0; v < V; ++v) xv[v] = _mm512_loadu_ps(xt + full * S + 16 * v);
+    for (int r = 0; r < R; ++r) {
+      const __m512 b = _mm512_maskz_mov_ps(__mmask16(0x5555), _mm512_set1_ps(w[r * ws + k - 1]));
       for (int v = 0; v < V; ++v) acc[r][v] = _mm512_fmadd_ps(b, xv[v], acc[r][v]);
     }
   }
@@ -80,9 +108,10 @@ ASCEND_AVX512 void swap_block(const float* xt, const float* w, int64_t ws, int64
   for (int v = 0; v < V; ++v) {
     __m512 t[16], out[16];
     for (int r = 0; r < 16; ++r) t[r] = r < R ? acc[r][v] : _mm512_setzero_ps();
-    transpose16x16_regs(t, out);  // out[j]: y[16v + j][0 .. R-1]
-    const int in_vec = std::min(16, rows - 16 * v);
-    for (int j = 0; j < in_vec; ++j) _mm512_mask_storeu_ps(y + (16 * v + j) * ys, cols, out[j]);
+    transpose16x16_regs(t, out);  // out[2i + s]: the even (s = 0) / odd k sums of y[8v + i][0 .. R-1]
+    const int in_vec = std::min(8, rows - 8 * v);
+    for (int i = 0; i < in_vec; ++i)
+      _mm512_mask_storeu_ps(y + (8 * v + i) * ys, cols, _mm512_add_ps(out[2 * i], out[2 * i + 1]));
   }
 }
 
@@ -96,31 +125,46 @@ ASCEND_AVX512_INLINE void swap_cols(int nb, const float* xt, const float* w, int
   swap_block<R, V>(xt, w, ws, k, y, ys, rows, pf, pf_k);
 }
 
-ASCEND_AVX512 void swap_avx512(const float* x, int64_t xs, const float* w, int64_t ws, float* y, int64_t ys, int64_t m,
-                               int64_t n, int64_t k, const NextWeight& next) {
-  const int64_t chunks = (m + kChunk - 1) / kChunk;
-  thread_local std::vector<float> packed;  // the chunks of x^T, one after the other
-  packed.resize(chunks * kChunk * k);
+// One chunk on a block of nb (<= rows_for(v_max)) weight rows, its V at run time.
+template <int VMax>
+ASCEND_AVX512_INLINE void swap_chunk(int v_count, int nb, const float* xt, const float* w, int64_t ws, int64_t k,
+                                     float* y, int64_t ys, int rows, const char* const* pf, const int64_t* pf_k) {
+  constexpr int R = rows_for(VMax);
+  switch (v_count) {
+    case 1:
+      return swap_cols<R, 1>(nb, xt, w, ws, k, y, ys, rows, pf, pf_k);
+    case 2:
+      return swap_cols<R, 2>(nb, xt, w, ws, k, y, ys, rows, pf, pf_k);
+    default:
+      if constexpr (VMax >= 3) return swap_cols<R, 3>(nb, xt, w, ws, k, y, ys, rows, pf, pf_k);
+      break;
+  }
+}
+
+// The whole call with blocks of rows_for(VMax) weight rows: VMax the most vectors any chunk has; chunk c holds
+// rows first[c] .. first[c + 1] - 1.
+template <int VMax>
+ASCEND_AVX512 void swap_call(const float* x, int64_t xs, const float* w, int64_t ws, float* y, int64_t ys, int64_t n,
+                             int64_t k, const NextWeight& next, const std::vector<int64_t>& first) {
+  constexpr int R = rows_for(VMax);
+  const int64_t pairs = (k + 1) / 2, chunks = static_cast<int64_t>(first.size()) - 1;
+  thread_local std::vector<float> packed;                // the chunks of x^T, one after the other
+  packed.resize(16 * ((first.back() + 7) / 8) * pairs);  // 8 rows x 2 k per vector
   std::vector<int64_t> offset(chunks);
   for (int64_t c = 0, at = 0; c < chunks; ++c) {
-    const int rows = static_cast<int>(std::min<int64_t>(kChunk, m - c * kChunk));
+    const int rows = static_cast<int>(first[c + 1] - first[c]), v_count = (rows + 7) / 8;
     offset[c] = at;
-    if (rows > 16) {
-      pack_chunk<2>(x + c * kChunk * xs, xs, rows, k, packed.data() + at);
-      at += 32 * k;
-    } else {
-      pack_chunk<1>(x + c * kChunk * xs, xs, rows, k, packed.data() + at);
-      at += 16 * k;
-    }
+    pack_chunk(x + first[c] * xs, xs, rows, v_count, k, packed.data() + at);
+    at += 16 * v_count * pairs;
   }
-  const int64_t none[kRows] = {};
-  for (int64_t n0 = 0; n0 < n; n0 += kRows) {
-    const int nb = static_cast<int>(std::min<int64_t>(kRows, n - n0));
+  const int64_t none[kMaxRows] = {};
+  for (int64_t n0 = 0; n0 < n; n0 += R) {
+    const int nb = static_cast<int>(std::min<int64_t>(R, n - n0));
     // the next block's weight rows, past n the next weight's first rows (fp32 only)
-    const char* ahead[kRows];
-    int64_t ahead_k[kRows];
-    for (int j = 0; j < kRows; ++j) {
-      const int64_t r = n0 + kRows + j;
+    const char* ahead[kMaxRows];
+    int64_t ahead_k[kMaxRows];
+    for (int j = 0; j < R; ++j) {
+      const int64_t r = n0 + R + j;
       ahead[j] = nullptr;
       ahead_k[j] = 0;
       if (r < n) {
@@ -132,16 +176,26 @@ ASCEND_AVX512 void swap_avx512(const float* x, int64_t xs, const float* w, int64
       }
     }
     for (int64_t c = 0; c < chunks; ++c) {
-      const int rows = static_cast<int>(std::min<int64_t>(kChunk, m - c * kChunk));
-      const int64_t* pf_k = c == 0 ? ahead_k : none;
-      float* yc = y + c * kChunk * ys + n0;
-      const float* xt = packed.data() + offset[c];
-      if (rows > 16)
-        swap_cols<kRows, 2>(nb, xt, w + n0 * ws, ws, k, yc, ys, rows, ahead, pf_k);
-      else
-        swap_cols<kRows, 1>(nb, xt, w + n0 * ws, ws, k, yc, ys, rows, ahead, pf_k);
+      const int rows = static_cast<int>(first[c + 1] - first[c]);
+      swap_chunk<VMax>((rows + 7) / 8, nb, packed.data() + offset[c], w + n0 * ws, ws, k, y + first[c] * ys + n0, ys,
+                       rows, ahead, c == 0 ? ahead_k : none);
     }
   }
+}
+
+// Chunks of 16 rows (2 vectors, 12-row weight blocks); an odd number of 8-row groups puts 3 of them in the first
+// chunk (its blocks then have 8 weight rows), so no chunk is padded by more than 7 rows. (Chunks of 32 rows need
+// 6-row weight blocks and read twice the x^T per FMA from L2: measured slower than two chunks of 16.)
+void swap_avx512(const float* x, int64_t xs, const float* w, int64_t ws, float* y, int64_t ys, int64_t m, int64_t n,
+                 int64_t k, const NextWeight& next) {
+  const int64_t groups = (m + 7) / 8;
+  const bool triple = groups % 2 == 1 && groups >= 3;
+  std::vector<int64_t> first{0};
+  for (int64_t g = triple ? 3 : std::min<int64_t>(2, groups); first.back() < m; g = 2)
+    first.push_back(std::min(m, first.back() + 8 * g));
+  if (triple) return swap_call<3>(x, xs, w, ws, y, ys, n, k, next, first);
+  if (groups == 1) return swap_call<1>(x, xs, w, ws, y, ys, n, k, next, first);
+  swap_call<2>(x, xs, w, ws, y, ys, n, k, next, first);
 }
 
 }  // namespace
@@ -176,9 +230,24 @@ void swap_gemm_nt(const float*, int64_t, const float*, int64_t, float*, int64_t,
 //                       m=24: 47/37, 50/37, 45/43, 46/47        m=32: 48/43, 54/42, 43/43, 58/52
 //                       m=48: 59/54, 61/57, 45/46, 63/66        m=64: 75/67, 73/63, 51/50, 75/69
 //                       m=80: 78/72, 77/67, 50/49, 71/65        m=128: 110/103, 105/102, 68/70, 112/95
-// Below 13 rows a chunk of one vector wastes up to 7/16 of its FMAs and the stream kernel ties or wins; above
-// the bounds MKL / gemm.h's kernel tie or win (their packing pays for itself over many rows).
-constexpr int64_t kFp32SwapMinRows = 13;
+// (Those rows: the layout of one k per vector, chunks of 16 / 32 rows.) Below 13 rows a chunk of one vector
+// wasted up to 7/16 of its FMAs and the stream kernel tied or won; above the bounds MKL / gemm.h's kernel tie
+// or win (their packing pays for itself over many rows).
+// Session 14 (pairs of k per vector, chunks padded to 8 rows), 2-core AMD EPYC Zen 5 (no AMX), one thread,
+// GFLOP/s of 64 cold experts of m rows each (/work/scratch/gmm_m.py), old layout -> pairs, two runs:
+//   up (K=1024, N=512)   m=9: 57/54 -> 73/71    m=12: 74/74 -> 100/100   m=16: 97/93 -> 124/130
+//                        m=20: 98/101 -> 141/141  m=24: 119/115 -> 181/165  m=28: 142/135 -> 138/134
+//                        m=32: 161/157 -> 145/150  m=40: 126/131 -> 178/168  m=48: 159/148 -> 160/154
+//                        m=64: 180/141 -> 167/157  m=96: 184/175 -> 172/170
+//   down (K=256, N=1024) m=9: 70/67 -> 89/83   m=12: 89/89 -> 114/97   m=16: 118/111 -> 151/142
+//                        m=20: 104/102 -> 149/140  m=24: 122/116 -> 164/162  m=32: 155/152 -> 161/162
+//                        m=40: 127/125 -> 173/173  m=64: 167/145 -> 171/151
+// and against the stream kernel, m = 9..14 (stream / pairs): up 74/81, 79/89, 80/95, 86/104, 96/116, 94/125;
+// down 90/96, 99/108, 100/115, 104/126, 102/135, 102/148: the pairs win from 9 rows (8 and fewer take
+// skinny.h's weight stream). The packing kernel (ASCEND_PASSES_GEMM=own) at m = 40..128 ties or trails
+// (up 104-183, down 125-183), so the upper bounds stay. A 1x256 prefill's expert pieces (64 experts of
+// 0..115 rows, the bench model's routing), both threads: up 7.9-9.3 -> 6.0-7.1 ms, down 4.0-4.2 -> 2.8-3.4.
+constexpr int64_t kFp32SwapMinRows = 9;
 constexpr int64_t kFp32SwapMaxRowsDeep = 96;     // K > kOwnGemmMaxK
 constexpr int64_t kFp32SwapMaxRowsShallow = 64;  // K <= kOwnGemmMaxK
 

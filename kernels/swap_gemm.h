@@ -1,14 +1,16 @@
 // fp32 GEMM for grouped_matmul's prefill pieces of tens of rows: y[m, n] = x[m, k] @ w[n, k]^T with the rows
 // of w contiguous (Hugging Face's [E, N, K] expert storage), computed as y^T = w @ x^T (the swapped operands
-// of amx_swap.h, on AVX-512 FMAs): x is packed once per call as x^T (k-major, 16 or 32 rows of x per chunk),
-// w is read in place, once, each element broadcast against one or two vectors of x rows. AVX-512 only.
+// of amx_swap.h, on AVX-512 FMAs): x is packed once per call as x^T in pairs of k (a vector: 8 rows x 2 k;
+// chunks of 16 or 24 rows), w is read in place, once per chunk, each pair of its elements broadcast against
+// two or three vectors of x rows. AVX-512 only.
 //
 // Why: stream_gemm.h (dot products along K) re-reads all of x from L2 for every 4 weight rows and reduces 16
-// sums per 4 x 4 block; gemm.h and MKL pack the weight first. Here a register block of 12 weight rows x 32 x
-// rows (24 accumulators) does 24 FMAs per 2 vector loads of x^T and 12 broadcasts of w, and the sums are
-// final: one 16 x 16 transpose per block writes them into y's rows. The cost is padding: a chunk of r rows
-// takes the FMAs of 16 * ceil(r / 16) rows. The next 12 weight rows (past the last: the next expert's
-// first rows) are prefetched into L2 under the compute, one cache line per row every 16 steps of K.
+// sums per 4 x 4 block; gemm.h and MKL pack the weight first. Here a register block of 12 weight rows x 16
+// x rows (or 8 x 24) does 24 FMAs per 2 (3) vector loads of x^T and 12 (8) broadcasts of w, and the sums are
+// final but for one add: a 16 x 16 transpose per vector and the add of its even-k and odd-k rows write them
+// into y's rows. The cost is padding: a chunk of r rows takes the FMAs of 8 * ceil(r / 8) rows. The next
+// block's weight rows (past the last: the next expert's first rows) are prefetched into L2 under the
+// compute, one cache line per row every 16 steps of K.
 #pragma once
 
 #include "gemm.h"

@@ -1,8 +1,9 @@
 """grouped_matmul's fp32 swapped-operand kernel (kernels/swap_gemm.cpp: y^T = W x^T on AVX-512 FMAs, x packed
-as x^T in chunks of 16 or 32 rows, the weight read in place; issue 18 goal 2) against fp64 references: every
-edge of its 12-row weight blocks and 16/32-row x chunks, K tails, strided weights, bias/activation, skewed
-and empty groups, the next-weight prefetch, the route rule (MKL_VERBOSE shows which pieces went to BLAS) and
-the same results with the instruction set capped below AVX-512."""
+as x^T in pairs of k, 8 rows per vector, chunks of 16 or 24 rows, the weight read in place; issue 18 goal 2)
+against fp64 references: every edge of its 12- and 8-row weight blocks, 8-row groups and chunks, odd K,
+strided weights, bias/activation, skewed and empty groups, the next-weight prefetch, the route rule
+(MKL_VERBOSE shows which pieces went to BLAS) and the same results with the instruction set capped below
+AVX-512."""
 
 from __future__ import annotations
 
@@ -23,10 +24,11 @@ skip_unless(kernels.available(), "C++ kernels not built or disabled", allow_modu
 K = torch.ops.ascend_kernels if kernels.available() else None
 
 
-# rows: one chunk of one vector (9..16), of two (17..32), two chunks (33..64) and each edge between;
-# columns: each remainder of the 12-row weight blocks; depths: below, at and past a 16-step of K
-@pytest.mark.parametrize("m", [9, 15, 16, 17, 31, 32, 33, 48, 49, 97])
-@pytest.mark.parametrize("n,k", [(1, 1), (11, 15), (12, 16), (13, 17), (25, 100), (70, 1030)])
+# rows: one 8-row group (1..8), one chunk of two (9..16), of three (17..24: 8-row weight blocks), two chunks
+# (25..32), three and two (33..40), and each edge between; columns: each remainder of the 12- and 8-row weight
+# blocks; depths: one k, odd and even tails of a pair, below, at and past a 16-step of K
+@pytest.mark.parametrize("m", [1, 7, 8, 9, 16, 17, 23, 24, 25, 32, 33, 40, 41, 48, 49, 97])
+@pytest.mark.parametrize("n,k", [(1, 1), (7, 3), (8, 2), (9, 33), (11, 15), (12, 16), (13, 17), (25, 100), (70, 1030)])
 def test_swap_piece_edges_against_fp64(gemm_route, m, n, k):
     torch.manual_seed(m * 1000 + n + k)
     gemm_route("swap")
@@ -107,7 +109,7 @@ ROUTE_SCRIPT = textwrap.dedent(
 
 
 def test_swap_route_rule_and_forced_route():
-    """kAuto: K > 512 pieces of 13..96 rows take the swap kernel (no SGEMM), 97 rows go to MKL (on Intel's
+    """kAuto: K > 512 pieces of 9..96 rows take the swap kernel (no SGEMM), 97 rows go to MKL (on Intel's
     CPUs; the packing kernel elsewhere); K <= 512
     pieces up to 64 rows too, 65 rows go to the packing kernel (no SGEMM either); swap never calls MKL,
     blas always; without AVX-512 (or capped below it) every route is MKL."""
@@ -131,7 +133,7 @@ def test_swap_route_rule_and_forced_route():
         # 97 rows: MKL on Intel's CPUs; elsewhere MKL's sgemm is not its tuned one: gemm.h's GEMM
         assert not blas["k=1024 m=96 route=auto"] and blas["k=1024 m=97 route=auto"] == (cpu_vendor() == "GenuineIntel")
         assert not blas["k=256 m=64 route=auto"] and not blas["k=256 m=65 route=auto"], blas
-        assert not blas["k=1024 m=12 route=auto"], blas  # the stream kernel below 13 rows
+        assert not blas["k=1024 m=12 route=auto"], blas  # the swap kernel from 9 rows
     else:
         assert all(blas.values()), blas
 

@@ -11,8 +11,8 @@ Hugging Face ``batched_mm`` experts under Inductor; then ascend_passes with ``co
 all peers of that shape and dtype, and the compile time (first call).  Each (dtype, shape) cell runs
 in a process of its own (``--in-process``: all in this one), so that a full run fits 24 GiB; this
 process prints the one table.  Below the table, the limits measured
-in the same run: the model's matmul FLOPs (FlopCounterMode on the ``batched_mm`` model, which counts
-the experts' bmm), a dense [2048,1024]x[1024,4096] product in each dtype (the faster of ``torch.mm``
+in the same run: the model's matmul FLOPs (the sum of ``matmul_census``: FlopCounterMode's formulas, an
+expert's product per routed row), a dense [2048,1024]x[1024,4096] product in each dtype (the faster of ``torch.mm``
 and ``ascend.linear``: the best GEMM of the machine) and the fraction of that roofline each prefill
 reaches; for decode, the bytes the forward must read (all weights but the experts no token routes to
 and the embedding rows not looked up) and the fraction of copy bandwidth; and issue 18's ratios
@@ -181,15 +181,9 @@ def _best(fn: Callable[[], Any], budget_s: float) -> float:
     return best
 
 
-def model_facts(model: torch.nn.Module, batched: torch.nn.Module, ids: torch.Tensor) -> tuple[float, float]:
-    """(matmul FLOPs of a forward, bytes a forward must read): FLOPs counted on the ``batched_mm``
-    model (FlopCounterMode has no formula for ``_grouped_mm``; the experts' bmm computes exactly the
-    routed rows); bytes are all parameters but the experts no token is routed to (seen by a hook on
-    each experts module) and the embedding rows not looked up."""
-    from torch.utils.flop_counter import FlopCounterMode
-
-    with torch.no_grad(), FlopCounterMode(display=False) as counter:
-        batched(ids)
+def must_read_bytes(model: torch.nn.Module, ids: torch.Tensor) -> float:
+    """The bytes a forward must read: all parameters but the experts no token is routed to (seen by a hook
+    on each experts module) and the embedding rows not looked up."""
     touched: dict[str, int] = {}
     hooks = []
     for name, mod in model.named_modules():
@@ -213,7 +207,7 @@ def model_facts(model: torch.nn.Module, batched: torch.nn.Module, ids: torch.Ten
     embed = model.lm.get_input_embeddings().weight
     rows = int(torch.unique(ids).numel())
     total -= (embed.shape[0] - rows) * embed.shape[1] * embed.element_size()
-    return float(counter.get_total_flops()), float(total)
+    return float(total)
 
 
 def matmul_census(model: torch.nn.Module, ids: torch.Tensor) -> list[tuple[float, float]]:
@@ -304,8 +298,10 @@ def bench(
             batch, tokens = SHAPES[shape]
             model, (ids,) = factory("grouped_mm", num_layers=4, tokens=tokens, batch=batch, dtype=dtype, **config)
             batched, _ = factory("batched_mm", num_layers=4, tokens=tokens, batch=batch, dtype=dtype, **config)
-            flops, bytes_read = model_facts(model, batched, ids)
+            # the FLOPs: the census's sum (the batched_mm model's FlopCounterMode count, which sessions before
+            # 14 used, is the same number but gathers every routed row's expert weight: 18 GiB at fp32 1x1024)
             matmuls = matmul_census(model, ids)
+            flops, must_read = sum(f for f, _ in matmuls), must_read_bytes(model, ids)
             mm_rates, copy_rates = [dense_mm_flops(dtype)], [copy_bandwidth()]
             reference = None
             for variant in variants:
@@ -343,7 +339,7 @@ def bench(
                 mm_rates.append(dense_mm_flops(dtype, 0.2))
                 copy_rates.append(copy_bandwidth(0.2))
                 fn = out = reports = None  # freed before the next variant compiles
-            facts[(shape, dtype_name)] = Facts(flops, bytes_read, max(mm_rates), max(copy_rates), matmuls)
+            facts[(shape, dtype_name)] = Facts(flops, must_read, max(mm_rates), max(copy_rates), matmuls)
             del model, batched, reference
             torch._dynamo.reset()
             gc.collect()

@@ -516,9 +516,9 @@ def test_linear_against_reference(dtype, rows, k, with_bias):
 def test_fp32_linear_on_the_own_gemm(monkeypatch, rows, n):
     """fp32 linear of > 8 rows with ASCEND_PASSES_GEMM=own (the default on a CPU not of Intel's, where
     MKL's sgemm is not its tuned one): gemm.h's GEMM over blocks of at most 192 rows (cut equal: 193 rows
-    are 97 + 96, 400 are 134 + 133 + 133) x 256 columns split over the threads; row and column block edges, K tails of the 128-deep panel, rows of x and w strided,
-    bias added after; against the fp64 product. The default route on a CPU not of Intel's is this one
-    (bitwise), on Intel's BLAS."""
+    are 97 + 96, 400 are 134 + 133 + 133) x 256 columns split over the threads; row and column block
+    edges, K tails of the 128-deep panel, rows of x and w strided, bias added after; against the fp64
+    product. The default route on a CPU not of Intel's is this one (bitwise), on Intel's BLAS."""
     torch.manual_seed(rows * 7 + n)
     for k in (1, 17, 300):
         x = torch.randn(rows, k + 3)[:, :k]

@@ -16,8 +16,8 @@
 // ASCEND_PASSES_GEMM=blas gives the routes before it, ASCEND_PASSES_BF16_KERNEL=swap|tile|onednn|stream|dot
 // forces one kernel, tile being amx_gemm.h's, which packs W per call), else torch's bf16 mm into the
 // output rows, which oneDNN runs on the tile units (brgemm; single-threaded inside the worker); bf16 on
-// a CPU with AVX512_BF16 but no AMX (Zen 4/5, Cooper Lake): up to kDotMaxRows rows gemm.h's vdpbf16ps
-// GEMM, more rows torch's bf16 mm (oneDNN's vdpbf16ps brgemm; onednn_bf16_mm() and bf16_dot_piece()
+// a CPU with AVX512_BF16 but no AMX (Zen 4/5, Cooper Lake): up to kSwapDpMaxRows rows swap_gemm.h's vdpbf16ps
+// kernel (gemm.h's vdpbf16ps GEMM where forced), more rows torch's bf16 mm (oneDNN's vdpbf16ps brgemm; onednn_bf16_mm() and bf16_dot_piece()
 // below have the measurements; ASCEND_PASSES_GEMM=own or ASCEND_PASSES_ISA=avx512 keep the GEMM
 // below); otherwise one single-threaded fp32 GEMM: gemm.h's AVX-512 kernel, which widens bf16 weights while
 // packing and prefetches the next group's weight while it computes, when the weight's K is contiguous
@@ -159,6 +159,26 @@ bool bf16_dot_piece(GemmRoute route, Bf16Kernel forced, int64_t m, int64_t k, in
   return forced == Bf16Kernel::kDot || m <= kDotMaxRows;
 }
 
+// Whether a bf16 piece of m (> kSkinnyRows) rows on a CPU with avx512_bf16 but no AMX takes swap_gemm.h's
+// vdpbf16ps kernel: ASCEND_PASSES_BF16_KERNEL=swap forces it (where K is even), dot / onednn and
+// ASCEND_PASSES_GEMM=own never; the rule: up to kSwapDpMaxRows rows. Measured (session 14, 2-core AMD EPYC
+// Zen 5, one thread, GFLOP/s of 64 cold experts of m rows each, two runs; swap / dot / oneDNN):
+//   up (K=1024, N=512)   m=9: 142-164 / 75-87 / 64-83     m=16: 249-290 / 134-137 / 116-134
+//                        m=24: 318-339 / 169-188 / 148-166  m=48: 324-347 / 256-259 / 238-248
+//                        m=96: 342-364 / 295-331 / 310-321  m=128: 337-355 / 322-327 / 324-338
+//                        m=160-256: 339-377 against oneDNN's 336-388 (a tie: oneDNN keeps them)
+//   down (K=256, N=1024) m=16: 239-271 / 115-128 / 96-102   m=24: 241-262 / 145-148 / 96-144
+//                        m=64: 269-297 / 220-249 / 232-238  m=128: 284-301 / 267-304 / 299-315
+// A 1x256 prefill's expert pieces (the bench model's skewed routing, both threads): up 4.5-4.7 -> 2.7 ms,
+// down 2.3-2.7 -> 1.5 ms; the 2048-token pieces (~192 rows, oneDNN) unchanged.
+constexpr int64_t kSwapDpMaxRows = 128;
+
+bool bf16_swap_dp_piece(GemmRoute route, Bf16Kernel forced, int64_t m, int64_t k) {
+  if (route == GemmRoute::kOwn || !swap_dp_supported(k)) return false;
+  if (forced != Bf16Kernel::kRule) return forced == Bf16Kernel::kSwap;
+  return m <= kSwapDpMaxRows;
+}
+
 void activate_inplace(at::Tensor& y, int64_t act_type) {
   if (act_type == 1)
     y.relu_();
@@ -275,13 +295,21 @@ void matmul_piece(const at::Tensor& x, const at::Tensor& w, const T* bias, int64
     }
   }
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    // avx512_bf16 without AMX: gemm.h's vdpbf16ps GEMM, the weight read in place (bf16_dot_piece)
-    if (m > kSkinnyRows && w.stride(0) == 1 && x.stride(1) == 1 && y.stride(1) == 1 && k > 0 && !amx_swap_available() &&
-        bf16_dot_piece(route, forced, m, k, w.stride(1))) {
-      const std::unique_ptr<float[]> acc(new float[m * n]);  // every element written by the GEMM: no zeroing
-      gemm_dp_nt(x.const_data_ptr<T>(), x.stride(0), w.const_data_ptr<T>(), w.stride(1), acc.get(), n, m, n, k, next);
-      store(acc.get(), bias, act_type, y.data_ptr<T>(), y.stride(0), m, n);
-      return;
+    // avx512_bf16 without AMX: swap_gemm.h's vdpbf16ps kernel (bf16_swap_dp_piece) or gemm.h's vdpbf16ps GEMM
+    // (bf16_dot_piece), both reading the weight in place
+    if (m > kSkinnyRows && w.stride(0) == 1 && x.stride(1) == 1 && y.stride(1) == 1 && k > 0 && !amx_swap_available()) {
+      const bool swap = bf16_swap_dp_piece(route, forced, m, k);
+      if (swap || bf16_dot_piece(route, forced, m, k, w.stride(1))) {
+        const std::unique_ptr<float[]> acc(new float[m * n]);  // every element written by the GEMM: no zeroing
+        if (swap)
+          swap_dp_nt(x.const_data_ptr<T>(), x.stride(0), w.const_data_ptr<T>(), w.stride(1), acc.get(), n, m, n, k,
+                     next);
+        else
+          gemm_dp_nt(x.const_data_ptr<T>(), x.stride(0), w.const_data_ptr<T>(), w.stride(1), acc.get(), n, m, n, k,
+                     next);
+        store(acc.get(), bias, act_type, y.data_ptr<T>(), y.stride(0), m, n);
+        return;
+      }
     }
   }
   // the [K, N] row-major layout (and fp16): fp32 -> BLAS even for a row or two (82% of copy bandwidth at

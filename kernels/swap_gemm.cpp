@@ -35,13 +35,30 @@ constexpr int kMaxRows = 12;  // the most weight rows of a block
 // weight rows per block when a chunk has v vectors of x^T: R x V accumulators + V vectors of x^T + 1 broadcast
 constexpr int rows_for(int v) { return v <= 2 ? 12 : 8; }
 
-#define ASCEND_AVX512 __attribute__((target("avx512f,avx512vl,avx512bw,avx512dq,fma")))
+// avx512bf16 for the bf16 kernel's vdpbf16ps; the fp32 kernel's code has no instruction of it (it is only
+// called where the CPU has AVX-512, the bf16 one where avx512_bf16_usable())
+#define ASCEND_AVX512 __attribute__((target("avx512f,avx512vl,avx512bw,avx512dq,avx512bf16,fma")))
 #define ASCEND_AVX512_INLINE ASCEND_AVX512 inline __attribute__((always_inline))
 
-// xt[(p * V + v) * 16 + 2i + s] = x[(8v + i) * xs + 2p + s] for 8v + i < rows and 2p + s < k, else 0;
-// p < ceil(k / 2)
-ASCEND_AVX512_INLINE void pack_chunk(const float* x, int64_t xs, int rows, int v_count, int64_t k, float* xt) {
-  const int64_t pairs = (k + 1) / 2, full = k / 2;
+// The kernels work on 32-bit "elements" of a row: a float (F32: y += w * x per lane), or a pair of
+// consecutive bf16 (Dp: vdpbf16ps, y += w[2e] * x[2e] + w[2e + 1] * x[2e + 1] per lane, in fp32).
+struct F32 {
+  using T = float;
+  static constexpr int kPer = 1;  // values of T per element
+  static ASCEND_AVX512_INLINE __m512 madd(__m512 acc, __m512 w, __m512 x) { return _mm512_fmadd_ps(w, x, acc); }
+};
+struct Dp {
+  using T = c10::BFloat16;
+  static constexpr int kPer = 2;
+  static ASCEND_AVX512_INLINE __m512 madd(__m512 acc, __m512 w, __m512 x) {
+    return _mm512_dpbf16_ps(acc, (__m512bh)x, (__m512bh)w);
+  }
+};
+
+// xt[(p * V + v) * 16 + 2i + s] = element 2p + s of row 8v + i of x (rows `xs` bytes apart) for 8v + i < rows and
+// 2p + s < ke, else 0; p < ceil(ke / 2)
+ASCEND_AVX512_INLINE void pack_chunk(const char* x, int64_t xs, int rows, int v_count, int64_t ke, float* xt) {
+  const int64_t pairs = (ke + 1) / 2, full = ke / 2;
   const int64_t stride = 16 * v_count;
   for (int v = 0; v < v_count; ++v) {
     for (int i = 0; i < 8; ++i) {
@@ -51,151 +68,160 @@ ASCEND_AVX512_INLINE void pack_chunk(const float* x, int64_t xs, int rows, int v
         for (int64_t p = 0; p < pairs; ++p) dst[p * stride] = dst[p * stride + 1] = 0.f;
         continue;
       }
-      const float* src = x + row * xs;
-      for (int64_t p = 0; p < full; ++p) std::memcpy(dst + p * stride, src + 2 * p, 2 * sizeof(float));
-      if (pairs > full) dst[full * stride] = src[k - 1], dst[full * stride + 1] = 0.f;
+      const char* src = x + row * xs;
+      for (int64_t p = 0; p < full; ++p) std::memcpy(dst + p * stride, src + 8 * p, 8);
+      if (pairs > full) std::memcpy(dst + full * stride, src + 8 * full, 4), dst[full * stride + 1] = 0.f;
     }
   }
 }
 
-ASCEND_AVX512_INLINE __m512 broadcast_pair(const float* w) {  // lanes alternate w[0], w[1]
+ASCEND_AVX512_INLINE __m512 broadcast_pair(const char* w) {  // lanes alternate elements 0 and 1 at w
   double pair;
   std::memcpy(&pair, w, sizeof(pair));
   return _mm512_castpd_ps(_mm512_set1_pd(pair));
 }
 
-// y[0:rows, 0:R] = (x chunk) @ w[0:R, 0:k]^T, xt the chunk packed by pack_chunk with V vectors; prefetches
-// pf[r] + 4 * kk bytes (one line of the row every 16 steps of k) for kk < pf_k[r]
-template <int R, int V>
-ASCEND_AVX512 void swap_block(const float* xt, const float* w, int64_t ws, int64_t k, float* y, int64_t ys, int rows,
-                              const char* const* pf, const int64_t* pf_k) {
+// y[0:rows, 0:R] = (x chunk) @ w[0:R]^T over ke elements, xt the chunk packed by pack_chunk with V vectors, the
+// weight rows ws bytes apart; prefetches pf[r] + 8 * p bytes (one line of the row every 8 pairs) while
+// 2 * p < pf_e[r] (elements)
+template <class E, int R, int V>
+ASCEND_AVX512 void swap_block(const float* xt, const char* w, int64_t ws, int64_t ke, float* y, int64_t ys, int rows,
+                              const char* const* pf, const int64_t* pf_e) {
   constexpr int S = 16 * V;
   __m512 acc[R][V];
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < V; ++v) acc[r][v] = _mm512_setzero_ps();
-  const int64_t full = k / 2;
+  const int64_t full = ke / 2;
   int64_t p = 0;
-  for (; p + 8 <= full; p += 8) {  // 16 steps of k
+  for (; p + 8 <= full; p += 8) {  // 16 elements: one cache line of a row
 #pragma GCC unroll 8
     for (int u = 0; u < 8; ++u) {
       __m512 xv[V];
       for (int v = 0; v < V; ++v) xv[v] = _mm512_loadu_ps(xt + (p + u) * S + 16 * v);
       for (int r = 0; r < R; ++r) {
-        const __m512 b = broadcast_pair(w + r * ws + 2 * (p + u));
-        for (int v = 0; v < V; ++v) acc[r][v] = _mm512_fmadd_ps(b, xv[v], acc[r][v]);
+        const __m512 b = broadcast_pair(w + r * ws + 8 * (p + u));
+        for (int v = 0; v < V; ++v) acc[r][v] = E::madd(acc[r][v], b, xv[v]);
       }
       for (int r = u; r < R; r += 8)
-        if (2 * p < pf_k[r]) _mm_prefetch(pf[r] + 8 * p, _MM_HINT_T1);
+        if (2 * p < pf_e[r]) _mm_prefetch(pf[r] + 8 * p, _MM_HINT_T1);
     }
   }
   for (; p < full; ++p) {
     __m512 xv[V];
     for (int v = 0; v < V; ++v) xv[v] = _mm512_loadu_ps(xt + p * S + 16 * v);
     for (int r = 0; r < R; ++r) {
-      const __m512 b = broadcast_pair(w + r * ws + 2 * p);
-      for (int v = 0; v < V; ++v) acc[r][v] = _mm512_fmadd_ps(b, xv[v], acc[r][v]);
+      const __m512 b = broadcast_pair(w + r * ws + 8 * p);
+      for (int v = 0; v < V; ++v) acc[r][v] = E::madd(acc[r][v], b, xv[v]);
     }
   }
-  if (k % 2 != 0) {  // the last k alone: w's odd lanes zero (not read: past the row; x's are zero)
+  if (ke % 2 != 0) {  // the last element alone: w's odd lanes zero (not read: past the row; x's are zero)
     __m512 xv[V];
     for (int v = 0; v < V; ++v) xv[v] = _mm512_loadu_ps(xt + full * S + 16 * v);
     for (int r = 0; r < R; ++r) {
-      const __m512 b = _mm512_maskz_mov_ps(__mmask16(0x5555), _mm512_set1_ps(w[r * ws + k - 1]));
-      for (int v = 0; v < V; ++v) acc[r][v] = _mm512_fmadd_ps(b, xv[v], acc[r][v]);
+      float last;
+      std::memcpy(&last, w + r * ws + 8 * full, sizeof(last));
+      const __m512 b = _mm512_maskz_mov_ps(__mmask16(0x5555), _mm512_set1_ps(last));
+      for (int v = 0; v < V; ++v) acc[r][v] = E::madd(acc[r][v], b, xv[v]);
     }
   }
   constexpr __mmask16 cols = static_cast<__mmask16>((1u << R) - 1);
   for (int v = 0; v < V; ++v) {
     __m512 t[16], out[16];
     for (int r = 0; r < 16; ++r) t[r] = r < R ? acc[r][v] : _mm512_setzero_ps();
-    transpose16x16_regs(t, out);  // out[2i + s]: the even (s = 0) / odd k sums of y[8v + i][0 .. R-1]
+    transpose16x16_regs(t, out);  // out[2i + s]: the even (s = 0) / odd element sums of y[8v + i][0 .. R-1]
     const int in_vec = std::min(8, rows - 8 * v);
     for (int i = 0; i < in_vec; ++i)
       _mm512_mask_storeu_ps(y + (8 * v + i) * ys, cols, _mm512_add_ps(out[2 * i], out[2 * i + 1]));
   }
 }
 
-// swap_block<nb, V> for a runtime nb = 1..R (the last block of weight rows may be short)
-template <int R, int V>
-ASCEND_AVX512_INLINE void swap_cols(int nb, const float* xt, const float* w, int64_t ws, int64_t k, float* y,
-                                    int64_t ys, int rows, const char* const* pf, const int64_t* pf_k) {
+// swap_block<E, nb, V> for a runtime nb = 1..R (the last block of weight rows may be short)
+template <class E, int R, int V>
+ASCEND_AVX512_INLINE void swap_cols(int nb, const float* xt, const char* w, int64_t ws, int64_t ke, float* y,
+                                    int64_t ys, int rows, const char* const* pf, const int64_t* pf_e) {
   if constexpr (R > 1) {
-    if (nb < R) return swap_cols<R - 1, V>(nb, xt, w, ws, k, y, ys, rows, pf, pf_k);
+    if (nb < R) return swap_cols<E, R - 1, V>(nb, xt, w, ws, ke, y, ys, rows, pf, pf_e);
   }
-  swap_block<R, V>(xt, w, ws, k, y, ys, rows, pf, pf_k);
+  swap_block<E, R, V>(xt, w, ws, ke, y, ys, rows, pf, pf_e);
 }
 
-// One chunk on a block of nb (<= rows_for(v_max)) weight rows, its V at run time.
-template <int VMax>
-ASCEND_AVX512_INLINE void swap_chunk(int v_count, int nb, const float* xt, const float* w, int64_t ws, int64_t k,
-                                     float* y, int64_t ys, int rows, const char* const* pf, const int64_t* pf_k) {
+// One chunk on a block of nb (<= rows_for(VMax)) weight rows, its V at run time.
+template <class E, int VMax>
+ASCEND_AVX512_INLINE void swap_chunk(int v_count, int nb, const float* xt, const char* w, int64_t ws, int64_t ke,
+                                     float* y, int64_t ys, int rows, const char* const* pf, const int64_t* pf_e) {
   constexpr int R = rows_for(VMax);
   switch (v_count) {
     case 1:
-      return swap_cols<R, 1>(nb, xt, w, ws, k, y, ys, rows, pf, pf_k);
+      return swap_cols<E, R, 1>(nb, xt, w, ws, ke, y, ys, rows, pf, pf_e);
     case 2:
-      return swap_cols<R, 2>(nb, xt, w, ws, k, y, ys, rows, pf, pf_k);
+      return swap_cols<E, R, 2>(nb, xt, w, ws, ke, y, ys, rows, pf, pf_e);
     default:
-      if constexpr (VMax >= 3) return swap_cols<R, 3>(nb, xt, w, ws, k, y, ys, rows, pf, pf_k);
+      if constexpr (VMax >= 3) return swap_cols<E, R, 3>(nb, xt, w, ws, ke, y, ys, rows, pf, pf_e);
       break;
   }
 }
 
 // The whole call with blocks of rows_for(VMax) weight rows: VMax the most vectors any chunk has; chunk c holds
-// rows first[c] .. first[c + 1] - 1.
-template <int VMax>
-ASCEND_AVX512 void swap_call(const float* x, int64_t xs, const float* w, int64_t ws, float* y, int64_t ys, int64_t n,
-                             int64_t k, const NextWeight& next, const std::vector<int64_t>& first) {
+// rows first[c] .. first[c + 1] - 1. x, w in E::T, rows xs, ws values apart; k values (a multiple of E::kPer).
+template <class E, int VMax>
+ASCEND_AVX512 void swap_call(const typename E::T* x, int64_t xs, const typename E::T* w, int64_t ws, float* y,
+                             int64_t ys, int64_t n, int64_t k, const NextWeight& next,
+                             const std::vector<int64_t>& first) {
+  using T = typename E::T;
   constexpr int R = rows_for(VMax);
-  const int64_t pairs = (k + 1) / 2, chunks = static_cast<int64_t>(first.size()) - 1;
+  const int64_t ke = k / E::kPer, pairs = (ke + 1) / 2, chunks = static_cast<int64_t>(first.size()) - 1;
+  const int64_t xs_b = xs * int64_t(sizeof(T)), ws_b = ws * int64_t(sizeof(T));
+  const char* xb = reinterpret_cast<const char*>(x);
+  const char* wb = reinterpret_cast<const char*>(w);
   thread_local std::vector<float> packed;                // the chunks of x^T, one after the other
-  packed.resize(16 * ((first.back() + 7) / 8) * pairs);  // 8 rows x 2 k per vector
+  packed.resize(16 * ((first.back() + 7) / 8) * pairs);  // 8 rows x 2 elements per vector
   std::vector<int64_t> offset(chunks);
   for (int64_t c = 0, at = 0; c < chunks; ++c) {
     const int rows = static_cast<int>(first[c + 1] - first[c]), v_count = (rows + 7) / 8;
     offset[c] = at;
-    pack_chunk(x + first[c] * xs, xs, rows, v_count, k, packed.data() + at);
+    pack_chunk(xb + first[c] * xs_b, xs_b, rows, v_count, ke, packed.data() + at);
     at += 16 * v_count * pairs;
   }
   const int64_t none[kMaxRows] = {};
   for (int64_t n0 = 0; n0 < n; n0 += R) {
     const int nb = static_cast<int>(std::min<int64_t>(R, n - n0));
-    // the next block's weight rows, past n the next weight's first rows (fp32 only)
+    // the next block's weight rows, past n the next weight's first rows (if of this call's dtype)
     const char* ahead[kMaxRows];
-    int64_t ahead_k[kMaxRows];
+    int64_t ahead_e[kMaxRows];
     for (int j = 0; j < R; ++j) {
       const int64_t r = n0 + R + j;
       ahead[j] = nullptr;
-      ahead_k[j] = 0;
+      ahead_e[j] = 0;
       if (r < n) {
-        ahead[j] = reinterpret_cast<const char*>(w + r * ws);
-        ahead_k[j] = k;
-      } else if (next.w != nullptr && next.elem_bytes == 4 && r - n < next.rows) {
-        ahead[j] = static_cast<const char*>(next.w) + (r - n) * next.ldw * 4;
-        ahead_k[j] = std::min(k, next.k);  // this call's steps of K are what the prefetches ride on
+        ahead[j] = wb + r * ws_b;
+        ahead_e[j] = ke;
+      } else if (next.w != nullptr && next.elem_bytes == int64_t(sizeof(T)) && r - n < next.rows) {
+        ahead[j] = static_cast<const char*>(next.w) + (r - n) * next.ldw * next.elem_bytes;
+        ahead_e[j] = std::min(ke, next.k / E::kPer);  // this call's steps are what the prefetches ride on
       }
     }
     for (int64_t c = 0; c < chunks; ++c) {
       const int rows = static_cast<int>(first[c + 1] - first[c]);
-      swap_chunk<VMax>((rows + 7) / 8, nb, packed.data() + offset[c], w + n0 * ws, ws, k, y + first[c] * ys + n0, ys,
-                       rows, ahead, c == 0 ? ahead_k : none);
+      swap_chunk<E, VMax>((rows + 7) / 8, nb, packed.data() + offset[c], wb + n0 * ws_b, ws_b, ke,
+                          y + first[c] * ys + n0, ys, rows, ahead, c == 0 ? ahead_e : none);
     }
   }
 }
 
 // Chunks of 16 rows (2 vectors, 12-row weight blocks); an odd number of 8-row groups puts 3 of them in the first
 // chunk (its blocks then have 8 weight rows), so no chunk is padded by more than 7 rows. (Chunks of 32 rows need
-// 6-row weight blocks and read twice the x^T per FMA from L2: measured slower than two chunks of 16.)
-void swap_avx512(const float* x, int64_t xs, const float* w, int64_t ws, float* y, int64_t ys, int64_t m, int64_t n,
-                 int64_t k, const NextWeight& next) {
+// 6-row weight blocks and read twice the x^T per FMA from L2: measured no faster than two chunks of 16.)
+template <class E>
+void swap_rows(const typename E::T* x, int64_t xs, const typename E::T* w, int64_t ws, float* y, int64_t ys, int64_t m,
+               int64_t n, int64_t k, const NextWeight& next) {
   const int64_t groups = (m + 7) / 8;
   const bool triple = groups % 2 == 1 && groups >= 3;
   std::vector<int64_t> first{0};
   for (int64_t g = triple ? 3 : std::min<int64_t>(2, groups); first.back() < m; g = 2)
     first.push_back(std::min(m, first.back() + 8 * g));
-  if (triple) return swap_call<3>(x, xs, w, ws, y, ys, n, k, next, first);
-  if (groups == 1) return swap_call<1>(x, xs, w, ws, y, ys, n, k, next, first);
-  swap_call<2>(x, xs, w, ws, y, ys, n, k, next, first);
+  if (triple) return swap_call<E, 3>(x, xs, w, ws, y, ys, n, k, next, first);
+  if (groups == 1) return swap_call<E, 1>(x, xs, w, ws, y, ys, n, k, next, first);
+  swap_call<E, 2>(x, xs, w, ws, y, ys, n, k, next, first);
 }
 
 }  // namespace
@@ -207,13 +233,24 @@ void swap_gemm_nt(const float* x, int64_t xs, const float* w, int64_t ws, float*
     for (int64_t i = 0; i < m; ++i) std::fill(y + i * ys, y + i * ys + n, 0.f);
     return;
   }
-  swap_avx512(x, xs, w, ws, y, ys, m, n, k, next);
+  swap_rows<F32>(x, xs, w, ws, y, ys, m, n, k, next);
+}
+
+bool swap_dp_supported(int64_t k) { return avx512_bf16_usable() && k > 0 && k % 2 == 0; }
+
+void swap_dp_nt(const c10::BFloat16* x, int64_t xs, const c10::BFloat16* w, int64_t ws, float* y, int64_t ys, int64_t m,
+                int64_t n, int64_t k, const NextWeight& next) {
+  if (m <= 0 || n <= 0) return;
+  swap_rows<Dp>(x, xs, w, ws, y, ys, m, n, k, next);
 }
 
 #else  // not x86-64 GCC: never routed here
 
 void swap_gemm_nt(const float*, int64_t, const float*, int64_t, float*, int64_t, int64_t, int64_t, int64_t,
                   const NextWeight&) {}
+bool swap_dp_supported(int64_t) { return false; }
+void swap_dp_nt(const c10::BFloat16*, int64_t, const c10::BFloat16*, int64_t, float*, int64_t, int64_t, int64_t,
+                int64_t, const NextWeight&) {}
 
 #endif
 

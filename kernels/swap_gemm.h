@@ -30,4 +30,11 @@ bool fp32_piece_takes_swap_gemm(GemmRoute route, int64_t m, int64_t k, int64_t n
 void swap_gemm_nt(const float* x, int64_t xs, const float* w, int64_t ws, float* y, int64_t ys, int64_t m, int64_t n,
                   int64_t k, const NextWeight& next);
 
+// The same kernel on bf16 x and w with AVX512_BF16 (vdpbf16ps: a lane element is a pair of consecutive bf16,
+// products summed in fp32), y in fp32: for bf16 prefill pieces on a CPU with avx512_bf16 but no AMX.
+// swap_dp_supported: avx512_bf16_usable() and K even (x's and w's rows may start at any bf16).
+bool swap_dp_supported(int64_t k);
+void swap_dp_nt(const c10::BFloat16* x, int64_t xs, const c10::BFloat16* w, int64_t ws, float* y, int64_t ys, int64_t m,
+                int64_t n, int64_t k, const NextWeight& next);
+
 }  // namespace ascend_kernels

@@ -1,11 +1,15 @@
-"""gemm.h's AVX512_BF16 GEMM (``gemm_dp_nt``, vdpbf16ps on panels of bf16 pairs): the bf16 prefill pieces of
-``grouped_matmul`` of up to 128 rows on a CPU with avx512_bf16 but no AMX (Zen 4/5, Cooper Lake), larger
-ones on oneDNN. Run in a fresh process under ``ASCEND_PASSES_ISA=avx512_bf16``, which is that CPU's
-default level and, on a CPU with AMX, caps it to run these paths too.
+"""The AVX512_BF16 kernels of bf16 prefill pieces on a CPU with avx512_bf16 but no AMX (Zen 4/5, Cooper Lake):
+since session 14 swap_gemm.h's swapped-operand kernel (``swap_dp_nt``: x^T packed in pairs of bf16 pairs, the
+weight read in place, vdpbf16ps) takes the pieces of 9-128 rows of ``grouped_matmul`` with an even K, gemm.h's
+GEMM (``gemm_dp_nt``, vdpbf16ps on packed panels of bf16 pairs) only where forced
+(``ASCEND_PASSES_BF16_KERNEL=dot``), larger pieces and odd K go to oneDNN. Run in a fresh process under
+``ASCEND_PASSES_ISA=avx512_bf16``, which is that CPU's default level and, on a CPU with AMX, caps it to run
+these paths too.
 
-Which kernel ran shows twice: ``ONEDNN_VERBOSE`` lists oneDNN's bf16 calls (none for the dot kernel's
-pieces, where the products are computed in fp32 only), and a denormal probe (vdpbf16ps reads a denormal
-bf16 as zero; the widened AVX-512 FMA GEMM, ``ASCEND_PASSES_GEMM=own``, keeps it)."""
+Which kernel ran shows three ways: ``ONEDNN_VERBOSE`` lists oneDNN's bf16 calls (none for the own kernels'
+pieces, where the products are computed in fp32 only), a denormal probe (vdpbf16ps reads a denormal bf16 as
+zero; the widened AVX-512 FMA GEMM, ``ASCEND_PASSES_GEMM=own``, keeps it), and the bits: the rule's result is
+the forced swap kernel's, not the forced dot kernel's (another summation order)."""
 
 from __future__ import annotations
 
@@ -48,7 +52,7 @@ SCRIPT = textwrap.dedent(
         return K.grouped_matmul([tiny], [big])[0][0, 0].float().item()
     def phase(name, cases, single_rows=40):
         global once
-        once = name in ("dot", "own")
+        once = name in ("rule", "swap", "dot", "own")
         print(f"MARK-BEGIN-{name}", flush=True)
         for case in cases:
             check(*case)
@@ -57,32 +61,41 @@ SCRIPT = textwrap.dedent(
                                    atol=1e-4, rtol=2 ** -7)
         print(f"MARK-END-{name} probe {probe():.3e}", flush=True)
     # K = 2 (one pair), 34 (a scalar pair tail), 290 (16-pair blocks + 1), 2082 (5 panels deep: 512-deep
-    # blocks accumulate, then a 34-deep tail); N = 1, 50, 96, 130, 200 (partial 16- and 64-column blocks);
-    # weight rows 6 / 2 / 0 elements past K (even strides), one weight starting at an odd element (its
-    # pairs unaligned); bias and SiLU / ReLU in fp32 before the rounding
+    # blocks accumulate, then a 34-deep tail); N = 1, 50, 96, 130, 200 (partial 8-, 12-, 16- and 64-column
+    # blocks); weight rows 6 / 2 / 0 elements past K (even strides), one weight starting at an odd element (its
+    # pairs unaligned); bias and SiLU / ReLU in fp32 before the rounding; the pieces 8 (the stream), 9-13, 40
+    # and 70 rows (one, two and odd numbers of the swap kernel's 8-row groups)
     even = ((2, 1, 0, 0, False), (64, 96, 0, 0, False), (34, 50, 6, 5, True), (290, 130, 0, 1, True),
             (2082, 200, 2, 0, False), (34, 40, 6, 0, True, 1))
-    phase("dot", even)
+    phase("rule", even + ((64, 40, 1, 0, True),))  # an odd weight row stride: pairs read unaligned
     phase("big", (), single_rows=200)  # one 200-row product: oneDNN (more than 128 rows)
-    # an odd K or an odd weight row stride cannot be read as 32-bit pairs: oneDNN takes those pieces
-    phase("odd", ((33, 40, 4, 0, False), (64, 40, 1, 0, True)))
-    os.environ["ASCEND_PASSES_BF16_KERNEL"] = "onednn"
-    phase("onednn", even[:3])
+    phase("odd", ((33, 40, 4, 0, False),))  # an odd K cannot be read as pairs: oneDNN
+    for forced in ("swap", "dot", "onednn"):
+        os.environ["ASCEND_PASSES_BF16_KERNEL"] = forced
+        phase(forced, even[:3] if forced == "onednn" else even)
     os.environ["ASCEND_PASSES_BF16_KERNEL"] = ""
     os.environ["ASCEND_PASSES_GEMM"] = "own"
     phase("own", even[:3])  # the widened AVX-512 fp32 GEMM
+    os.environ["ASCEND_PASSES_GEMM"] = ""
+    x, w = torch.randn(24, 1030).bfloat16(), (torch.randn(512, 1030) / 32).bfloat16().t()
+    bits = {}
+    for forced in ("", "swap", "dot"):
+        os.environ["ASCEND_PASSES_BF16_KERNEL"] = forced
+        bits[forced or "rule"] = K.grouped_matmul([x], [w])[0]
+    os.environ["ASCEND_PASSES_BF16_KERNEL"] = ""
+    print("WHICH", torch.equal(bits["rule"], bits["swap"]), torch.equal(bits["rule"], bits["dot"]), flush=True)
     print("bf16-dot-ok", flush=True)
     """
 )
 
 
-def test_bf16_dot_kernel_edges_routes_and_which_unit_ran():
-    """The dot kernel equals fp32 products rounded once on every edge of its blocking; pieces of up to
-    128 rows take it (no oneDNN call, denormals read as zero), a 200-row product, odd K or odd weight
-    strides and ASCEND_PASSES_BF16_KERNEL=onednn take oneDNN, ASCEND_PASSES_GEMM=own the widened GEMM
-    (no oneDNN call, denormals kept)."""
+def test_bf16_dot_kernels_edges_routes_and_which_unit_ran():
+    """The swap and dot kernels equal fp32 products rounded once on every edge of their blocking; by the rule,
+    pieces of up to 128 rows take the swap kernel (no oneDNN call, denormals read as zero, the forced swap
+    kernel's bits, not the dot kernel's), a 200-row product, an odd K and ASCEND_PASSES_BF16_KERNEL=onednn
+    take oneDNN, ASCEND_PASSES_GEMM=own the widened GEMM (no oneDNN call, denormals kept)."""
     if "avx512_bf16" not in cpu_flags():
-        pytest.skip("this CPU lacks avx512_bf16 (/proc/cpuinfo): the kernel under test cannot run here")
+        pytest.skip("this CPU lacks avx512_bf16 (/proc/cpuinfo): the kernels under test cannot run here")
     run = subprocess.run(
         [sys.executable, "-c", SCRIPT],
         capture_output=True,
@@ -93,10 +106,11 @@ def test_bf16_dot_kernel_edges_routes_and_which_unit_ran():
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "bf16-dot-ok" in run.stdout
     calls, probes = {}, {}
-    for name in ("dot", "big", "odd", "onednn", "own"):
+    for name in ("rule", "big", "odd", "swap", "dot", "onednn", "own"):
         body = run.stdout.split(f"MARK-BEGIN-{name}")[1].split(f"MARK-END-{name}")[0]
         calls[name] = sum(1 for line in body.splitlines() if ",exec," in line and "src:bf16" in line)
         probes[name] = float(run.stdout.split(f"MARK-END-{name} probe ")[1].split()[0])
-    assert calls["dot"] == 0 and calls["own"] == 0, calls
-    assert calls["big"] >= 1 and calls["odd"] >= 2 and calls["onednn"] >= 3, calls
-    assert probes["dot"] == 0.0 and probes["own"] > 0.0, probes  # vdpbf16ps vs fp32 FMAs
+    assert calls["rule"] == calls["swap"] == calls["dot"] == calls["own"] == 0, calls
+    assert calls["big"] >= 1 and calls["odd"] >= 1 and calls["onednn"] >= 3, calls
+    assert probes["rule"] == probes["swap"] == probes["dot"] == 0.0 and probes["own"] > 0.0, probes
+    assert "WHICH True False" in run.stdout, run.stdout.split("WHICH")[1][:40]

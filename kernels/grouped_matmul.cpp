@@ -17,8 +17,8 @@
 // forces one kernel, tile being amx_gemm.h's, which packs W per call), else torch's bf16 mm into the
 // output rows, which oneDNN runs on the tile units (brgemm; single-threaded inside the worker); bf16 on
 // a CPU with AVX512_BF16 but no AMX (Zen 4/5, Cooper Lake): up to kSwapDpMaxRows rows swap_gemm.h's vdpbf16ps
-// kernel (gemm.h's vdpbf16ps GEMM where forced), more rows torch's bf16 mm (oneDNN's vdpbf16ps brgemm; onednn_bf16_mm() and bf16_dot_piece()
-// below have the measurements; ASCEND_PASSES_GEMM=own or ASCEND_PASSES_ISA=avx512 keep the GEMM
+// kernel (gemm.h's vdpbf16ps GEMM where forced), more rows torch's bf16 mm (oneDNN's vdpbf16ps brgemm; onednn_bf16_mm()
+// and bf16_dot_piece() below have the measurements; ASCEND_PASSES_GEMM=own or ASCEND_PASSES_ISA=avx512 keep the GEMM
 // below); otherwise one single-threaded fp32 GEMM: gemm.h's AVX-512 kernel, which widens bf16 weights while
 // packing and prefetches the next group's weight while it computes, when the weight's K is contiguous
 // (fp32 weights: only for K <= kOwnGemmMaxK, where it is at least as fast as MKL; gemm.h has the

@@ -3,14 +3,17 @@
 // (amx_swap.cpp, with the measurements): the stream below 4 rows, the swapped-operand AMX kernel
 // (amx_swap.h: the weight read in place, no per-call reorder) up to kSwapLinearMaxRows, torch's linear
 // (oneDNN) above. Otherwise a few rows (decode) -> the weight-streaming kernel of skinny.h, split over
-// the weight's rows (bf16: AVX512_BF16 dot products where the CPU has them); fp32 of more rows on a CPU
-// not of Intel's -> gemm.h's GEMM over row x column blocks (gemm_linear); else ATen's linear (BLAS /
-// oneDNN), the call the un-rewritten graph made.
+// the weight's rows (bf16: AVX512_BF16 dot products where the CPU has them); 9-64 rows of fp32 on a CPU not
+// of Intel's with AVX-512, or of bf16 on one with avx512_bf16 but no AMX -> swap_gemm.h's swapped-operand
+// kernel, the weight's rows split over the threads (swap_linear_cpu); fp32 of more rows on a CPU not of
+// Intel's -> gemm.h's GEMM over row x column blocks (gemm_linear); else ATen's linear (BLAS / oneDNN), the
+// call the un-rewritten graph made.
 #include "amx_swap.h"
 #include "common.h"
 #include "gemm.h"
 #include "kernels.h"
 #include "skinny.h"
+#include "swap_gemm.h"
 
 #include <vector>
 
@@ -102,6 +105,67 @@ at::Tensor swap_linear(const at::Tensor& input, const at::Tensor& weight, const 
   return y;
 }
 
+// fp32 or bf16 (avx512_bf16, no AMX) of kSkinnyRows + 1 .. kSwapLinearRows rows on swap_gemm.h's swapped-operand
+// kernel, the weight's rows (N) split over the threads: each thread packs x once and reads its weight rows in
+// place; fp32 sums, the bias added before the one rounding (bf16), or after (fp32, as gemm_linear).
+template <typename T>
+at::Tensor swap_linear_cpu(const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+  const int64_t m = input.size(0), k = input.size(1), n = weight.size(0);
+  const auto xc = input.stride(1) == 1 ? input : input.contiguous();
+  const auto bc = bias.has_value() ? bias->contiguous() : at::Tensor();
+  auto y = at::empty({m, n}, input.options());
+  const T* xp = xc.const_data_ptr<T>();
+  const T* wp = weight.const_data_ptr<T>();
+  const T* bp = bc.defined() ? bc.const_data_ptr<T>() : nullptr;
+  T* yp = y.data_ptr<T>();
+  const int64_t xs = xc.stride(0), ws = weight.stride(0);
+  // one contiguous range of weight rows per thread (one packing of x each), in multiples of 24 (12- and 8-row
+  // weight blocks)
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  const int64_t grain = std::max<int64_t>(24, (n / threads + 23) / 24 * 24);
+  at::parallel_for(0, n, grain, [&](int64_t lo, int64_t hi) {
+    float* acc;
+    if constexpr (std::is_same_v<T, float>) {
+      acc = yp;
+    } else {
+      thread_local std::vector<float> buffer;  // [m, n] floats, of which this thread's columns are used
+      if (static_cast<int64_t>(buffer.size()) < m * n) buffer.resize(m * n);
+      acc = buffer.data();
+    }
+    if constexpr (std::is_same_v<T, float>)
+      swap_gemm_nt(xp, xs, wp + lo * ws, ws, acc + lo, n, m, hi - lo, k, {});
+    else
+      swap_dp_nt(xp, xs, wp + lo * ws, ws, acc + lo, n, m, hi - lo, k, {});
+    if (bp == nullptr && std::is_same_v<T, float>) return;
+    finish_columns(acc, bp, yp, n, m, lo, hi);
+  });
+  return y;
+}
+
+// The most rows a linear takes swap_linear_cpu for by the rule (fewer: the weight stream; more: gemm_linear for
+// fp32, oneDNN for bf16); ASCEND_PASSES_GEMM=swap (fp32) / ASCEND_PASSES_BF16_KERNEL=swap (bf16) force it, at any
+// row count. Measured (session 14, 2-core AMD EPYC Zen 5, both threads, a test run beside, best of 20 calls, ms,
+// the route before / this kernel, two runs; K = 1024):
+//   bf16 N=4096 m=9: 0.27/0.20, 0.20/0.19  m=16: 0.31/0.19, 0.27/0.20  m=32: 0.53/0.37, 0.62/0.37
+//        m=64: 1.05/0.72, 0.77/0.77  m=128: 1.65/1.56, 1.72/1.42  m=256: 3.02/3.67, 2.93/3.53
+//   bf16 N=512 m=16: 0.061/0.029, 0.047/0.025  m=64: 0.118/0.101, 0.116/0.105  m=256: 0.371/0.379, 0.341/0.390
+//   fp32 N=4096 m=16: 0.92/0.56, 0.58/0.34  m=32: 1.33/1.10, 0.91/0.66  m=64: 1.62/1.36, 1.52/1.38
+//        m=128: 3.05/3.20, 2.88/3.11  m=256: 6.04/9.62, 9.81/9.76
+//   fp32 N=512 m=16: 0.095/0.072, 0.075/0.049  m=64: 0.208/0.178, 0.205/0.175  m=256: 0.707/0.885, 0.713/1.085
+// (bf16 before: oneDNN's brgemm, which reorders the weight per call; fp32 before: gemm_linear's packing GEMM.)
+constexpr int64_t kSwapLinearRows = 64;
+
+bool swap_linear_rows(const at::Tensor& input, const at::Tensor& weight, GemmRoute route, Bf16Kernel forced) {
+  const int64_t m = input.size(0), k = input.size(1);
+  if (m <= kSkinnyRows || k == 0 || weight.size(0) == 0 || weight.stride(1) != 1 || amx_swap_available()) return false;
+  if (input.scalar_type() == at::kBFloat16) {
+    if (route == GemmRoute::kOwn || !swap_dp_supported(k)) return false;
+    return forced == Bf16Kernel::kSwap || (forced == Bf16Kernel::kRule && m <= kSwapLinearRows);
+  }
+  if (input.scalar_type() != at::kFloat || !fp32_piece_takes_swap_gemm(GemmRoute::kSwap, m, k, 1)) return false;
+  return route == GemmRoute::kSwap || (route == GemmRoute::kAuto && !cpu_vendor_intel() && m <= kSwapLinearRows);
+}
+
 // fp32 with > kSkinnyRows rows and the weight's K contiguous on a CPU not of Intel's (gemm.h's rule:
 // MKL's sgemm is not its tuned one there): gemm.h's single-threaded AVX-512 GEMM over blocks of up to
 // kOwnLinearRows rows x kOwnLinearCols columns, the blocks split over the threads (a column block's
@@ -162,6 +226,10 @@ at::Tensor linear(const at::Tensor& input, const at::Tensor& weight, const std::
         if (streams) return skinny_linear<c10::BFloat16>(input, weight, bias);
         return at::linear(input, weight, bias);
     }
+  }
+  if (swap_linear_rows(input, weight, route, forced)) {
+    if (dtype == at::kFloat) return swap_linear_cpu<float>(input, weight, bias);
+    return swap_linear_cpu<c10::BFloat16>(input, weight, bias);
   }
   if (dtype == at::kFloat && own_fp32_linear(input, weight, route)) return gemm_linear(input, weight, bias);
   if (!streams) return at::linear(input, weight, bias);

@@ -84,6 +84,18 @@ SCRIPT = textwrap.dedent(
         bits[forced or "rule"] = K.grouped_matmul([x], [w])[0]
     os.environ["ASCEND_PASSES_BF16_KERNEL"] = ""
     print("WHICH", torch.equal(bits["rule"], bits["swap"]), torch.equal(bits["rule"], bits["dot"]), flush=True)
+    # ascend.linear: 9-64 rows on the swap kernel (the weight's rows split over the threads), 65 on oneDNN
+    for m in (9, 24, 64, 65):
+        x, b = torch.randn(m, 130).bfloat16(), torch.randn(70).bfloat16()
+        w = (torch.randn(70, 136) / 12).bfloat16()[:, :130]  # rows 136 apart
+        print(f"MARK-BEGIN-linear{m}", flush=True)
+        got = K.linear(x, w, b)
+        print(f"MARK-END-linear{m} probe 0", flush=True)
+        tol = dict(atol=1e-4, rtol=2 ** -7) if m <= 64 else dict(atol=1e-2, rtol=1e-2)
+        torch.testing.assert_close(got.float(), (x.float() @ w.float().t() + b.float()).bfloat16().float(), **tol)
+        os.environ["ASCEND_PASSES_BF16_KERNEL"] = "swap"
+        print("LINEAR", m, torch.equal(got, K.linear(x, w, b)), flush=True)
+        os.environ["ASCEND_PASSES_BF16_KERNEL"] = ""
     print("bf16-dot-ok", flush=True)
     """
 )
@@ -93,7 +105,8 @@ def test_bf16_dot_kernels_edges_routes_and_which_unit_ran():
     """The swap and dot kernels equal fp32 products rounded once on every edge of their blocking; by the rule,
     pieces of up to 128 rows take the swap kernel (no oneDNN call, denormals read as zero, the forced swap
     kernel's bits, not the dot kernel's), a 200-row product, an odd K and ASCEND_PASSES_BF16_KERNEL=onednn
-    take oneDNN, ASCEND_PASSES_GEMM=own the widened GEMM (no oneDNN call, denormals kept)."""
+    take oneDNN, ASCEND_PASSES_GEMM=own the widened GEMM (no oneDNN call, denormals kept); ascend.linear of
+    9-64 rows runs the swap kernel (no oneDNN call, the forced kernel's bits, one rounding), 65 rows oneDNN."""
     if "avx512_bf16" not in cpu_flags():
         pytest.skip("this CPU lacks avx512_bf16 (/proc/cpuinfo): the kernels under test cannot run here")
     run = subprocess.run(
@@ -106,7 +119,7 @@ def test_bf16_dot_kernels_edges_routes_and_which_unit_ran():
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "bf16-dot-ok" in run.stdout
     calls, probes = {}, {}
-    for name in ("rule", "big", "odd", "swap", "dot", "onednn", "own"):
+    for name in ("rule", "big", "odd", "swap", "dot", "onednn", "own", "linear9", "linear24", "linear64", "linear65"):
         body = run.stdout.split(f"MARK-BEGIN-{name}")[1].split(f"MARK-END-{name}")[0]
         calls[name] = sum(1 for line in body.splitlines() if ",exec," in line and "src:bf16" in line)
         probes[name] = float(run.stdout.split(f"MARK-END-{name} probe ")[1].split()[0])
@@ -114,3 +127,5 @@ def test_bf16_dot_kernels_edges_routes_and_which_unit_ran():
     assert calls["big"] >= 1 and calls["odd"] >= 1 and calls["onednn"] >= 3, calls
     assert probes["rule"] == probes["swap"] == probes["dot"] == 0.0 and probes["own"] > 0.0, probes
     assert "WHICH True False" in run.stdout, run.stdout.split("WHICH")[1][:40]
+    assert calls["linear9"] == calls["linear24"] == calls["linear64"] == 0 and calls["linear65"] >= 1, calls
+    assert all(f"LINEAR {m} True" in run.stdout for m in (9, 24, 64)), run.stdout.split("LINEAR")[1:]

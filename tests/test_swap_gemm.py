@@ -172,3 +172,25 @@ def test_swap_capped_and_uncapped_agree(tmp_path, gemm_route):
     torch.testing.assert_close(capped["y"], expected, **TOL)
     torch.testing.assert_close(here, expected, **TOL)
     torch.testing.assert_close(here, capped["y"], **TOL)
+
+
+@pytest.mark.parametrize("m", [9, 17, 24, 41, 64, 65])
+@pytest.mark.parametrize("n,k", [(1, 3), (25, 100), (70, 1030), (600, 64)])
+def test_fp32_linear_on_the_swap_kernel(gemm_route, m, n, k):
+    """ascend.linear of 9-64 fp32 rows on the swapped-operand kernel, the weight's rows split over the threads
+    (kernels/linear.cpp swap_linear_cpu): forced (ASCEND_PASSES_GEMM=swap, any row count) it equals the fp64
+    product, bias added after; by the rule on a CPU not of Intel's with AVX-512 it is the forced kernel's result
+    bit for bit up to 64 rows and the packing GEMM's (ASCEND_PASSES_GEMM=own) at 65; strided rows of x and w."""
+    torch.manual_seed(m * 100 + n + k)
+    x = torch.randn(m, k + 3)[:, :k]
+    w = (torch.randn(n, k + 5) / k**0.5)[:, :k]
+    b = torch.randn(n)
+    gemm_route("swap")
+    swap = K.linear(x, w, b)
+    torch.testing.assert_close(swap, (x.double() @ w.double().t() + b.double()).float(), **TOL)
+    gemm_route("own")
+    own = K.linear(x, w, b)
+    gemm_route("")
+    rule = K.linear(x, w, b)
+    if UNCAPPED and cpu_vendor() != "GenuineIntel":
+        assert torch.equal(rule, swap if m <= 64 else own)

@@ -38,8 +38,12 @@ def test_pipeline_freezes_the_heap_and_leaves_a_frozen_one_frozen():
     gc.freeze()
     try:
         frozen = gc.get_freeze_count()
+        fresh = [[] for _ in range(1000)]  # tracked objects, not frozen: a second freeze would add them
         with _heap_frozen():
-            assert gc.get_freeze_count() == frozen
+            # left as it is: the count may only fall (frozen objects freed meanwhile: CI saw 2 fewer, from
+            # pytest's own threads), where a second freeze would add the 1,000 lists and an unfreeze empty it
+            assert frozen - 500 < gc.get_freeze_count() <= frozen
+        del fresh
         PassManager(config).run(_graph(), ctx)
         # still frozen (objects freed since leave the count; an unfreeze would empty it)
         assert gc.get_freeze_count() > frozen // 2

@@ -144,15 +144,17 @@ at::Tensor swap_linear_cpu(const at::Tensor& input, const at::Tensor& weight, co
 
 // The most rows a linear takes swap_linear_cpu for by the rule (fewer: the weight stream; more: gemm_linear for
 // fp32, oneDNN for bf16); ASCEND_PASSES_GEMM=swap (fp32) / ASCEND_PASSES_BF16_KERNEL=swap (bf16) force it, at any
-// row count. Measured (session 14, 2-core AMD EPYC Zen 5, both threads, a test run beside, best of 20 calls, ms,
-// the route before / this kernel, two runs; K = 1024):
-//   bf16 N=4096 m=9: 0.27/0.20, 0.20/0.19  m=16: 0.31/0.19, 0.27/0.20  m=32: 0.53/0.37, 0.62/0.37
-//        m=64: 1.05/0.72, 0.77/0.77  m=128: 1.65/1.56, 1.72/1.42  m=256: 3.02/3.67, 2.93/3.53
-//   bf16 N=512 m=16: 0.061/0.029, 0.047/0.025  m=64: 0.118/0.101, 0.116/0.105  m=256: 0.371/0.379, 0.341/0.390
-//   fp32 N=4096 m=16: 0.92/0.56, 0.58/0.34  m=32: 1.33/1.10, 0.91/0.66  m=64: 1.62/1.36, 1.52/1.38
-//        m=128: 3.05/3.20, 2.88/3.11  m=256: 6.04/9.62, 9.81/9.76
-//   fp32 N=512 m=16: 0.095/0.072, 0.075/0.049  m=64: 0.208/0.178, 0.205/0.175  m=256: 0.707/0.885, 0.713/1.085
-// (bf16 before: oneDNN's brgemm, which reorders the weight per call; fp32 before: gemm_linear's packing GEMM.)
+// row count. Measured (session 14, 2-core AMD EPYC Zen 5, both threads, quiet host, best of 2 x 20 calls, ms, the
+// route before (bf16: oneDNN's brgemm, which reorders the weight per call; fp32: gemm_linear's packing GEMM)
+// -> this kernel; /work/scratch/lin3.py):
+//   bf16 [m,1024]x[4096,1024]^T m=9: 0.211 -> 0.191  m=16: 0.300 -> 0.194  m=32: 0.428 -> 0.354  m=64: 0.732 -> 0.684
+//        [m,1024]x[512,1024]^T  m=9: 0.038 -> 0.024  m=16: 0.060 -> 0.029  m=32: 0.073 -> 0.048  m=64: 0.106 -> 0.088
+//        [m,256]x[1024,256]^T   m=9: 0.028 -> 0.015  m=16: 0.040 -> 0.018  m=32: 0.042 -> 0.030  m=64: 0.061 -> 0.058
+//   fp32 [m,1024]x[4096,1024]^T m=9: 0.523 -> 0.536  m=16: 0.583 -> 0.336  m=32: 0.876 -> 0.641  m=64: 1.451 -> 1.258
+//        [m,1024]x[512,1024]^T  m=9: 0.061 -> 0.049  m=16: 0.073 -> 0.049  m=32: 0.119 -> 0.089  m=64: 0.179 -> 0.171
+// Forced at more rows, 4096 columns (before / swap): bf16 m=96 0.989 / 0.958, m=128 1.281 / 1.251, m=256
+// 2.389 / 2.463; fp32 m=96 2.161 / 1.833, m=128 2.673 / 2.585, m=256 5.346 / 5.309: small or no gains, so the
+// rule stops at 64.
 constexpr int64_t kSwapLinearRows = 64;
 
 bool swap_linear_rows(const at::Tensor& input, const at::Tensor& weight, GemmRoute route, Bf16Kernel forced) {

@@ -15,7 +15,9 @@ in the same run: the model's matmul FLOPs (the sum of ``matmul_census``: FlopCou
 expert's product per routed row), a dense [2048,1024]x[1024,4096] product in each dtype (the faster of ``torch.mm``
 and ``ascend.linear``: the best GEMM of the machine) and the fraction of that roofline each prefill
 reaches; for decode, the bytes the forward must read (all weights but the experts no token routes to
-and the embedding rows not looked up) and the fraction of copy bandwidth; and issue 18's ratios
+and the embedding rows not looked up) and the fraction of copy bandwidth (issue 18's measure; below the
+table also of read bandwidth, a sum over 256 MiB, which on some machines is well below a copy's read +
+write); and issue 18's ratios
 (bf16 prefill vs fp32 prefill and vs the best bf16 peer).  For prefill a "limits" line adds what a
 FLOP-only roofline leaves out: per matmul (``matmul_census``) its FLOPs at the dense mm rate and its
 weight bytes at copy bandwidth, summed as max(both) (the honest limit: at 1x256 an
@@ -171,6 +173,14 @@ def copy_bandwidth(budget_s: float = 0.5) -> float:
     return 2 * src.numel() * 4 / _best(lambda: dst.copy_(src), budget_s) / 1e9
 
 
+def read_bandwidth(budget_s: float = 0.5) -> float:
+    """GB/s of reading 256 MiB (a sum over it, both threads): what streaming weights can reach. On some
+    machines it is well below copy bandwidth's read + write (the 2-core EPYC VM: ~37-41 GB/s read against
+    ~60-75 GB/s copy in a quiet hour), on others near it."""
+    src = torch.ones(64 * 1024 * 1024)
+    return src.numel() * 4 / _best(lambda: src.sum(), budget_s) / 1e9
+
+
 def _best(fn: Callable[[], Any], budget_s: float) -> float:
     fn()
     best, start = float("inf"), time.perf_counter()
@@ -256,6 +266,7 @@ class Facts:
     copy_gbs: float
     # (FLOPs, weight bytes) per matmul of the forward (matmul_census)
     matmuls: list[tuple[float, float]] = dataclasses.field(default_factory=list)
+    read_gbs: float = 0.0  # read_bandwidth(), the best of the cell's measurements (0: not measured)
 
     def limits_ms(self) -> tuple[float, float, float]:
         """(FLOPs / mm rate: issue 18's roofline, sum over matmuls of max(FLOPs / mm rate, weight bytes /
@@ -302,7 +313,7 @@ def bench(
             # 14 used, is the same number but gathers every routed row's expert weight: 18 GiB at fp32 1x1024)
             matmuls = matmul_census(model, ids)
             flops, must_read = sum(f for f, _ in matmuls), must_read_bytes(model, ids)
-            mm_rates, copy_rates = [dense_mm_flops(dtype)], [copy_bandwidth()]
+            mm_rates, copy_rates, read_rates = [dense_mm_flops(dtype)], [copy_bandwidth()], [read_bandwidth()]
             reference = None
             for variant in variants:
                 torch._dynamo.reset()
@@ -338,8 +349,11 @@ def bench(
                 # the limits between the variants: their best is this cell's limit
                 mm_rates.append(dense_mm_flops(dtype, 0.2))
                 copy_rates.append(copy_bandwidth(0.2))
+                read_rates.append(read_bandwidth(0.2))
                 fn = out = reports = None  # freed before the next variant compiles
-            facts[(shape, dtype_name)] = Facts(flops, must_read, max(mm_rates), max(copy_rates), matmuls)
+            facts[(shape, dtype_name)] = Facts(
+                flops, must_read, max(mm_rates), max(copy_rates), matmuls, max(read_rates)
+            )
             del model, batched, reference
             torch._dynamo.reset()
             gc.collect()
@@ -400,8 +414,15 @@ def print_table(rows: list[Row], facts: dict[tuple[str, str], Facts], model_name
             f"  {shape} {dtype}: matmul {f.flops / 1e9:.2f} GFLOP, dense mm {f.mm_gflops:.0f} GFLOP/s "
             f"(roofline {1e3 * f.flops / (f.mm_gflops * 1e9):.1f} ms), must read {f.bytes_read / 1e6:.1f} MB, "
             f"copy {f.copy_gbs:.1f} GB/s ({1e3 * f.bytes_read / (f.copy_gbs * 1e9):.2f} ms)"
+            + (f", read {f.read_gbs:.1f} GB/s ({1e3 * f.bytes_read / (f.read_gbs * 1e9):.2f} ms)" if f.read_gbs else "")
         )
         ours = best(shape, dtype, True)
+        if shape == "decode" and ours and f.read_gbs:
+            console.print(
+                f"    best ascend {ours:.2f} ms reads the must-read bytes at "
+                f"{100 * f.bytes_read / (ours / 1e3) / (f.read_gbs * 1e9):.0f}% of read bandwidth "
+                f"({100 * f.bytes_read / (ours / 1e3) / (f.copy_gbs * 1e9):.0f}% of copy bandwidth, issue 18's measure)"
+            )
         if shape != "decode" and f.matmuls and ours:
             flop, most, both = f.limits_ms()
             weights = sum(b for _, b in f.matmuls)

@@ -16,8 +16,8 @@ expert's product per routed row), a dense [2048,1024]x[1024,4096] product in eac
 and ``ascend.linear``: the best GEMM of the machine) and the fraction of that roofline each prefill
 reaches; for decode, the bytes the forward must read (all weights but the experts no token routes to
 and the embedding rows not looked up) and the fraction of copy bandwidth (issue 18's measure; below the
-table also of read bandwidth, a sum over 256 MiB, which on some machines is well below a copy's read +
-write); and issue 18's ratios
+table also of read bandwidth, a sum over 256 MiB, which need not equal a copy's read + write); and issue
+18's ratios
 (bf16 prefill vs fp32 prefill and vs the best bf16 peer).  For prefill a "limits" line adds what a
 FLOP-only roofline leaves out: per matmul (``matmul_census``) its FLOPs at the dense mm rate and its
 weight bytes at copy bandwidth, summed as max(both) (the honest limit: at 1x256 an
@@ -174,9 +174,9 @@ def copy_bandwidth(budget_s: float = 0.5) -> float:
 
 
 def read_bandwidth(budget_s: float = 0.5) -> float:
-    """GB/s of reading 256 MiB (a sum over it, both threads): what streaming weights can reach. On some
-    machines it is well below copy bandwidth's read + write (the 2-core EPYC VM: ~37-41 GB/s read against
-    ~60-75 GB/s copy in a quiet hour), on others near it."""
+    """GB/s of reading 256 MiB (a sum over it, both threads): what streaming weights can reach, printed beside
+    copy bandwidth (read + write bytes), which a read-only stream may not reach (or may exceed) on a given
+    machine."""
     src = torch.ones(64 * 1024 * 1024)
     return src.numel() * 4 / _best(lambda: src.sum(), budget_s) / 1e9
 

@@ -174,6 +174,23 @@ def test_swap_capped_and_uncapped_agree(tmp_path, gemm_route):
     torch.testing.assert_close(here, capped["y"], **TOL)
 
 
+@pytest.mark.parametrize("m", [9, 12, 13])
+def test_the_rule_takes_pieces_from_nine_rows(gemm_route, m):
+    """kAuto gives a piece of 9-12 rows (the stream kernel's until session 14) to the swap kernel: the rule's
+    bits are the forced swap kernel's, which differ from the forced stream kernel's (another summation
+    order) on this input."""
+    torch.manual_seed(m)
+    x, w = torch.randn(m, 1030), hf_weight(1, 70, 1030)[0]
+    results = {}
+    for route in ("swap", "stream", ""):
+        gemm_route(route)
+        results[route or "auto"] = K.grouped_matmul([x], [w])[0]
+    torch.testing.assert_close(results["swap"], (x.double() @ w.double()).float(), **TOL)
+    if UNCAPPED:
+        assert not torch.equal(results["swap"], results["stream"])
+        assert torch.equal(results["auto"], results["swap"])
+
+
 @pytest.mark.parametrize("m", [9, 17, 24, 41, 64, 65])
 @pytest.mark.parametrize("n,k", [(1, 3), (25, 100), (70, 1030), (600, 64)])
 def test_fp32_linear_on_the_swap_kernel(gemm_route, m, n, k):

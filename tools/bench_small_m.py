@@ -5,7 +5,8 @@ For each m (rows per expert) at the DeepSeek-V3-medium expert shapes, up (K=1024
 in one run, round-robin, the medians of:
   * ``grouped``: ``ascend_kernels.grouped_matmul`` over E experts of m rows each (all threads, each piece
     single-threaded inside), with ``ASCEND_PASSES_GEMM`` = blas (MKL), own (kernels/gemm.cpp, packs W),
-    stream (kernels/stream_gemm.cpp, no packing) and auto (the rule);
+    stream (kernels/stream_gemm.cpp, no packing), swap (kernels/swap_gemm.cpp, x^T packed, W read in place)
+    and auto (the rule);
   * ``piece``: one call per expert of m rows (one thread), the same routes, the experts cycled so that
     every weight is cold, plus torch.mm on the same views (MKL, one thread);
 and prints GFLOP/s and each route's ratio to blas in the same rounds, plus a dense mm's GFLOP/s
@@ -15,9 +16,13 @@ and prints GFLOP/s and each route's ratio to blas in the same rounds, plus a den
 TOKENS (its routers' real, skewed counts per expert, read by hooks on the gates of one eager forward; up
 and down projection of each MoE layer), all threads, per route plus ``old`` (the rule before stream_gemm:
 own for K <= 512, blas above), as process CPU time and the fraction of the dense mm's CPU-time rate.
+With ``--dtype bfloat16`` (``--model`` only) the routes are ``ASCEND_PASSES_BF16_KERNEL`` = onednn, dot
+(kernels/gemm.cpp's vdpbf16ps GEMM), swap (swap_gemm.cpp's vdpbf16ps form) and the rule, against a dense
+bf16 mm (on a CPU with AMX the rule takes the AMX kernels, which none of the forced ones is).
 
     python tools/bench_small_m.py [--rows 8,16,24,...] [--rounds 7]
     python tools/bench_small_m.py --model 256 --rounds 15
+    python tools/bench_small_m.py --model 256 --rounds 15 --dtype bfloat16
 """
 
 from __future__ import annotations
@@ -36,7 +41,9 @@ from ascend_passes import kernels  # the C++ kernels (ASCEND_PASSES_KERNELS_LIB 
 assert kernels.available(), "the C++ kernels are not built"
 K = torch.ops.ascend_kernels
 E = 64
-ROUTES = ("blas", "own", "stream", "auto")
+ROUTES = ("blas", "own", "stream", "swap", "auto")
+# --model --dtype bfloat16: ASCEND_PASSES_BF16_KERNEL's kernels ("" is the rule)
+BF16_ROUTES = ("onednn", "dot", "swap", "")
 
 
 def timed(fn, calls: int, clock=time.perf_counter) -> float:
@@ -124,7 +131,7 @@ def routed_counts(tokens: int) -> list[torch.Tensor]:
     return counts
 
 
-def bench_model_experts(tokens: int, rounds: int) -> None:
+def bench_model_experts(tokens: int, rounds: int, dtype: torch.dtype = torch.float32) -> None:
     counts = routed_counts(tokens)
     calls, flops = [], 0
     for c in counts:
@@ -133,31 +140,37 @@ def bench_model_experts(tokens: int, rounds: int) -> None:
             f"{int((c > 8).sum())} experts above 8 rows, {int((c > 48).sum())} above 48"
         )
         for n, k in ((512, 1024), (1024, 256)):  # up (gate + up), down
-            w = (torch.randn(E, n, k) / k**0.5).transpose(1, 2)
-            calls.append((torch.randn(int(c.sum()), k), w, c))
+            w = (torch.randn(E, n, k) / k**0.5).to(dtype).transpose(1, 2)
+            calls.append((torch.randn(int(c.sum()), k).to(dtype), w, c))
             flops += 2 * int(c.sum()) * k * n
-    routes = ("old",) + ROUTES
+    bf16 = dtype == torch.bfloat16
+    routes = BF16_ROUTES if bf16 else ("old",) + ROUTES
+    variable = "ASCEND_PASSES_BF16_KERNEL" if bf16 else "ASCEND_PASSES_GEMM"
     times: dict = {r: [] for r in routes}
     with torch.no_grad():
         for _ in range(rounds):
             for r in routes:
                 t0 = time.process_time()
                 for x, w, c in calls:
-                    os.environ["ASCEND_PASSES_GEMM"] = r if r != "old" else ("own" if w.shape[1] <= 512 else "blas")
+                    old = "own" if w.shape[1] <= 512 else "blas"
+                    os.environ[variable] = old if r == "old" else r
                     K.grouped_matmul([x], [w], group_list=c, group_type=0, group_list_type=1)
                 times[r].append(time.process_time() - t0)
-    os.environ.pop("ASCEND_PASSES_GEMM", None)
-    a, b = torch.randn(2048, 1024), torch.randn(1024, 4096)
+    os.environ.pop(variable, None)
+    a, b = torch.randn(2048, 1024).to(dtype), torch.randn(1024, 4096).to(dtype)
     torch.mm(a, b)
     dense = 2 * 2048 * 1024 * 4096 / min(timed(lambda: torch.mm(a, b), 3, time.process_time) for _ in range(3))
     print(
-        f"1x{tokens} prefill: {flops / 1e9:.2f} GFLOP of expert matmuls; "
+        f"1x{tokens} prefill, {dtype}: {flops / 1e9:.2f} GFLOP of expert matmuls; "
         f"dense mm {dense / 1e9:.0f} GFLOP per CPU-second"
     )
-    base = statistics.median(times["old"])
+    base = statistics.median(times[routes[0]])
     for r in routes:
         t = statistics.median(times[r])
-        print(f"  {r:6s} {t * 1e3:8.1f} ms CPU ({base / t:4.2f}x old)  {flops / t / dense:4.0%} of the dense mm rate")
+        print(
+            f"  {r or 'rule':6s} {t * 1e3:8.1f} ms CPU ({base / t:4.2f}x {routes[0]})  "
+            f"{flops / t / dense:4.0%} of the dense mm rate"
+        )
 
 
 def main() -> None:
@@ -166,10 +179,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--shapes", default="up,down")
     parser.add_argument("--model", type=int, default=0, metavar="TOKENS")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="--model only")
     args = parser.parse_args()
+    if args.dtype != "float32" and not args.model:
+        parser.error("--dtype bfloat16 needs --model TOKENS")
     if args.model:
         torch.manual_seed(0)
-        bench_model_experts(args.model, args.rounds)
+        bench_model_experts(args.model, args.rounds, getattr(torch, args.dtype))
         return
     torch.manual_seed(0)
     threads = torch.get_num_threads()

@@ -23,6 +23,11 @@ bf16 mm (on a CPU with AMX the rule takes the AMX kernels, which none of the for
     python tools/bench_small_m.py [--rows 8,16,24,...] [--rounds 7]
     python tools/bench_small_m.py --model 256 --rounds 15
     python tools/bench_small_m.py --model 256 --rounds 15 --dtype bfloat16
+    python tools/bench_small_m.py --linear --rows 9,16,32,64,96,128
+
+``--linear``: ``ascend.linear`` of m rows on [N, K] weights (4096 x 1024, 512 x 1024, 1024 x 256), fp32 and
+bf16, all threads, best of --rounds x 10 calls (ms): the route before session 14 (fp32: the packing GEMM,
+ASCEND_PASSES_GEMM=own; bf16: ASCEND_PASSES_BF16_KERNEL=onednn), the swap kernel forced, and the rule.
 """
 
 from __future__ import annotations
@@ -173,6 +178,30 @@ def bench_model_experts(tokens: int, rounds: int, dtype: torch.dtype = torch.flo
         )
 
 
+def bench_linear(rows: list[int], rounds: int) -> None:
+    def best(fn) -> float:
+        fn()
+        return min(timed(fn, 10) for _ in range(rounds))
+
+    for dtype, variable, before in (
+        (torch.float32, "ASCEND_PASSES_GEMM", "own"),
+        (torch.bfloat16, "ASCEND_PASSES_BF16_KERNEL", "onednn"),
+    ):
+        print(f"\nlinear {dtype}: ms per call, {before} (the route before) / swap / the rule")
+        for n, k in ((4096, 1024), (512, 1024), (1024, 256)):
+            w = torch.randn(n, k).to(dtype)
+            cells = []
+            for m in rows:
+                x = torch.randn(m, k).to(dtype)
+                t = {}
+                for route in (before, "swap", ""):
+                    os.environ[variable] = route
+                    t[route] = best(lambda: K.linear(x, w, None))
+                os.environ.pop(variable, None)
+                cells.append(f"m={m} {1e3 * t[before]:.3f}/{1e3 * t['swap']:.3f}/{1e3 * t['']:.3f}")
+            print(f"  [m,{k}]x[{n},{k}]^T: " + "  ".join(cells), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", default="8,16,24,32,48,64,96,128,192")
@@ -180,7 +209,12 @@ def main() -> None:
     parser.add_argument("--shapes", default="up,down")
     parser.add_argument("--model", type=int, default=0, metavar="TOKENS")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="--model only")
+    parser.add_argument("--linear", action="store_true", help="ascend.linear's routes instead")
     args = parser.parse_args()
+    if args.linear:
+        with torch.no_grad():
+            bench_linear([int(r) for r in args.rows.split(",")], args.rounds)
+        return
     if args.dtype != "float32" and not args.model:
         parser.error("--dtype bfloat16 needs --model TOKENS")
     if args.model:

@@ -146,7 +146,7 @@ at::Tensor swap_linear_cpu(const at::Tensor& input, const at::Tensor& weight, co
 // fp32, oneDNN for bf16); ASCEND_PASSES_GEMM=swap (fp32) / ASCEND_PASSES_BF16_KERNEL=swap (bf16) force it, at any
 // row count. Measured (session 14, 2-core AMD EPYC Zen 5, both threads, quiet host, best of 2 x 20 calls, ms, the
 // route before (bf16: oneDNN's brgemm, which reorders the weight per call; fp32: gemm_linear's packing GEMM)
-// -> this kernel; /work/scratch/lin3.py):
+// -> this kernel; python tools/bench_small_m.py --linear):
 //   bf16 [m,1024]x[4096,1024]^T m=9: 0.211 -> 0.191  m=16: 0.300 -> 0.194  m=32: 0.428 -> 0.354  m=64: 0.732 -> 0.684
 //        [m,1024]x[512,1024]^T  m=9: 0.038 -> 0.024  m=16: 0.060 -> 0.029  m=32: 0.073 -> 0.048  m=64: 0.106 -> 0.088
 //        [m,256]x[1024,256]^T   m=9: 0.028 -> 0.015  m=16: 0.040 -> 0.018  m=32: 0.042 -> 0.030  m=64: 0.061 -> 0.058

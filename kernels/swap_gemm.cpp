@@ -271,7 +271,7 @@ void swap_dp_nt(const c10::BFloat16*, int64_t, const c10::BFloat16*, int64_t, fl
 // wasted up to 7/16 of its FMAs and the stream kernel tied or won; above the bounds MKL / gemm.h's kernel tie
 // or win (their packing pays for itself over many rows).
 // Session 14 (pairs of k per vector, chunks padded to 8 rows), 2-core AMD EPYC Zen 5 (no AMX), one thread,
-// GFLOP/s of 64 cold experts of m rows each (/work/scratch/gmm_m.py), old layout -> pairs, two runs:
+// GFLOP/s of 64 cold experts of m rows each (tools/bench_small_m.py "piece"), old layout -> pairs, two runs:
 //   up (K=1024, N=512)   m=9: 57/54 -> 73/71    m=12: 74/74 -> 100/100   m=16: 97/93 -> 124/130
 //                        m=20: 98/101 -> 141/141  m=24: 119/115 -> 181/165  m=28: 142/135 -> 138/134
 //                        m=32: 161/157 -> 145/150  m=40: 126/131 -> 178/168  m=48: 159/148 -> 160/154

@@ -118,10 +118,15 @@ BF16_OWN = ("ASCEND_PASSES_GEMM", "own", "AVX-512 fp32 GEMM, bf16 widened")
 
 def bf16_forced() -> tuple[tuple[str, str, str], ...]:
     """The (variable, value, name) of each bf16 prefill route timed beside the rule: with AMX, session 8's
-    schedules and each kernel forced; without AMX (where the AMX kernels cannot run) gemm.h's GEMM."""
+    schedules and each kernel forced; without AMX (where the AMX kernels cannot run) gemm.h's widening GEMM,
+    its vdpbf16ps GEMM (the rule's kernel for 9-128 rows before session 14's swapped-operand one) and oneDNN."""
     if has_amx():
         return (BF16_V8, *(("ASCEND_PASSES_BF16_KERNEL", k, n) for k, n in BF16_KERNELS))
-    return (BF16_OWN,)
+    return (
+        BF16_OWN,
+        ("ASCEND_PASSES_BF16_KERNEL", "dot", "gemm.h's vdpbf16ps GEMM, the rule before session 14"),
+        ("ASCEND_PASSES_BF16_KERNEL", "onednn", "oneDNN's bf16 brgemm"),
+    )
 
 
 # session 9's fp32 decode stream (kernels/skinny.h decode_schedule_v9: no software prefetch of the next

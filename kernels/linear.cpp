@@ -59,23 +59,18 @@ ASCEND_HOT void finish_columns(const float* acc, const c10::BFloat16* bias, c10:
   finish_columns_impl(acc, bias, y, ld, m, lo, hi);
 }
 
-// bf16 input and weight: the bf16 x bf16 kernel reads x as it is (AVX512_BF16 dot products where the
-// CPU has them); fp32: the fp32 kernel. The output is accumulated in fp32 and rounded once, after the
-// bias. Each thread finishes its own columns (bias, rounding into the output) right after computing them,
-// so a call is one parallel region and one allocation (no fp32 output tensor, no separate add and cast).
-template <typename T>
-at::Tensor skinny_linear(const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
-  const int64_t m = input.size(0), k = input.size(1), n = weight.size(0);
-  const auto xc = input.contiguous();  // no copy for contiguous rows
+// y = input @ weight^T (+ bias) in T with the weight's rows (N) split over the threads in slices of at least
+// `grain`: sums(acc, lo, hi) writes the fp32 sums of columns lo..hi into acc (rows n apart), then the same thread
+// adds the bias and rounds its columns into y (fp32 without bias: acc is y itself), so a call is one parallel
+// region and one allocation (no fp32 output tensor, no separate add and cast).
+template <typename T, typename Sums>
+at::Tensor column_split_linear(const at::Tensor& input, int64_t n, const std::optional<at::Tensor>& bias, int64_t grain,
+                               const Sums& sums) {
+  const int64_t m = input.size(0);
   const auto bc = bias.has_value() ? bias->contiguous() : at::Tensor();
   auto y = at::empty({m, n}, input.options());
-  const T* xp = xc.const_data_ptr<T>();
-  const T* wp = weight.const_data_ptr<T>();
   const T* bp = bc.defined() ? bc.const_data_ptr<T>() : nullptr;
   T* yp = y.data_ptr<T>();
-  const int64_t ws = weight.stride(0);
-  // every thread gets weight rows, in slices of at least 16
-  const int64_t grain = std::max<int64_t>(16, n / (4 * at::get_num_threads()));
   at::parallel_for(0, n, grain, [&](int64_t lo, int64_t hi) {
     float* acc;
     if constexpr (std::is_same_v<T, float>) {
@@ -85,11 +80,27 @@ at::Tensor skinny_linear(const at::Tensor& input, const at::Tensor& weight, cons
       if (static_cast<int64_t>(buffer.size()) < m * n) buffer.resize(m * n);
       acc = buffer.data();
     }
-    skinny_nt(xp, k, wp, ws, acc, n, m, k, lo, hi);
+    sums(acc, lo, hi);
     if (bp == nullptr && std::is_same_v<T, float>) return;
     finish_columns(acc, bp, yp, n, m, lo, hi);
   });
   return y;
+}
+
+// bf16 input and weight: the bf16 x bf16 kernel reads x as it is (AVX512_BF16 dot products where the
+// CPU has them); fp32: the fp32 kernel. The output is accumulated in fp32 and rounded once, after the bias.
+template <typename T>
+at::Tensor skinny_linear(const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+  const int64_t m = input.size(0), k = input.size(1), n = weight.size(0);
+  const auto xc = input.contiguous();  // no copy for contiguous rows
+  const T* xp = xc.const_data_ptr<T>();
+  const T* wp = weight.const_data_ptr<T>();
+  const int64_t ws = weight.stride(0);
+  // every thread gets weight rows, in slices of at least 16
+  const int64_t grain = std::max<int64_t>(16, n / (4 * at::get_num_threads()));
+  return column_split_linear<T>(input, n, bias, grain, [&](float* acc, int64_t lo, int64_t hi) {
+    skinny_nt(xp, k, wp, ws, acc, n, m, k, lo, hi);
+  });
 }
 
 // bf16 on the swapped-operand AMX kernel (amx_swap.h): the weight read in place, x packed once, N split
@@ -112,34 +123,19 @@ template <typename T>
 at::Tensor swap_linear_cpu(const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
   const int64_t m = input.size(0), k = input.size(1), n = weight.size(0);
   const auto xc = input.stride(1) == 1 ? input : input.contiguous();
-  const auto bc = bias.has_value() ? bias->contiguous() : at::Tensor();
-  auto y = at::empty({m, n}, input.options());
   const T* xp = xc.const_data_ptr<T>();
   const T* wp = weight.const_data_ptr<T>();
-  const T* bp = bc.defined() ? bc.const_data_ptr<T>() : nullptr;
-  T* yp = y.data_ptr<T>();
   const int64_t xs = xc.stride(0), ws = weight.stride(0);
   // one contiguous range of weight rows per thread (one packing of x each), in multiples of 24 (12- and 8-row
   // weight blocks)
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
   const int64_t grain = std::max<int64_t>(24, (n / threads + 23) / 24 * 24);
-  at::parallel_for(0, n, grain, [&](int64_t lo, int64_t hi) {
-    float* acc;
-    if constexpr (std::is_same_v<T, float>) {
-      acc = yp;
-    } else {
-      thread_local std::vector<float> buffer;  // [m, n] floats, of which this thread's columns are used
-      if (static_cast<int64_t>(buffer.size()) < m * n) buffer.resize(m * n);
-      acc = buffer.data();
-    }
+  return column_split_linear<T>(input, n, bias, grain, [&](float* acc, int64_t lo, int64_t hi) {
     if constexpr (std::is_same_v<T, float>)
       swap_gemm_nt(xp, xs, wp + lo * ws, ws, acc + lo, n, m, hi - lo, k, {});
     else
       swap_dp_nt(xp, xs, wp + lo * ws, ws, acc + lo, n, m, hi - lo, k, {});
-    if (bp == nullptr && std::is_same_v<T, float>) return;
-    finish_columns(acc, bp, yp, n, m, lo, hi);
   });
-  return y;
 }
 
 // The most rows a linear takes swap_linear_cpu for by the rule (fewer: the weight stream; more: gemm_linear for

@@ -4,7 +4,8 @@
 // (amx_swap.h: the weight read in place, no per-call reorder) up to kSwapLinearMaxRows, torch's linear
 // (oneDNN) above. Otherwise a few rows (decode) -> the weight-streaming kernel of skinny.h, split over
 // the weight's rows (bf16: AVX512_BF16 dot products where the CPU has them); 9-64 rows of fp32 on a CPU not
-// of Intel's with AVX-512, or of bf16 on one with avx512_bf16 but no AMX -> swap_gemm.h's swapped-operand
+// of Intel's with AVX-512 (8 rows too where the weight has >= kSwapLinear8MinElems elements), or of bf16 on
+// one with avx512_bf16 but no AMX -> swap_gemm.h's swapped-operand
 // kernel, the weight's rows split over the threads (swap_linear_cpu); fp32 of more rows on a CPU not of
 // Intel's -> gemm.h's GEMM over row x column blocks (gemm_linear); else ATen's linear (BLAS / oneDNN), the
 // call the un-rewritten graph made.
@@ -116,7 +117,7 @@ at::Tensor swap_linear(const at::Tensor& input, const at::Tensor& weight, const 
   return y;
 }
 
-// fp32 or bf16 (avx512_bf16, no AMX) of kSkinnyRows + 1 .. kSwapLinearRows rows on swap_gemm.h's swapped-operand
+// fp32 or bf16 (avx512_bf16, no AMX) of kSkinnyRows + 1 (fp32: kSkinnyRows) .. kSwapLinearRows rows on swap_gemm.h's swapped-operand
 // kernel, the weight's rows (N) split over the threads: each thread packs x once and reads its weight rows in
 // place; fp32 sums, the bias added before the one rounding (bf16), or after (fp32, as gemm_linear).
 template <typename T>
@@ -153,15 +154,28 @@ at::Tensor swap_linear_cpu(const at::Tensor& input, const at::Tensor& weight, co
 // rule stops at 64.
 constexpr int64_t kSwapLinearRows = 64;
 
+// fp32 decode of kSkinnyRows (8) rows: the stream's time grows with the rows (8 FMAs per weight element: on 2
+// threads it is bound by them, not by the weight read), the swapped kernel's does not (it pads to 8 rows).
+// Measured (session 15, the same 2-core Zen 5, both threads, weights rotated past the cache, stream / swap ms,
+// best of 4 alternated; python tools/bench_small_m.py --linear):
+//   m=8 [4096,1024] 0.752/0.664  [2048,1024] 0.546/0.427  [1024,2048] 0.404/0.330  [1024,512] 0.083/0.076;
+//       weights under 2 MB are even or lose: [256,1024] 0.050/0.049, [768,256] 0.040/0.036 (a later run of
+//       the tool: [1024,256] 0.037/0.043), [160,1024] 0.031/0.033, [1024,128] 0.021/0.023; m=7 is mixed
+//       ([4096,1024] 0.642/0.672, [2048,1024] 0.481/0.428), m <= 6 loses (0.61-0.90x); bf16 (vdpbf16ps) loses
+//       at every m <= 8 but one shape (0.62-1.15x): the stream stays.
+constexpr int64_t kSwapLinear8MinElems = int64_t{1} << 19;
+
 bool swap_linear_rows(const at::Tensor& input, const at::Tensor& weight, GemmRoute route, Bf16Kernel forced) {
-  const int64_t m = input.size(0), k = input.size(1);
-  if (m <= kSkinnyRows || k == 0 || weight.size(0) == 0 || weight.stride(1) != 1 || amx_swap_available()) return false;
+  const int64_t m = input.size(0), k = input.size(1), n = weight.size(0);
+  if (m < kSkinnyRows || k == 0 || n == 0 || weight.stride(1) != 1 || amx_swap_available()) return false;
   if (input.scalar_type() == at::kBFloat16) {
-    if (route == GemmRoute::kOwn || !swap_dp_supported(k)) return false;
+    if (m == kSkinnyRows || route == GemmRoute::kOwn || !swap_dp_supported(k)) return false;
     return forced == Bf16Kernel::kSwap || (forced == Bf16Kernel::kRule && m <= kSwapLinearRows);
   }
   if (input.scalar_type() != at::kFloat || !fp32_piece_takes_swap_gemm(GemmRoute::kSwap, m, k, 1)) return false;
-  return route == GemmRoute::kSwap || (route == GemmRoute::kAuto && !cpu_vendor_intel() && m <= kSwapLinearRows);
+  if (route == GemmRoute::kSwap) return true;
+  if (route != GemmRoute::kAuto || cpu_vendor_intel()) return false;
+  return m == kSkinnyRows ? n * k >= kSwapLinear8MinElems : m <= kSwapLinearRows;
 }
 
 // fp32 with > kSkinnyRows rows and the weight's K contiguous on a CPU not of Intel's (gemm.h's rule:
@@ -208,9 +222,9 @@ at::Tensor linear(const at::Tensor& input, const at::Tensor& weight, const std::
   const auto dtype = input.scalar_type();
   const bool streams = input.size(0) > 0 && input.size(0) <= kSkinnyRows && input.size(1) > 0 && weight.size(0) > 0 &&
                        weight.stride(1) == 1 && (dtype == at::kFloat || dtype == at::kBFloat16);
-  // ASCEND_PASSES_GEMM read (and checked) on every bf16 call and fp32 call of more rows than the stream's
-  // (not on the decode hot path), ASCEND_PASSES_BF16_KERNEL on bf16 ones
-  const bool routed = dtype == at::kBFloat16 || (dtype == at::kFloat && input.size(0) > kSkinnyRows);
+  // ASCEND_PASSES_GEMM read (and checked) on every bf16 call and fp32 call of at least the stream's rows (8: the
+  // swapped kernel's rule; a getenv, ~0.1 us against >= 20 us), ASCEND_PASSES_BF16_KERNEL on bf16 ones
+  const bool routed = dtype == at::kBFloat16 || (dtype == at::kFloat && input.size(0) >= kSkinnyRows);
   const GemmRoute route = routed ? fp32_gemm_route() : GemmRoute::kAuto;
   const Bf16Kernel forced = dtype == at::kBFloat16 ? bf16_kernel_override() : Bf16Kernel::kRule;
   if (dtype == at::kBFloat16 && input.size(0) > 0 && input.size(1) > 0 && weight.size(0) > 0 && weight.stride(1) == 1 &&

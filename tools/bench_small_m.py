@@ -24,10 +24,13 @@ bf16 mm (on a CPU with AMX the rule takes the AMX kernels, which none of the for
     python tools/bench_small_m.py --model 256 --rounds 15
     python tools/bench_small_m.py --model 256 --rounds 15 --dtype bfloat16
     python tools/bench_small_m.py --linear --rows 9,16,32,64,96,128
+    python tools/bench_small_m.py --linear --cold --rows 4,7,8,9,16
 
 ``--linear``: ``ascend.linear`` of m rows on [N, K] weights (4096 x 1024, 512 x 1024, 1024 x 256), fp32 and
 bf16, all threads, best of --rounds x 10 calls (ms): the route before session 14 (fp32: the packing GEMM,
-ASCEND_PASSES_GEMM=own; bf16: ASCEND_PASSES_BF16_KERNEL=onednn), the swap kernel forced, and the rule.
+ASCEND_PASSES_GEMM=own; bf16: ASCEND_PASSES_BF16_KERNEL=onednn; at 8 rows or fewer the weight stream), the
+swap kernel forced, and the rule. ``--cold`` rotates copies of each weight past the cache (a decode forward
+reads every weight from memory once).
 """
 
 from __future__ import annotations
@@ -178,7 +181,7 @@ def bench_model_experts(tokens: int, rounds: int, dtype: torch.dtype = torch.flo
         )
 
 
-def bench_linear(rows: list[int], rounds: int) -> None:
+def bench_linear(rows: list[int], rounds: int, cold: bool) -> None:
     def best(fn) -> float:
         fn()
         return min(timed(fn, 10) for _ in range(rounds))
@@ -187,18 +190,25 @@ def bench_linear(rows: list[int], rounds: int) -> None:
         (torch.float32, "ASCEND_PASSES_GEMM", "own"),
         (torch.bfloat16, "ASCEND_PASSES_BF16_KERNEL", "onednn"),
     ):
-        print(f"\nlinear {dtype}: ms per call, {before} (the route before) / swap / the rule")
+        print(
+            f"\nlinear {dtype}: ms per call, {before} (the route before; at <= 8 rows the stream) / swap / the rule"
+            + (" (weights rotated past the cache)" if cold else "")
+        )
         for n, k in ((4096, 1024), (512, 1024), (1024, 256)):
-            w = torch.randn(n, k).to(dtype)
+            # --cold: as many copies of the weight as fill 256 MB, one per call, as a forward reads each weight once
+            copies = max(2, (256 << 20) // (n * k * dtype.itemsize)) if cold else 1
+            ws = [torch.randn(n, k).to(dtype) for _ in range(copies)]
             cells = []
             for m in rows:
                 x = torch.randn(m, k).to(dtype)
                 t = {}
-                for route in (before, "swap", ""):
+                first = "stream" if m <= 8 else before
+                for route in (first, "swap", ""):
                     os.environ[variable] = route
-                    t[route] = best(lambda: K.linear(x, w, None))
+                    turn = iter(range(1 << 62))
+                    t[route] = best(lambda: K.linear(x, ws[next(turn) % copies], None))
                 os.environ.pop(variable, None)
-                cells.append(f"m={m} {1e3 * t[before]:.3f}/{1e3 * t['swap']:.3f}/{1e3 * t['']:.3f}")
+                cells.append(f"m={m} {1e3 * t[first]:.3f}/{1e3 * t['swap']:.3f}/{1e3 * t['']:.3f}")
             print(f"  [m,{k}]x[{n},{k}]^T: " + "  ".join(cells), flush=True)
 
 
@@ -210,10 +220,11 @@ def main() -> None:
     parser.add_argument("--model", type=int, default=0, metavar="TOKENS")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="--model only")
     parser.add_argument("--linear", action="store_true", help="ascend.linear's routes instead")
+    parser.add_argument("--cold", action="store_true", help="--linear: a weight read from memory in every call")
     args = parser.parse_args()
     if args.linear:
         with torch.no_grad():
-            bench_linear([int(r) for r in args.rows.split(",")], args.rounds)
+            bench_linear([int(r) for r in args.rows.split(",")], args.rounds, args.cold)
         return
     if args.dtype != "float32" and not args.model:
         parser.error("--dtype bfloat16 needs --model TOKENS")

@@ -213,8 +213,10 @@ def test_fp32_linear_on_the_swap_kernel(gemm_route, m, n, k):
         assert torch.equal(rule, swap if m <= 64 else own)
 
 
-@pytest.mark.parametrize("m,n,k,by_rule", [(8, 512, 1024, "swap"), (8, 520, 1030, "swap"), (8, 256, 1024, "stream"),
-                                           (7, 512, 1024, "stream")])
+@pytest.mark.parametrize(
+    "m,n,k,by_rule",
+    [(8, 512, 1024, "swap"), (8, 520, 1030, "swap"), (8, 256, 1024, "stream"), (7, 512, 1024, "stream")],
+)
 def test_fp32_decode_linear_of_eight_rows(gemm_route, m, n, k, by_rule):
     """An fp32 linear of exactly 8 rows (a decode batch of 8) takes the swapped-operand kernel by the rule on a CPU
     not of Intel's with AVX-512 where the weight has >= 2^19 elements (kernels/linear.cpp kSwapLinear8MinElems),

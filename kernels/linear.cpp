@@ -117,9 +117,9 @@ at::Tensor swap_linear(const at::Tensor& input, const at::Tensor& weight, const 
   return y;
 }
 
-// fp32 or bf16 (avx512_bf16, no AMX) of kSkinnyRows + 1 (fp32: kSkinnyRows) .. kSwapLinearRows rows on swap_gemm.h's swapped-operand
-// kernel, the weight's rows (N) split over the threads: each thread packs x once and reads its weight rows in
-// place; fp32 sums, the bias added before the one rounding (bf16), or after (fp32, as gemm_linear).
+// fp32 or bf16 (avx512_bf16, no AMX) of kSkinnyRows + 1 (fp32: kSkinnyRows) .. kSwapLinearRows rows on swap_gemm.h's
+// swapped-operand kernel, the weight's rows (N) split over the threads: each thread packs x once and reads its weight
+// rows in place; fp32 sums, the bias added before the one rounding (bf16), or after (fp32, as gemm_linear).
 template <typename T>
 at::Tensor swap_linear_cpu(const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
   const int64_t m = input.size(0), k = input.size(1), n = weight.size(0);

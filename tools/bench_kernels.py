@@ -486,8 +486,14 @@ def main() -> None:
         default="tcmalloc",
         help="memory allocator of the run (default: TCMalloc when installed; see tools/_allocator.py)",
     )
+    parser.add_argument(
+        "--huge-pages",
+        choices=_allocator.HUGE_PAGES,
+        default="on",
+        help="torch's THP_MEM_ALLOC_ENABLE for the run (default: on; see tools/_allocator.py)",
+    )
     args = parser.parse_args()
-    allocator = _allocator.ensure(args.allocator)
+    allocator = _allocator.ensure(args.allocator, args.huge_pages)
     torch.manual_seed(0)
     start = time.perf_counter()
     copy_bw, mm_fp32 = [], []

@@ -476,6 +476,7 @@ def run_cells(
     budget_s: float,
     model_name: str,
     allocator: str,
+    huge_pages: str,
 ) -> tuple[list[Row], dict[tuple[str, str], Facts]]:
     """Each (dtype, shape) in a process of its own: a model, its ``batched_mm`` twin and the compiled
     variants of one cell fit in memory where those of every cell in one process did not (24 GiB: the
@@ -496,6 +497,7 @@ def run_cells(
                     f"--reps={reps}",
                     f"--budget={budget_s}",
                     f"--allocator={allocator}",
+                    f"--huge-pages={huge_pages}",
                     f"--cell-output={out}",
                 ]
                 returncode = subprocess.run(cmd, check=False).returncode
@@ -527,11 +529,17 @@ def main() -> None:
         help="memory allocator of the run (default: TCMalloc when installed; see tools/_allocator.py)",
     )
     parser.add_argument(
+        "--huge-pages",
+        choices=_allocator.HUGE_PAGES,
+        default="on",
+        help="torch's THP_MEM_ALLOC_ENABLE for the run (default: on; see tools/_allocator.py)",
+    )
+    parser.add_argument(
         "--in-process", action="store_true", help="measure every cell in this process (default: one process per cell)"
     )
     parser.add_argument("--cell-output", default="", help=argparse.SUPPRESS)  # a cell's process: rows go here
     args = parser.parse_args()
-    allocator = _allocator.ensure(args.allocator)
+    allocator = _allocator.ensure(args.allocator, args.huge_pages)
     dtypes = ["float32"] if args.quick else args.dtypes.split(",")
     reps = 5 if args.quick else args.reps
     shapes, variants = args.shapes.split(","), args.variants.split(",")
@@ -555,7 +563,7 @@ def main() -> None:
     if args.in_process:
         rows, facts = bench(shapes, dtypes, variants, reps, args.budget, args.model)
     else:
-        rows, facts = run_cells(shapes, dtypes, variants, reps, args.budget, args.model, args.allocator)
+        rows, facts = run_cells(shapes, dtypes, variants, reps, args.budget, args.model, args.allocator, args.huge_pages)
     print_table(rows, facts, args.model)
 
 

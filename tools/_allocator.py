@@ -13,7 +13,8 @@ kernel's transparent huge pages are ``madvise`` or ``always`` the weights sit in
 forward reads every weight from memory once; with 4 KB pages each weight row of 4 KB is a page of its own
 and the TLB misses cost read bandwidth (session 15, 2-core Zen 5, weights rotated past the cache:
 ``ascend.linear`` fp32 [8,1024]x[4096,1024]^T 0.74 -> 0.53 ms after ``MADV_COLLAPSE``; the bench model's
-fp32 decode 12.98 -> 11.69 ms, the same process alternating a collapsed copy of the model with the other).
+fp32 decode 12.98 -> 11.69 ms in one run, 15.21 -> 15.57 in a noisier one, bf16 8.23 -> 7.92, the same
+process alternating a collapsed copy of the model with the other: README, "Using it").
 ``ensure`` sets it (and re-executes) unless asked not to; it is an environment choice like the allocator,
 made for every variant of a run alike.
 """

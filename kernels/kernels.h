@@ -42,6 +42,9 @@ std::vector<at::Tensor> grouped_matmul(at::TensorList x, at::TensorList weight, 
 
 at::Tensor linear(const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias);
 
+at::Tensor attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, double scale,
+                     bool is_causal, const std::optional<at::Tensor>& attn_mask);
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> mla_prolog(
     const at::Tensor& token_x, const std::optional<at::Tensor>& weight_dq, const at::Tensor& weight_uq_qr,
     const std::optional<at::Tensor>& weight_uk, const at::Tensor& weight_dkv_kr,

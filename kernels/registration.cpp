@@ -15,7 +15,7 @@
 #include "kernels.h"
 
 namespace {
-int64_t version() { return 7; }
+int64_t version() { return 8; }
 
 bool register_cpu_impls();
 }  // namespace
@@ -50,6 +50,9 @@ TORCH_LIBRARY(ascend_kernels, m) {
       "int? drop_pad_mode=0, int? k=1) -> Tensor");
   m.def("linear(Tensor input, Tensor weight, Tensor? bias=None) -> Tensor");
   m.def(
+      "attention(Tensor query, Tensor key, Tensor value, float scale, bool is_causal=False, Tensor? attn_mask=None) -> "
+      "Tensor");
+  m.def(
       "mla_prolog(Tensor token_x, Tensor? weight_dq, Tensor weight_uq_qr, Tensor? weight_uk, "
       "Tensor weight_dkv_kr, Tensor? rmsnorm_gamma_cq, Tensor rmsnorm_gamma_ckv, Tensor rope_sin, "
       "Tensor rope_cos, *, int head_num, float rmsnorm_epsilon_cq=1e-05, "
@@ -67,6 +70,7 @@ TORCH_LIBRARY(ascend_kernels, m) {
   m.impl("grouped_matmul", TORCH_FN(ascend_kernels::grouped_matmul));                     \
   m.impl("moe_finalize_routing", TORCH_FN(ascend_kernels::moe_finalize_routing));         \
   m.impl("linear", TORCH_FN(ascend_kernels::linear));                                     \
+  m.impl("attention", TORCH_FN(ascend_kernels::attention));                               \
   m.impl("mla_prolog", TORCH_FN(ascend_kernels::mla_prolog))
 
 TORCH_LIBRARY_IMPL(ascend_kernels, CPU, m) { ASCEND_IMPLS(m); }

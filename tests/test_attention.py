@@ -1,6 +1,8 @@
 """The attention pass: SDPA's math fallback (v head dim ≠ q/k head dim) becomes CPU flash
 attention with v zero-padded; a provably causal constant mask becomes ``is_causal``, any other
-mask stays explicit; shapes the flash kernel does not take are left alone with a near-miss."""
+mask stays explicit; shapes the flash kernel does not take are left alone with a near-miss.  For
+target cpu, a flash call then becomes ``ascend.attention`` on the unpadded value (kernels/attention.cpp),
+its mask (if any) passed on."""
 
 from __future__ import annotations
 
@@ -9,16 +11,22 @@ import torch
 import torch.nn.functional as F
 from _helpers import compile_and_run, rel_diff
 
+import ascend_passes.ops  # noqa: F401 - torch.ops.ascend
 from ascend_passes import models
 from ascend_passes.report import count_ops
 
 aten = torch.ops.aten
 FLASH = aten._scaled_dot_product_flash_attention_for_cpu.default
+OWN = torch.ops.ascend.attention.default
 NUM_LAYERS = 3  # models.deepseek_v3's default
 
 
 def _flash_nodes(report):
     return list(report.graph.graph.find_nodes(op="call_function", target=FLASH))
+
+
+def _own_nodes(report):
+    return list(report.graph.graph.find_nodes(op="call_function", target=OWN))
 
 
 def _is_causal(node) -> bool:
@@ -36,17 +44,50 @@ def test_deepseek_attention_becomes_causal_flash(compiler, batch, tokens):
     (report,) = reports
     result = report.passes["attention"]
     assert result.status == "ok"
-    assert [m.pattern for m in result.matches].count("sdpa_flash[mask]") == NUM_LAYERS
-    assert [m.pattern for m in result.matches].count("causal_mask") == NUM_LAYERS
-    nodes = _flash_nodes(report)
+    patterns = [m.pattern for m in result.matches]
+    assert patterns.count("sdpa_flash[mask]") == NUM_LAYERS
+    assert patterns.count("causal_mask") == NUM_LAYERS
+    assert patterns.count("cpu_attention") == NUM_LAYERS
+    # every flash call (causal, no mask) became ascend.attention, on v as it is (16 columns: no padding)
+    assert not _flash_nodes(report)
+    nodes = _own_nodes(report)
     assert len(nodes) == NUM_LAYERS
-    assert all(_is_causal(n) and "attn_mask" not in n.kwargs for n in nodes)
+    assert all(_is_causal(n) for n in nodes)
+    assert all(n.args[2].meta["val"].shape[-1] == 16 and n.meta["val"].shape[-1] == 16 for n in nodes)
     assert report.count("aten._safe_softmax") == 0 and report.count("aten.bmm") == 0
-    # v (16) padded to the q/k head dim (24 + 8)
-    assert report.count("aten.constant_pad_nd") == NUM_LAYERS
+    assert report.count("aten.constant_pad_nd") == 0
     # the key [k_nope | k_rope], written into new_empty by two copy_ (two slice_scatter, each a copy
-    # of the whole key), is one cat; the flash output is copied to contiguous once, not twice
+    # of the whole key), is one cat; the output is copied to contiguous once, not twice
     assert report.count("aten.slice_scatter") == 0 and report.count("aten.new_empty") == 0
+    for n in nodes:  # attention → transpose → [clone]: one clone (at S=1 a no-op)
+        (after,) = n.users
+        chain = [after, *after.users, *(x for u in after.users for x in u.users)]
+        assert [c.target for c in chain].count(aten.clone.default) == 1, chain
+    assert rel_diff(out, ref) <= 1e-4
+
+
+def test_the_flash_form_before_the_cpu_kernel():
+    """What the pass makes of the math path before the CPU step (the form an NPU graph keeps): flash on v
+    zero-padded to the q/k head dim (24 + 8), its output sliced back, causal; checked on the graph of the
+    pass run with the CPU step undone by hand (target npu would also run the lowering)."""
+    from ascend_passes.passes import attention as attention_pass
+
+    model, inputs = models.deepseek_v3("grouped_mm", batch=1, tokens=16)
+    with torch.no_grad():
+        ref = model(*inputs)
+    seen = []
+    original = attention_pass.to_cpu_attention
+    try:
+        attention_pass.to_cpu_attention = lambda node: seen.append(node) or "kept for this test"
+        out, reports = compile_and_run(model, inputs, compiler="eager")
+    finally:
+        attention_pass.to_cpu_attention = original
+    (report,) = reports
+    nodes = _flash_nodes(report)
+    assert len(nodes) == len(seen) == NUM_LAYERS and not _own_nodes(report)
+    assert all(_is_causal(n) and "attn_mask" not in n.kwargs for n in nodes)
+    assert report.count("aten.constant_pad_nd") == NUM_LAYERS
+    assert [m.reason for m in report.passes["attention"].near_misses] == ["kept for this test"] * NUM_LAYERS
     for n in nodes:  # flash → slice → [clone] → transpose → [clone]: one clone (at S=1 the second is a no-op)
         (out0,) = [u for u in n.users if u.args[1] == 0]
         (sliced,) = out0.users
@@ -99,7 +140,7 @@ def test_without_the_pass_attention_stays_on_the_math_path():
     model, inputs = models.deepseek_v3("grouped_mm")
     _, reports = compile_and_run(model, inputs, compiler="eager", disable=("attention",))
     assert reports[0].count("aten._safe_softmax") == NUM_LAYERS
-    assert not _flash_nodes(reports[0])
+    assert not _flash_nodes(reports[0]) and not _own_nodes(reports[0])
 
 
 def test_deepseek_bf16_flash_runs_on_bf16():
@@ -109,11 +150,11 @@ def test_deepseek_bf16_flash_runs_on_bf16():
     _, ref_reports = compile_and_run(model, inputs, compiler="eager", disable=("attention",))
     out, reports = compile_and_run(model, inputs, compiler="eager")
     (report,) = reports
-    nodes = _flash_nodes(report)
-    assert len(nodes) == NUM_LAYERS and all(_is_causal(n) for n in nodes)
+    nodes = _own_nodes(report)
+    assert len(nodes) == NUM_LAYERS and all(_is_causal(n) for n in nodes) and not _flash_nodes(report)
     assert [m.pattern for m in report.passes["attention"].matches].count("sdpa_flash[mask, upcast]") == NUM_LAYERS
     assert all(a.meta["val"].dtype == torch.bfloat16 for n in nodes for a in n.args[:3])
-    assert all(n.meta["val"][0].dtype == torch.bfloat16 for n in nodes)
+    assert all(n.meta["val"].dtype == torch.bfloat16 for n in nodes)
     # against the same pipeline without the attention rewrite (eager bf16 differs from any
     # compiled bf16 by routing flips on this random model, see README)
     with torch.no_grad():
@@ -131,9 +172,10 @@ def test_equal_head_dims_flash_already_only_the_mask_goes():
     assert all("attn_mask" in n.kwargs for n in _flash_nodes(plain[0]))  # SDPA's own flash path
     out, reports = compile_and_run(model, inputs, compiler="eager")
     patterns = [m.pattern for m in reports[0].passes["attention"].matches]
-    assert patterns == ["causal_mask"] * NUM_LAYERS  # no math path to rewrite
+    assert patterns == ["causal_mask"] * NUM_LAYERS + ["cpu_attention"] * NUM_LAYERS  # no math path to rewrite
     assert reports[0].count("aten.constant_pad_nd") == 0
-    assert all(_is_causal(n) for n in _flash_nodes(reports[0]))
+    assert not _flash_nodes(reports[0]) and len(_own_nodes(reports[0])) == NUM_LAYERS
+    assert all(_is_causal(n) for n in _own_nodes(reports[0]))
     assert rel_diff(out, ref) <= 1e-4
 
 
@@ -187,9 +229,12 @@ def test_masks(mode, causal):
     with torch.no_grad():
         ref = model(*inputs)
     out, reports = compile_and_run(model, inputs, compiler="eager")
-    (node,) = _flash_nodes(reports[0])
+    masked = mode not in ("causal", "none")
+    (node,) = _own_nodes(reports[0])  # every one, masked or not, on the CPU kernel
+    assert not _flash_nodes(reports[0])
     assert _is_causal(node) is causal
-    assert ("attn_mask" in node.kwargs) is (mode not in ("causal", "none"))
+    assert (len(node.args) > 5 and node.args[5] is not None) is masked
+    assert not reports[0].passes["attention"].near_misses
     assert reports[0].count("aten._safe_softmax") == 0
     assert torch.isfinite(out).all()
     assert rel_diff(out, ref) <= 1e-4
@@ -210,7 +255,7 @@ def test_a_3d_mask_is_not_rewritten():
     assert torch.equal(out, ref) or rel_diff(out, ref) <= 1e-6
 
 
-def test_count_ops_sees_flash():
+def test_count_ops_sees_the_attention():
     model, inputs = models.deepseek_v3("grouped_mm", num_layers=1, first_k_dense_replace=1)
     _, reports = compile_and_run(model, inputs, compiler="eager")
-    assert count_ops(reports[0].graph, FLASH) == 1
+    assert count_ops(reports[0].graph, OWN) == 1 and count_ops(reports[0].graph, FLASH) == 0

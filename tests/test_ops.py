@@ -955,7 +955,8 @@ def test_moe_chain_under_inductor_with_symbolic_tokens(backend):
 def test_npu_table_covers_every_op_with_matching_argument_names():
     from ascend_passes import npu
 
-    eplb_ops = {"eplb_map", "eplb_record_load", "eplb_logical_weight"}  # ours: no torch_npu counterpart
+    # ours: no torch_npu counterpart (attention: a CPU op, emitted for target cpu only)
+    eplb_ops = {"eplb_map", "eplb_record_load", "eplb_logical_weight", "attention"}
     assert set(npu.NPU_OPS) == set(ops.OPS) - eplb_ops
     assert all(npu.NPU_OPS[name] is op.npu for name, op in ops.OPS.items() if op.npu)
     for name in set(ops.OPS) - eplb_ops - {"mla_prolog"}:  # mla_prolog: tests/test_lower.py

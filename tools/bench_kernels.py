@@ -446,6 +446,29 @@ def bench_small_prefill(tokens: int, quick: bool) -> list[Row]:
     return rows
 
 
+def bench_attention(quick: bool) -> list[Row]:
+    """ascend.attention (kernels/attention.cpp) against its reference, torch's CPU flash kernel on v padded to
+    the q/k head dim (what the graph ran before), at the bench model's attention (8 heads, q/k 96 = 64 + 32
+    rope, v 64), causal: the FLOPs are those of the causal half (q·kᵀ and p·v of the seen columns)."""
+    from ascend_passes.ops.attention import attention as flash_padded
+
+    rows = []
+    for length, dtype in itertools.product((256, 1024), (torch.float32, torch.bfloat16)):
+        torch.manual_seed(length)
+        q = torch.randn(1, length, 8, 96).transpose(1, 2).to(dtype)
+        k = torch.randn(1, 8, length, 96).to(dtype)
+        v = torch.randn(1, length, 8, 64).transpose(1, 2).to(dtype)
+        budget = 0.3 if quick else 0.8
+        own = best_time(lambda: A.attention(q, k, v, 96**-0.5, True), budget)
+        ref = best_time(lambda: flash_padded(q, k, v, 96**-0.5, True), budget)
+        flops = 2 * 8 * (length * (length + 1) // 2) * (96 + 64)
+        dname = str(dtype).replace("torch.", "")
+        rows.append(
+            Row(f"prefill T={length}", dname, "attention (causal)", own * 1e3, ref * 1e3, None, "compute", flops)
+        )
+    return rows
+
+
 def render(rows: list[Row], header: list[str]) -> None:
     cols = ["shape", "dtype", "step", "C++ ms", "reference ms", "naive loop ms", "throughput", "vs limit"]
 
@@ -506,6 +529,7 @@ def main() -> None:
             rows += bench_case(tokens, dtype, args.quick)
             if tokens == 2048 and dtype == torch.bfloat16:
                 rows += bench_small_prefill(256, args.quick)
+                rows += bench_attention(args.quick)
     copy_bw.append(copy_bandwidth())
     mm_fp32.append(dense_mm_flops(2048 * TOP_K, torch.float32))
     mm_bf16 = [dense_mm_flops(2048 * TOP_K, torch.bfloat16) for _ in range(3)]

@@ -563,7 +563,9 @@ def main() -> None:
     if args.in_process:
         rows, facts = bench(shapes, dtypes, variants, reps, args.budget, args.model)
     else:
-        rows, facts = run_cells(shapes, dtypes, variants, reps, args.budget, args.model, args.allocator, args.huge_pages)
+        rows, facts = run_cells(
+            shapes, dtypes, variants, reps, args.budget, args.model, args.allocator, args.huge_pages
+        )
     print_table(rows, facts, args.model)
 
 

@@ -1,7 +1,7 @@
 """The ``torch.ops.ascend`` IR: portable ops mirroring torch_npu's fused MoE / norm kernels.
 
 Every op is one record (``_define.Op``) in the module of its family — ``norm``, ``activation``,
-``moe``, ``linear``, ``mla``, ``eplb`` — holding its schema (mirroring torch_npu), reference, fake,
+``moe``, ``linear``, ``mla``, ``eplb``, ``attention`` — holding its schema (mirroring torch_npu), reference, fake,
 argument checks, whether it decomposes for Inductor, whether a C++ kernel implements it, and its
 torch_npu lowering row with the documented limits.  Importing this package registers every record
 (schema, fake impl, reference impl for all devices) and loads the C++ CPU kernels from
@@ -20,13 +20,14 @@ import torch
 from torch.library import Library
 
 from .. import kernels
-from . import activation, eplb, linear, mla, moe, norm
+from . import activation, attention, eplb, linear, mla, moe, norm
 from ._define import NAMESPACE, Op, define_ops
 
 log = logging.getLogger("ascend_passes.ops")
 
 # Every op, by name, in family order.
-OPS: dict[str, Op] = {op.name: op for family in (norm, activation, moe, linear, mla, eplb) for op in family.OPS}
+_FAMILIES = (norm, activation, moe, linear, mla, eplb, attention)
+OPS: dict[str, Op] = {op.name: op for family in _FAMILIES for op in family.OPS}
 
 # Keep the Library alive for the life of the process: dropping it would unregister the ops.
 # On a reload the module dict already holds the first Library, which is kept.

@@ -20,13 +20,16 @@ copied to contiguous again.
 from __future__ import annotations
 
 import logging
+import math
 import operator
 from typing import Any
 
 import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
+from .. import ops  # noqa: F401 - registers torch.ops.ascend.attention
 from ..pass_manager import PassContext, PassResult
 from ._nodes import copy_location, eliminate_dead_code, set_val
 from ._pattern import PatternPass
@@ -65,22 +68,96 @@ class AttentionPass(PatternPass):
                 node.kwargs = kwargs
                 causal += 1
                 result.match("causal_mask", layer=layer_of(node), nodes=[node])
-        assembled = copies = 0
-        for node in list(gm.graph.find_nodes(op="call_function", target=FLASH)):
+        assembled = copies = own = 0
+        flashes = list(gm.graph.find_nodes(op="call_function", target=FLASH))
+        for node in flashes:
             for arg in node.args[:3]:
                 assembled += isinstance(arg, fx.Node) and assemble_by_cat(arg)
             copies += drop_output_copy(node)
-        if causal or assembled or copies:
+            if ctx.target == "cpu":
+                reason = to_cpu_attention(node)
+                if reason is None:
+                    own += 1
+                    result.match("cpu_attention", layer=layer_of(node), nodes=[node])
+                else:
+                    result.near_miss("cpu_attention", reason, layer=layer_of(node), node=node)
+        if causal or assembled or copies or own:
             eliminate_dead_code(gm.graph)  # the pass manager regenerates the code once, after the pipeline
         log.info(
-            "attention: %d math-path attentions → flash (%d with is_causal, %d inputs written by slices → cat, "
-            "%d output copies dropped)",
-            len(gm.graph.find_nodes(op="call_function", target=FLASH)),
+            "attention: %d flash attentions (%d with is_causal, %d inputs written by slices → cat, %d output copies "
+            "dropped), %d of them → ascend.attention",
+            len(flashes),
             causal,
             assembled,
             copies,
+            own,
         )
         return result
+
+
+def to_cpu_attention(flash: fx.Node) -> str | None:
+    """Replace ``flash`` by ``ascend.attention`` on the unpadded value (kernels/attention.cpp: the
+    causal columns skipped, v's own head dim, 2-4x the flash kernel at 256-1024 tokens); returns None,
+    or why not (the flash node then stays).  Only a flash call without dropout whose log-sum-exp is
+    unused, on q, k, v of equal batch and heads, with no mask or a 2-D / 4-D float one; its output is
+    read whole, or through ``[..., :Dv]`` slices of a value padded with ``constant_pad_nd`` (the
+    math-path rewrite's) whose users are copies or transposes (the new output has the flash output's
+    strides on ``Dv`` columns)."""
+    args, kwargs = flash.args, flash.kwargs
+    dropout_p = args[3] if len(args) > 3 else kwargs.get("dropout_p", 0.0)
+    is_causal = args[4] if len(args) > 4 else kwargs.get("is_causal", False)
+    mask = kwargs.get("attn_mask")
+    if dropout_p != 0.0 or not isinstance(is_causal, bool):
+        return f"dropout_p={dropout_p!r}, is_causal={is_causal!r}: not a constant inference attention"
+    q, k, v = args[:3]
+    qv, kv, vv = (_val(a) for a in (q, k, v))
+    if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (qv, kv, vv)):
+        return "q, k, v without 4-D fake values"
+    if any(t.device.type != "cpu" for t in (qv, kv, vv)) or qv.dtype not in (torch.float32, torch.bfloat16):
+        return f"{qv.dtype} on {qv.device}: the kernel is the CPU one, for float32 and bfloat16"
+    if not (qv.shape[:2] == kv.shape[:2] == vv.shape[:2]):
+        return f"q {tuple(qv.shape)}, k {tuple(kv.shape)}, v {tuple(vv.shape)} broadcast over batch or heads"
+    if is_causal and not statically_known_true(qv.shape[2] == kv.shape[2]):
+        return "is_causal with a query length not provably the key length"
+    mv = _val(mask)
+    if mask is not None and not (
+        isinstance(mv, torch.Tensor) and mv.dim() in (2, 4) and mv.dtype in (torch.float32, qv.dtype)
+    ):
+        return "a mask that is not a 2-D or 4-D float32 (or the inputs' dtype) tensor"
+    users = list(flash.users)
+    if not all(u.target is operator.getitem for u in users):
+        return "the flash call's outputs are read other than by index"
+    if any(u.args[1] != 0 and u.users for u in users):
+        return "the log-sum-exp output is read"
+    out = next((u for u in users if u.args[1] == 0), None)
+    if out is None:
+        return "the attention output is unused"
+    value, dv = v, vv.shape[3]
+    pads = v.args[1] if v.target is aten.constant_pad_nd.default else None
+    if pads is not None and len(pads) == 2 and pads[0] == 0 and (len(v.args) < 3 or v.args[2] == 0):
+        value, dv = v.args[0], _val(v.args[0]).shape[3]
+    reads = list(out.users)
+    if dv != vv.shape[3]:  # padded value: every read must be the slice [..., :dv], read by copies or transposes
+        for r in reads:
+            dim = r.args[1] if len(r.args) > 1 else 0
+            if r.target is not aten.slice.Tensor or dim not in (3, -1) or r.args[2:4] != (0, dv) or r.kwargs:
+                return f"the padded output is read by {r.target} other than its [..., :{dv}] slice"
+            if any(u.target not in (aten.clone.default, aten.transpose.int) for u in r.users):
+                return "the sliced output is read other than by copies or transposes"
+    scale = kwargs.get("scale")
+    if scale is None:
+        scale = 1.0 / math.sqrt(qv.shape[3])
+    graph = flash.graph
+    with graph.inserting_before(flash):
+        new = graph.call_function(
+            torch.ops.ascend.attention.default,
+            (q, k, value, float(scale), is_causal, *([mask] if mask is not None else [])),
+        )
+        copy_location(flash, new)
+        set_val(new)
+    for r in reads if dv != vv.shape[3] else [out]:
+        r.replace_all_uses_with(new)
+    return None
 
 
 def is_causal_mask(mask: fx.Node, flash: fx.Node) -> bool:

@@ -1,0 +1,199 @@
+// CPU kernel of ascend.attention: softmax(q kᵀ · scale [+ mask] [causal]) v for q [B, N, L, D], k [B, N, S, D],
+// v [B, N, S, Dv], fp32 or bf16; an additive mask (fp32 or the inputs' dtype, broadcast to [B, N, L, S]) and/or
+// the causal one (top-left, L == S). The output
+// has the strides of _scaled_dot_product_flash_attention_for_cpu's ([B, L, N, Dv] in memory, seen as
+// [B, N, L, Dv]), the op the attention pass used on CPU before, so the graph's views after it are unchanged.
+//
+// Why not torch's CPU flash kernel: at the prompt lengths of a CPU prefill (256-1024 tokens) a whole
+// row block of scores fits in L2, so no online softmax is needed; each work item (64 query rows of one
+// head) computes its scores with gemm.h's AVX-512 GEMM (bf16: vdpbf16ps dot products, fp32 sums), the
+// causal columns past its last row never, one softmax in fp32, and p·v with the same GEMM (p rounded to
+// the input dtype for bf16, as the flash kernel does), on v's own head dim (the flash kernel needs q, k
+// and v of one head dim: the pass padded v to q's and sliced the output). Measured in
+// tools/bench_kernels.py (attention rows). Without AVX-512 (or bf16 without avx512_bf16, or an odd head
+// dim in bf16), and for anything else, the flash kernel on the padded inputs, as the reference.
+#include "common.h"
+#include "gemm.h"
+#include "kernels.h"
+
+#include <vector>
+
+namespace ascend_kernels {
+namespace {
+
+constexpr const char* kAttention = "attention";
+constexpr int64_t kRows = 64;  // query rows per work item
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+// the row loops below vectorise to AVX-512 (the kernel runs only where gemm_nt does: AVX-512)
+#define ASCEND_ATTN_TARGET __attribute__((target("avx512f,avx512vl,avx512bw,avx512dq,avx2,fma")))
+#else
+#define ASCEND_ATTN_TARGET
+#endif
+
+// One row of scores s[0, kvp): p = exp(x - max x) with x = s * scale (+ the mask row m, read every ms
+// elements, when there is one) over the `seen` first, 0 after; returns 1 / sum p, or 0 for a row every
+// column of which the mask hides (-inf: the row's output is zeros, as the flash kernel's). 16 partial
+// maxima and sums, so that the loops vectorise without reassociating a single reduction.
+ASCEND_ATTN_TARGET float softmax_row(float* s, const float* m, int64_t ms, int64_t seen, int64_t kvp, float scale) {
+  constexpr int64_t W = 16;
+  if (m != nullptr) {
+    if (ms == 1)
+      for (int64_t j = 0; j < seen; ++j) s[j] = s[j] * scale + m[j];
+    else
+      for (int64_t j = 0; j < seen; ++j) s[j] = s[j] * scale + m[j * ms];
+    scale = 1.0f;
+  }
+  float part[W];
+  for (int64_t l = 0; l < W; ++l) part[l] = -std::numeric_limits<float>::infinity();
+  int64_t j = 0;
+  for (; j + W <= seen; j += W)
+    for (int64_t l = 0; l < W; ++l) part[l] = part[l] > s[j + l] ? part[l] : s[j + l];
+  float mx = -std::numeric_limits<float>::infinity();
+  for (; j < seen; ++j) mx = std::max(mx, s[j]);
+  for (int64_t l = 0; l < W; ++l) mx = std::max(mx, part[l]);
+  if (mx == -std::numeric_limits<float>::infinity()) {
+    for (j = 0; j < kvp; ++j) s[j] = 0.0f;
+    return 0.0f;
+  }
+  for (j = 0; j < seen; ++j) s[j] = exp_f32((s[j] - mx) * scale);  // a masked -inf gives 0 exactly
+  for (j = seen; j < kvp; ++j) s[j] = 0.0f;
+  for (int64_t l = 0; l < W; ++l) part[l] = 0.0f;
+  for (j = 0; j + W <= seen; j += W)
+    for (int64_t l = 0; l < W; ++l) part[l] += s[j + l];
+  float sum = 0.0f;
+  for (; j < seen; ++j) sum += s[j];
+  for (int64_t l = 0; l < W; ++l) sum += part[l];
+  return 1.0f / sum;
+}
+
+ASCEND_ATTN_TARGET void round_row(const float* s, c10::BFloat16* p, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) p[j] = c10::BFloat16(s[j]);
+}
+
+template <typename T>
+ASCEND_ATTN_TARGET void scale_row(const float* acc, float inv, T* o, int64_t n) {
+  for (int64_t d = 0; d < n; ++d) o[d] = T(acc[d] * inv);
+}
+
+// What the op computed before this kernel: the flash kernel on the inputs padded to one head dim.
+at::Tensor flash_reference(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale, bool causal,
+                           const std::optional<at::Tensor>& mask) {
+  const int64_t d = q.size(3), dv = v.size(3);
+  at::Tensor qp = q, kp = k, vp = v;
+  if (dv < d) vp = at::constant_pad_nd(v, {0, d - dv});
+  if (d < dv) qp = at::constant_pad_nd(q, {0, dv - d}), kp = at::constant_pad_nd(k, {0, dv - d});
+  auto out = std::get<0>(at::_scaled_dot_product_flash_attention_for_cpu(qp, kp, vp, 0.0, causal, mask, scale));
+  return out.slice(3, 0, dv);
+}
+
+// mask: an fp32 [B, N, L, S] view (broadcast dims of stride 0), or undefined
+template <typename T>
+void attention_blocks(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,
+                      at::Tensor& out, float scale, bool causal) {
+  const int64_t B = q.size(0), N = q.size(1), L = q.size(2), D = q.size(3), S = k.size(2), Dv = v.size(3);
+  const int64_t sp = (S + 1) / 2 * 2;  // kv columns padded to even (pairs of the bf16 dot product)
+  // vᵀ per head, [Dv, sp], zero past S: the second product's "weight" rows (gemm_nt wants W[N, K])
+  std::vector<T> vt(static_cast<size_t>(B * N * Dv * sp));
+  const T* vp = v.const_data_ptr<T>();
+  at::parallel_for(0, B * N, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t bn = lo; bn < hi; ++bn) {
+      const T* src = vp + (bn / N) * v.stride(0) + (bn % N) * v.stride(1);
+      T* dst = vt.data() + bn * Dv * sp;
+      for (int64_t d = 0; d < Dv; ++d) {
+        for (int64_t j = 0; j < S; ++j) dst[d * sp + j] = src[j * v.stride(2) + d];
+        for (int64_t j = S; j < sp; ++j) dst[d * sp + j] = T(0.0f);
+      }
+    }
+  });
+  const int64_t blocks = (L + kRows - 1) / kRows;
+  const T* qp = q.const_data_ptr<T>();
+  const T* kp = k.const_data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const float* mp = mask.defined() ? mask.const_data_ptr<float>() : nullptr;
+  at::parallel_for(0, B * N * blocks, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<float> scores(static_cast<size_t>(kRows * sp)), acc(static_cast<size_t>(kRows * Dv)), inv(kRows);
+    std::vector<T> probs(std::is_same_v<T, float> ? 0 : static_cast<size_t>(kRows * sp));
+    for (int64_t item = lo; item < hi; ++item) {
+      const int64_t bn = item / blocks, b = bn / N, n = bn % N, r0 = (item % blocks) * kRows;
+      const int64_t rows = std::min(kRows, L - r0);
+      const int64_t kv = causal ? std::min(S, r0 + rows) : S;  // columns any of these rows sees
+      const int64_t kvp = (kv + 1) / 2 * 2;
+      const T* qb = qp + b * q.stride(0) + n * q.stride(1) + r0 * q.stride(2);
+      const T* kb = kp + b * k.stride(0) + n * k.stride(1);
+      if constexpr (std::is_same_v<T, float>)
+        gemm_nt(qb, q.stride(2), kb, k.stride(2), scores.data(), kvp, rows, kv, D, {});
+      else
+        gemm_dp_nt(qb, q.stride(2), kb, k.stride(2), scores.data(), kvp, rows, kv, D, {});
+      for (int64_t i = 0; i < rows; ++i) {
+        float* s = scores.data() + i * kvp;
+        const float* m =
+            mp == nullptr ? nullptr : mp + b * mask.stride(0) + n * mask.stride(1) + (r0 + i) * mask.stride(2);
+        inv[i] = softmax_row(s, m, mp == nullptr ? 0 : mask.stride(3), causal ? r0 + i + 1 : kv, kvp, scale);
+        if constexpr (!std::is_same_v<T, float>) round_row(s, probs.data() + i * kvp, kvp);
+      }
+      const T* vtb = vt.data() + bn * Dv * sp;
+      if constexpr (std::is_same_v<T, float>)
+        gemm_nt(scores.data(), kvp, vtb, sp, acc.data(), Dv, rows, Dv, kvp, {});
+      else
+        gemm_dp_nt(probs.data(), kvp, vtb, sp, acc.data(), Dv, rows, Dv, kvp, {});
+      for (int64_t i = 0; i < rows; ++i)
+        scale_row(acc.data() + i * Dv, inv[i], op + b * out.stride(0) + n * out.stride(1) + (r0 + i) * out.stride(2),
+                  Dv);
+    }
+  });
+}
+
+}  // namespace
+
+at::Tensor attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, double scale,
+                     bool is_causal, const std::optional<at::Tensor>& attn_mask) {
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
+  check_float(kAttention, "query", query);
+  check_dim(kAttention, "query", query, 4);
+  check_dim(kAttention, "key", key, 4);
+  check_dim(kAttention, "value", value, 4);
+  check_same_dtype(kAttention, "key", key, "query", query);
+  check_same_dtype(kAttention, "value", value, "query", query);
+  ASCEND_CHECK(key.size(0) == query.size(0) && key.size(1) == query.size(1) && value.size(0) == query.size(0) &&
+                   value.size(1) == query.size(1),
+               kAttention, "query ", query.sizes(), ", key ", key.sizes(), " and value ", value.sizes(),
+               " differ in batch or heads");
+  ASCEND_CHECK(key.size(3) == query.size(3), kAttention, "key has head dim ", key.size(3), ", query ", query.size(3));
+  ASCEND_CHECK(value.size(2) == key.size(2), kAttention, "value has ", value.size(2), " positions, key ", key.size(2));
+  ASCEND_CHECK(!is_causal || query.size(2) == key.size(2), kAttention, "is_causal needs as many queries (",
+               query.size(2), ") as keys (", key.size(2), ")");
+  ASCEND_CHECK(scale > 0, kAttention, "scale must be positive, got ", scale);
+  const auto dtype = query.scalar_type();
+  const int64_t B = query.size(0), N = query.size(1), L = query.size(2), S = key.size(2);
+  at::Tensor mask;
+  if (attn_mask.has_value()) {
+    const auto& am = *attn_mask;
+    ASCEND_CHECK(am.dim() == 2 || am.dim() == 4, kAttention, "attn_mask must be 2-D or 4-D, got ", am.dim(), "-D");
+    ASCEND_CHECK(am.scalar_type() == at::kFloat || am.scalar_type() == dtype, kAttention, "attn_mask dtype ",
+                 dtype_name(am.scalar_type()), " is neither float32 nor the query's ", dtype_name(dtype));
+    const int64_t want[4] = {B, N, L, S};
+    const int64_t lead = 4 - am.dim();
+    for (int64_t d = 0; d < am.dim(); ++d)
+      ASCEND_CHECK(am.size(d) == 1 || am.size(d) == want[lead + d], kAttention, "attn_mask ", am.sizes(),
+                   " does not broadcast to the scores [", B, ", ", N, ", ", L, ", ", S, "]");
+    mask = am.to(at::kFloat);
+    if (mask.dim() == 2) mask = mask.unsqueeze(0).unsqueeze(0);
+    mask = mask.expand({B, N, L, S});  // broadcast dims: stride 0, nothing copied
+  }
+  const bool fast = gemm_nt_available() && B * N * L > 0 && S > 0 &&
+                    (dtype == at::kFloat || (dtype == at::kBFloat16 && gemm_dp_nt_supported(query.size(3), 2)));
+  if (!fast) return flash_reference(query, key, value, scale, is_causal, attn_mask);
+  auto last = [](const at::Tensor& t) { return t.stride(3) == 1 ? t : t.contiguous(); };
+  const auto q = last(query), k = last(key);
+  if (dtype == at::kBFloat16 && (k.stride(2) % 2 != 0))
+    return flash_reference(query, key, value, scale, is_causal, attn_mask);
+  auto out = at::empty({B, L, N, value.size(3)}, query.options()).transpose(1, 2);
+  if (dtype == at::kFloat)
+    attention_blocks<float>(q, k, value, mask, out, static_cast<float>(scale), is_causal);
+  else
+    attention_blocks<c10::BFloat16>(q, k, value, mask, out, static_cast<float>(scale), is_causal);
+  return out;
+}
+
+}  // namespace ascend_kernels

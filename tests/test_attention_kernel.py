@@ -1,0 +1,145 @@
+"""``ascend.attention`` (kernels/attention.cpp): softmax(q·kᵀ·scale [causal])·v against the float64 product,
+within the tolerance of the flash kernel it replaces (its reference: flash on the padded inputs), over row
+counts around the 64-row blocks, odd key counts (bf16 pairs), head dims of any width, strided inputs; the
+output has the flash output's strides; bad input raises the op's ValueError."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import ascend_passes.ops  # noqa: F401 - torch.ops.ascend
+from ascend_passes.ops.attention import attention as reference
+
+A = torch.ops.ascend
+TOL = {torch.float32: 2e-5, torch.bfloat16: 1.5e-2}
+
+
+def _exact(q, k, v, scale, causal):
+    return F.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=causal, scale=scale)
+
+
+def _rel(a, b):
+    return ((a.double() - b).abs().max() / b.abs().max()).item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("length", [1, 5, 63, 64, 65, 130])
+@pytest.mark.parametrize("d,dv", [(96, 64), (12, 6), (32, 48), (24, 24)])
+def test_matches_the_exact_product(dtype, causal, length, d, dv):
+    torch.manual_seed(length * 7 + d + dv)
+    b, n = 2, 3
+    q = torch.randn(b, length, n, d).transpose(1, 2).to(dtype)  # the graph's [B, S, N, D] seen as [B, N, S, D]
+    k = torch.randn(b, n, length, d).to(dtype)
+    v = torch.randn(b, length, n, dv + 5)[..., :dv].transpose(1, 2).to(dtype)  # rows strided
+    scale = d**-0.5
+    out = A.attention(q, k, v, scale, causal)
+    ref = reference(q, k, v, scale, causal)
+    exact = _exact(q, k, v, scale, causal)
+    assert out.dtype == dtype and out.shape == (b, n, length, dv)
+    assert out.stride() == A.attention.default(q, k, v, scale, causal).stride() == (length * n * dv, dv, n * dv, 1)
+    assert _rel(out, exact) <= TOL[dtype]
+    assert _rel(out, exact) <= max(2 * _rel(ref, exact), TOL[dtype] / 4)
+
+
+def test_the_fake_output_has_the_kernel_strides():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    q, k, v = torch.randn(1, 2, 7, 8), torch.randn(1, 2, 7, 8), torch.randn(1, 2, 7, 4)
+    real = A.attention(q, k, v, 0.3, True)
+    with FakeTensorMode() as mode:
+        fake = A.attention(mode.from_tensor(q), mode.from_tensor(k), mode.from_tensor(v), 0.3, True)
+    assert fake.shape == real.shape and fake.stride() == real.stride()
+
+
+def test_causal_rows_see_only_their_past():
+    """Changing a later key or value leaves every earlier query row's output as it was."""
+    torch.manual_seed(1)
+    q, k, v = torch.randn(1, 2, 70, 16), torch.randn(1, 2, 70, 16), torch.randn(1, 2, 70, 8)
+    out = A.attention(q, k, v, 0.25, True)
+    k2, v2 = k.clone(), v.clone()
+    k2[:, :, 40:] += 5.0
+    v2[:, :, 40:] -= 3.0
+    out2 = A.attention(q, k2, v2, 0.25, True)
+    assert torch.equal(out[:, :, :40], out2[:, :, :40])
+    assert not torch.equal(out[:, :, 40:], out2[:, :, 40:])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("form", ["2d", "4d", "heads", "batch_f32"])
+def test_additive_masks(dtype, causal, form):
+    """A mask broadcast to the scores (2-D [L, S], 4-D [B, N, L, S], [1, N, L, S], a float32 [B, 1, L, S] for
+    bf16 inputs), with rows it hides entirely (left padding of batch row 1): those rows give zeros, the others
+    the exact product; with is_causal both apply."""
+    torch.manual_seed(3)
+    b, n, length, d, dv = 2, 3, 70, 16, 8
+    q, k = torch.randn(b, n, length, d).to(dtype), torch.randn(b, n, length, d).to(dtype)
+    v = torch.randn(b, n, length, dv).to(dtype)
+    shape = {"2d": (length, length), "4d": (b, n, length, length), "heads": (1, n, length, length)}
+    mask = torch.randn(shape.get(form, (b, 1, length, length)))
+    if form != "2d" and form != "heads":
+        mask[1, ..., :5] = float("-inf")  # batch row 1: the first 5 keys hidden ...
+        if not causal:
+            mask[1, ..., 7, :] = float("-inf")  # ... and query row 7 entirely
+    mask = mask.to(dtype if form != "batch_f32" else torch.float32)
+    scale = 0.3
+    out = A.attention(q, k, v, scale, causal, mask)
+    exact = _exact_masked(q, k, v, scale, causal, mask)
+    assert _rel(out, exact) <= TOL[dtype]
+    if form in ("4d", "batch_f32") and not causal:
+        assert torch.equal(out[1, :, 7], torch.zeros_like(out[1, :, 7]))
+    if form != "batch_f32" or dtype == torch.float32:
+        ref = reference(q, k, v, scale, causal, mask)
+        assert _rel(ref, exact) <= TOL[dtype]
+
+
+def _exact_masked(q, k, v, scale, causal, mask):
+    s = (q.double() @ k.double().transpose(-1, -2)) * scale + mask.double()
+    if causal:
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool).triu(1), float("-inf"))
+    p = torch.softmax(s, -1).nan_to_num(0.0)  # a fully hidden row: zeros
+    return p @ v.double()
+
+
+def test_odd_bf16_head_dim_takes_the_reference():
+    """bf16 pairs need an even q/k head dim: an odd one computes as the reference, bit for bit."""
+    torch.manual_seed(2)
+    q, k, v = (torch.randn(1, 2, 9, 7).bfloat16() for _ in range(3))
+    assert torch.equal(A.attention(q, k, v, 0.4, True), reference(q, k, v, 0.4, True))
+
+
+@pytest.mark.parametrize(
+    "shapes,causal,scale,message",
+    [
+        (((1, 2, 4, 8), (1, 3, 4, 8), (1, 3, 4, 8)), False, 0.5, "differ in batch or heads"),
+        (((1, 2, 4, 8), (1, 2, 4, 6), (1, 2, 4, 8)), False, 0.5, "key has head dim 6, query 8"),
+        (((1, 2, 4, 8), (1, 2, 5, 8), (1, 2, 4, 8)), False, 0.5, "value has 4 positions, key 5"),
+        (((1, 2, 4, 8), (1, 2, 5, 8), (1, 2, 5, 8)), True, 0.5, "is_causal needs as many queries (4) as keys (5)"),
+        (((1, 2, 4, 8), (1, 2, 4, 8), (1, 2, 4, 8)), False, 0.0, "scale must be positive"),
+        (((2, 4, 8), (2, 4, 8), (2, 4, 8)), False, 0.5, "query must be 4-D, got 3-D"),
+        (((1, 2, 4, 8), (1, 2, 4, 8), (1, 2, 4, 8), (2, 4, 4)), False, 0.5, "attn_mask must be 2-D or 4-D, got 3-D"),
+        (
+            ((1, 2, 4, 8), (1, 2, 4, 8), (1, 2, 4, 8), (4, 3)),
+            False,
+            0.5,
+            "attn_mask [4, 3] does not broadcast to the scores",
+        ),
+    ],
+)
+def test_bad_input_raises_the_op_error(shapes, causal, scale, message):
+    q, k, v, *mask = (torch.randn(s) for s in shapes)
+    for fn in (A.attention, reference):
+        with pytest.raises(ValueError, match="^ascend.attention: .*" + re.escape(message)):
+            fn(q, k, v, scale, causal, *mask)
+
+
+def test_a_mask_of_another_dtype_raises():
+    q = torch.randn(1, 2, 4, 8)
+    for fn in (A.attention, reference):
+        with pytest.raises(ValueError, match="attn_mask dtype torch.float16 is neither float32 nor the query's"):
+            fn(q, q, q, 0.5, False, torch.zeros(4, 4, dtype=torch.float16))

@@ -1,5 +1,5 @@
-// CPU kernel of ascend.attention: softmax(q kᵀ · scale [+ mask] [causal]) v for q [B, N, L, D], k [B, N, S, D],
-// v [B, N, S, Dv], fp32 or bf16; an additive mask (fp32 or the inputs' dtype, broadcast to [B, N, L, S]) and/or
+// CPU kernel of ascend.attention: softmax(q kᵀ · scale [+ mask | causal]) v for q [B, N, L, D], k [B, N, S, D],
+// v [B, N, S, Dv], fp32 or bf16; an additive mask (fp32 or the inputs' dtype, broadcast to [B, N, L, S]) or
 // the causal one (top-left, L == S). The output
 // has the strides of _scaled_dot_product_flash_attention_for_cpu's ([B, L, N, Dv] in memory, seen as
 // [B, N, L, Dv]), the op the attention pass used on CPU before, so the graph's views after it are unchanged.
@@ -33,7 +33,8 @@ constexpr int64_t kRows = 64;  // query rows per work item
 
 // One row of scores s[0, kvp): p = exp(x - max x) with x = s * scale (+ the mask row m, read every ms
 // elements, when there is one) over the `seen` first, 0 after; returns 1 / sum p, or 0 for a row every
-// column of which the mask hides (-inf: the row's output is zeros, as the flash kernel's). 16 partial
+// column of which the mask hides (-inf: the row's output is zeros, as the flash kernel's). A NaN or +Inf
+// score makes the row NaN (NaN p, or exp(inf - inf)). 16 partial
 // maxima and sums, so that the loops vectorise without reassociating a single reduction.
 ASCEND_ATTN_TARGET float softmax_row(float* s, const float* m, int64_t ms, int64_t seen, int64_t kvp, float scale) {
   constexpr int64_t W = 16;
@@ -52,9 +53,11 @@ ASCEND_ATTN_TARGET float softmax_row(float* s, const float* m, int64_t ms, int64
   float mx = -std::numeric_limits<float>::infinity();
   for (; j < seen; ++j) mx = std::max(mx, s[j]);
   for (int64_t l = 0; l < W; ++l) mx = std::max(mx, part[l]);
-  if (mx == -std::numeric_limits<float>::infinity()) {
-    for (j = 0; j < kvp; ++j) s[j] = 0.0f;
-    return 0.0f;
+  if (mx == -std::numeric_limits<float>::infinity()) {  // every score -inf, or NaN (which max skips)
+    bool nan = false;
+    for (j = 0; j < seen; ++j) nan |= std::isnan(s[j]);
+    for (j = 0; j < kvp; ++j) s[j] = nan && j < seen ? std::numeric_limits<float>::quiet_NaN() : 0.0f;
+    return nan ? 1.0f : 0.0f;
   }
   for (j = 0; j < seen; ++j) s[j] = exp_f32((s[j] - mx) * scale);  // a masked -inf gives 0 exactly
   for (j = seen; j < kvp; ++j) s[j] = 0.0f;
@@ -76,13 +79,30 @@ ASCEND_ATTN_TARGET void scale_row(const float* acc, float inv, T* o, int64_t n) 
   for (int64_t d = 0; d < n; ++d) o[d] = T(acc[d] * inv);
 }
 
+// A size 0 somewhere (torch's flash kernel dies of SIGFPE on no rows or no keys): the math in fp32, as the
+// reference's _empty_attention (no rows or heads: an empty output; no keys: zeros; a head dim 0: scores 0).
+at::Tensor empty_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale, bool causal,
+                           const std::optional<at::Tensor>& mask) {
+  auto scores = at::matmul(q.to(at::kFloat), k.to(at::kFloat).transpose(-1, -2)) * scale;
+  if (mask.has_value()) scores = scores + mask->to(at::kFloat);
+  if (causal) {
+    const auto hidden = at::ones({scores.size(-2), scores.size(-1)}, q.options().dtype(at::kBool)).triu(1);
+    scores = scores.masked_fill(hidden, -std::numeric_limits<double>::infinity());
+  }
+  const auto probs = at::softmax(scores, -1).nan_to_num(0.0);
+  auto out = at::empty({q.size(0), q.size(2), q.size(1), v.size(3)}, q.options()).transpose(1, 2);
+  return out.copy_(at::matmul(probs, v.to(at::kFloat)));
+}
+
 // What the op computed before this kernel: the flash kernel on the inputs padded to one head dim.
 at::Tensor flash_reference(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale, bool causal,
                            const std::optional<at::Tensor>& mask) {
+  // contiguous: torch 2.13's CPU flash kernel reads wrong values from an input whose last dim is strided
+  // (measured: errors of O(1) against the float64 product, NaN for bf16 / fp16 q)
   const int64_t d = q.size(3), dv = v.size(3);
-  at::Tensor qp = q, kp = k, vp = v;
-  if (dv < d) vp = at::constant_pad_nd(v, {0, d - dv});
-  if (d < dv) qp = at::constant_pad_nd(q, {0, dv - d}), kp = at::constant_pad_nd(k, {0, dv - d});
+  at::Tensor qp = q.contiguous(), kp = k.contiguous(), vp = v.contiguous();
+  if (dv < d) vp = at::constant_pad_nd(vp, {0, d - dv});
+  if (d < dv) qp = at::constant_pad_nd(qp, {0, dv - d}), kp = at::constant_pad_nd(kp, {0, dv - d});
   auto out = std::get<0>(at::_scaled_dot_product_flash_attention_for_cpu(qp, kp, vp, 0.0, causal, mask, scale));
   return out.slice(3, 0, dv);
 }
@@ -101,7 +121,7 @@ void attention_blocks(const at::Tensor& q, const at::Tensor& k, const at::Tensor
       const T* src = vp + (bn / N) * v.stride(0) + (bn % N) * v.stride(1);
       T* dst = vt.data() + bn * Dv * sp;
       for (int64_t d = 0; d < Dv; ++d) {
-        for (int64_t j = 0; j < S; ++j) dst[d * sp + j] = src[j * v.stride(2) + d];
+        for (int64_t j = 0; j < S; ++j) dst[d * sp + j] = src[j * v.stride(2) + d * v.stride(3)];
         for (int64_t j = S; j < sp; ++j) dst[d * sp + j] = T(0.0f);
       }
     }
@@ -169,6 +189,7 @@ at::Tensor attention(const at::Tensor& query, const at::Tensor& key, const at::T
   at::Tensor mask;
   if (attn_mask.has_value()) {
     const auto& am = *attn_mask;
+    ASCEND_CHECK(!is_causal, kAttention, "attn_mask and is_causal together (SDPA's rule: the causal mask is one)");
     ASCEND_CHECK(am.dim() == 2 || am.dim() == 4, kAttention, "attn_mask must be 2-D or 4-D, got ", am.dim(), "-D");
     ASCEND_CHECK(am.scalar_type() == at::kFloat || am.scalar_type() == dtype, kAttention, "attn_mask dtype ",
                  dtype_name(am.scalar_type()), " is neither float32 nor the query's ", dtype_name(dtype));
@@ -181,7 +202,9 @@ at::Tensor attention(const at::Tensor& query, const at::Tensor& key, const at::T
     if (mask.dim() == 2) mask = mask.unsqueeze(0).unsqueeze(0);
     mask = mask.expand({B, N, L, S});  // broadcast dims: stride 0, nothing copied
   }
-  const bool fast = gemm_nt_available() && B * N * L > 0 && S > 0 &&
+  if (B * N * L == 0 || S == 0 || query.size(3) == 0 || value.size(3) == 0)
+    return empty_attention(query, key, value, scale, is_causal, attn_mask);
+  const bool fast = gemm_nt_available() &&
                     (dtype == at::kFloat || (dtype == at::kBFloat16 && gemm_dp_nt_supported(query.size(3), 2)));
   if (!fast) return flash_reference(query, key, value, scale, is_causal, attn_mask);
   auto last = [](const at::Tensor& t) { return t.stride(3) == 1 ? t : t.contiguous(); };

@@ -111,6 +111,12 @@ def _fits_flash(v: Bindings) -> str | None:
         return f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(val.shape)} do not form an attention"
     if any(t.device.type != "cpu" for t in (q, k, val)):
         return f"tensors on {q.device}: the flash kernel used here is the CPU one"
+    strided = [name for name, t in (("q", q), ("k", k), ("v", val)) if t.shape[-1] > 1 and t.stride(-1) != 1]
+    if strided:  # what SDPA checks before it picks this kernel; the math path stays
+        return (
+            f"{', '.join(strided)} with a strided last dim: torch's CPU flash kernel reads wrong values from it "
+            "(measured on torch 2.13)"
+        )
     if not isinstance(v["sqrt_scale"], (int, float)) or v["sqrt_scale"] <= 0:
         return f"scale factor {v['sqrt_scale']!r} is not a positive constant"
     mask = v.get("mask")

@@ -44,6 +44,7 @@ CASES = {
     "eplb_map": 60,
     "eplb_record_load": 60,
     "eplb_logical_weight": 40,
+    "attention": 150,
 }
 MEMORY_CAP = 4 << 30
 
@@ -391,6 +392,39 @@ def gen_eplb_logical_weight(q: Gen):
         torch.zeros(slots, dtype=torch.int64),
         torch.ones(1, dtype=torch.bool),
     ), {}
+
+
+def _finite(t: torch.Tensor) -> torch.Tensor:
+    return torch.where(t.isfinite(), t, torch.zeros((), dtype=t.dtype)) if t.dtype.is_floating_point else t
+
+
+def gen_attention(q: Gen):
+    dtype = q.dtype()
+    b, n, length = q.pick(0, 1, 2), q.pick(1, 3), q.pick(0, 1, 5, 64, 70)
+    causal = q.chance(0.5)
+    kv = length if causal and q.chance(0.9) else q.pick(0, 1, 7, 65)
+    d, dv = q.pick(8, 12, 16), q.pick(4, 8, 12, 20)
+    k_heads = n if q.chance(0.95) else n + 1
+    k_dim = d if q.chance(0.95) else d + 2
+    v_len = kv if q.chance(0.95) else kv + 1
+    # finite q, k, v: torch's flash kernel (the reference) turns NaN / Inf scores into per-column patterns no
+    # other kernel reproduces (a row with one NaN score: [nan, nan, 0.0, ...], another [0, 0, inf, ...]);
+    # ascend.attention's own semantics (a NaN or +Inf score: a NaN row) are in tests/test_attention_kernel.py
+    query = _finite(q.floats([b, n, length, d], dtype))
+    key = _finite(q.floats([b, k_heads, kv, k_dim], q.other_dtype(dtype)))
+    value = _finite(q.floats([b, n, v_len, dv], q.other_dtype(dtype)))
+    scale = q.pick(0.25, 0.125, 1.0) if q.chance(0.95) else q.pick(0.0, -0.5)
+    mask = None
+    if (not causal and q.chance(0.6)) or q.chance(0.03):  # with is_causal: a bad argument
+        shape = q.pick([length, kv], [b, n, length, kv], [1, n, length, kv], [b, 1, length, kv])
+        if q.chance(0.05):
+            shape = q.pick([n, length, kv], [length, kv + 1])  # 3-D, or not broadcasting
+        mask_dtype = q.pick(torch.float32, dtype) if q.chance(0.95) else torch.float16
+        mask = q.floats(shape, torch.float32)
+        if mask.numel() and q.chance(0.5):  # hidden keys, sometimes whole rows
+            mask = mask.masked_fill(torch.rand(shape, generator=q.g) < q.pick(0.3, 1.0), -INF)
+        mask = mask.to(mask_dtype)
+    return (query, key, value, scale, causal, mask), {}
 
 
 GENERATORS = {name: globals()[f"gen_{name}"] for name in CASES}

@@ -1,7 +1,7 @@
 """``ascend.attention``: ``softmax(q·kᵀ·scale [+ attn_mask] [causal])·v`` for ``q [B, N, L, D]``,
-``k [B, N, S, D]``, ``v [B, N, S, Dv]`` (no GQA; ``L == S`` when causal; an additive mask of float32 or the
-inputs' dtype, 2-D or 4-D, broadcast to the scores ``[B, N, L, S]``; a row the mask hides entirely gives
-zeros).  A CPU op with no torch_npu
+``k [B, N, S, D]``, ``v [B, N, S, Dv]`` (no GQA; ``L == S`` when causal; or, not causal, an additive mask of
+float32 or the inputs' dtype, 2-D or 4-D, broadcast to the scores ``[B, N, L, S]``; a row the mask hides
+entirely gives zeros; a NaN or +Inf score makes its row NaN).  A CPU op with no torch_npu
 counterpart: the attention pass emits it for target ``cpu`` only, in place of
 ``_scaled_dot_product_flash_attention_for_cpu`` on a value padded to the query's head dim (what it
 computes is that, sliced back to ``Dv``: the reference).  Its output has the flash kernel's strides
@@ -32,7 +32,7 @@ def check_attention(
     check_same_dtype(op, "key", k, "query", q)
     check_same_dtype(op, "value", v, "query", q)
     if k.shape[:2] != q.shape[:2] or v.shape[:2] != q.shape[:2]:
-        fail(op, f"query {tuple(q.shape)}, key {tuple(k.shape)} and value {tuple(v.shape)} differ in batch or heads")
+        fail(op, f"query {list(q.shape)}, key {list(k.shape)} and value {list(v.shape)} differ in batch or heads")
     if k.shape[3] != q.shape[3]:
         fail(op, f"key has head dim {k.shape[3]}, query {q.shape[3]}")
     if v.shape[2] != k.shape[2]:
@@ -40,8 +40,10 @@ def check_attention(
     if is_causal and q.shape[2] != k.shape[2]:
         fail(op, f"is_causal needs as many queries ({q.shape[2]}) as keys ({k.shape[2]})")
     if not scale > 0:
-        fail(op, f"scale must be positive, got {scale}")
+        fail(op, f"scale must be positive, got {scale:g}")
     if mask is not None:
+        if is_causal:
+            fail(op, "attn_mask and is_causal together (SDPA's rule: the causal mask is one)")
         if mask.dim() not in (2, 4):
             fail(op, f"attn_mask must be 2-D or 4-D, got {mask.dim()}-D")
         if mask.dtype not in (torch.float32, q.dtype):
@@ -63,6 +65,11 @@ def attention(
     """The flash kernel on ``q``, ``k``, ``v`` zero-padded to one head dim, the output sliced back to ``Dv``
     (zero columns of v give zero columns of the output, zero columns of q and k add nothing to q·kᵀ)."""
     check_attention(q, k, v, scale, is_causal, attn_mask)
+    if 0 in (*q.shape, k.shape[2], v.shape[3]):  # torch's flash kernel dies of SIGFPE on no rows or no keys
+        return _empty_attention(q, k, v, scale, is_causal, attn_mask)
+    # contiguous: torch 2.13's CPU flash kernel reads wrong values from an input whose last dim is strided
+    # (measured: errors of O(1) against the float64 product, NaN for bf16 / fp16 q)
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     d, dv = q.shape[-1], v.shape[-1]
     if dv < d:
         v = F.pad(v, (0, d - dv))
@@ -70,6 +77,23 @@ def attention(
         q, k = F.pad(q, (0, dv - d)), F.pad(k, (0, dv - d))
     out = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, attn_mask=attn_mask, scale=scale)[0]
     return out[..., :dv]
+
+
+def _empty_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, is_causal: bool, mask: torch.Tensor | None
+) -> torch.Tensor:
+    """A size 0 somewhere: the math in float32 (no rows or heads: an empty output; no keys: zeros; a head
+    dim 0: scores 0), in the kernel's output strides."""
+    scores = (q.float() @ k.float().transpose(-1, -2)) * scale
+    if mask is not None:
+        scores = scores + mask.float()
+    if is_causal:
+        hidden = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).triu(1)
+        scores = scores.masked_fill(hidden, float("-inf"))
+    probs = torch.softmax(scores, -1).nan_to_num(0.0)  # a row with every key hidden: zeros
+    b, n, length, dv = q.shape[0], q.shape[1], q.shape[2], v.shape[3]
+    out = q.new_empty((b, length, n, dv)).transpose(1, 2)
+    return out.copy_(probs @ v.float())
 
 
 # -------------------------------------------------------------------------------- fake

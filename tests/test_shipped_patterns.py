@@ -113,7 +113,11 @@ def test_cold_compile_traces_nothing(new_process):
 
 def test_shipped_requires_are_the_built_patterns_operators():
     """What the file says each pattern requires (read before building it, to leave out a pattern a graph
-    cannot hold) is ``required_ops`` of the pattern it builds."""
+    cannot hold) is ``required_ops`` of the pattern it builds.  The operators the patterns hold are
+    registered by importing their libraries (``ascend_passes.ops``; transformers' MoE integration for
+    ``transformers::grouped_mm_fallback``): imported here, so that the test does not depend on an earlier one."""
+    for library in ("ascend_passes.ops", "transformers.integrations.moe"):
+        importlib.import_module(library)
     module = shipped_module()
     assert set(module.REQUIRES_OF) == set(module.PATTERNS)
     for name in module.PATTERNS:

@@ -79,6 +79,12 @@ ASCEND_ATTN_TARGET void scale_row(const float* acc, float inv, T* o, int64_t n) 
   for (int64_t d = 0; d < n; ++d) o[d] = T(acc[d] * inv);
 }
 
+// The op's output, uninitialised: [B, N, L, Dv] with the flash output's strides ([B, L, N, Dv] in memory), on
+// every path (and in the fake implementation, ascend_passes/ops/attention.py _output).
+at::Tensor attention_output(const at::Tensor& q, const at::Tensor& v) {
+  return at::empty({q.size(0), q.size(2), q.size(1), v.size(3)}, q.options()).transpose(1, 2);
+}
+
 // A size 0 somewhere (torch's flash kernel dies of SIGFPE on no rows or no keys): the math in fp32, as the
 // reference's _empty_attention (no rows or heads: an empty output; no keys: zeros; a head dim 0: scores 0).
 at::Tensor empty_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale, bool causal,
@@ -90,8 +96,7 @@ at::Tensor empty_attention(const at::Tensor& q, const at::Tensor& k, const at::T
     scores = scores.masked_fill(hidden, -std::numeric_limits<double>::infinity());
   }
   const auto probs = at::softmax(scores, -1).nan_to_num(0.0);
-  auto out = at::empty({q.size(0), q.size(2), q.size(1), v.size(3)}, q.options()).transpose(1, 2);
-  return out.copy_(at::matmul(probs, v.to(at::kFloat)));
+  return attention_output(q, v).copy_(at::matmul(probs, v.to(at::kFloat)));
 }
 
 // What the op computed before this kernel: the flash kernel on the inputs padded to one head dim.
@@ -104,7 +109,7 @@ at::Tensor flash_reference(const at::Tensor& q, const at::Tensor& k, const at::T
   if (dv < d) vp = at::constant_pad_nd(vp, {0, d - dv});
   if (d < dv) qp = at::constant_pad_nd(qp, {0, dv - d}), kp = at::constant_pad_nd(kp, {0, dv - d});
   auto out = std::get<0>(at::_scaled_dot_product_flash_attention_for_cpu(qp, kp, vp, 0.0, causal, mask, scale));
-  return out.slice(3, 0, dv);
+  return attention_output(q, v).copy_(out.slice(3, 0, dv));  // the kernel's strides, not the padded output's
 }
 
 // mask: an fp32 [B, N, L, S] view (broadcast dims of stride 0), or undefined
@@ -204,14 +209,13 @@ at::Tensor attention(const at::Tensor& query, const at::Tensor& key, const at::T
   }
   if (B * N * L == 0 || S == 0 || query.size(3) == 0 || value.size(3) == 0)
     return empty_attention(query, key, value, scale, is_causal, attn_mask);
-  const bool fast = gemm_nt_available() &&
-                    (dtype == at::kFloat || (dtype == at::kBFloat16 && gemm_dp_nt_supported(query.size(3), 2)));
-  if (!fast) return flash_reference(query, key, value, scale, is_causal, attn_mask);
   auto last = [](const at::Tensor& t) { return t.stride(3) == 1 ? t : t.contiguous(); };
   const auto q = last(query), k = last(key);
-  if (dtype == at::kBFloat16 && (k.stride(2) % 2 != 0))
-    return flash_reference(query, key, value, scale, is_causal, attn_mask);
-  auto out = at::empty({B, L, N, value.size(3)}, query.options()).transpose(1, 2);
+  // bf16 pairs: an even head dim and key row stride (the p.v product's K and row stride are padded to even)
+  const bool fast = gemm_nt_available() &&
+                    (dtype == at::kFloat || (dtype == at::kBFloat16 && gemm_dp_nt_supported(q.size(3), k.stride(2))));
+  if (!fast) return flash_reference(query, key, value, scale, is_causal, attn_mask);
+  auto out = attention_output(query, value);
   if (dtype == at::kFloat)
     attention_blocks<float>(q, k, value, mask, out, static_cast<float>(scale), is_causal);
   else

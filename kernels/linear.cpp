@@ -157,7 +157,7 @@ constexpr int64_t kSwapLinearRows = 64;
 // fp32 decode of kSkinnyRows (8) rows: the stream's time grows with the rows (8 FMAs per weight element: on 2
 // threads it is bound by them, not by the weight read), the swapped kernel's does not (it pads to 8 rows).
 // Measured (session 15, the same 2-core Zen 5, both threads, weights rotated past the cache, stream / swap ms,
-// best of 4 alternated; python tools/bench_small_m.py --linear):
+// best of 4 alternated; python tools/bench_small_m.py --linear --cold):
 //   m=8 [4096,1024] 0.752/0.664  [2048,1024] 0.546/0.427  [1024,2048] 0.404/0.330  [1024,512] 0.083/0.076;
 //       weights under 2 MB are even or lose: [256,1024] 0.050/0.049, [768,256] 0.040/0.036 (a later run of
 //       the tool: [1024,256] 0.037/0.043), [160,1024] 0.031/0.033, [1024,128] 0.021/0.023; m=7 is mixed

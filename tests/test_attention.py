@@ -224,33 +224,34 @@ def _attention_inputs(padded: bool = True):
     return x, mask
 
 
-@pytest.mark.parametrize("mode,causal", [("causal", True), ("input_mask", False), ("window", False), ("none", False)])
-def test_masks(mode, causal):
+def _compiled_attention(mode: str):
+    """``Attention(mode)`` compiled (eager compiler): its output, the uncompiled output and the report."""
     torch.manual_seed(0)
     model = Attention(mode).eval()
     inputs = _attention_inputs()
     with torch.no_grad():
         ref = model(*inputs)
     out, reports = compile_and_run(model, inputs, compiler="eager")
+    (report,) = reports
+    return out, ref, report
+
+
+@pytest.mark.parametrize("mode,causal", [("causal", True), ("input_mask", False), ("window", False), ("none", False)])
+def test_masks(mode, causal):
+    out, ref, report = _compiled_attention(mode)
     masked = mode not in ("causal", "none")
-    (node,) = _own_nodes(reports[0])  # every one, masked or not, on the CPU kernel
-    assert not _flash_nodes(reports[0])
+    (node,) = _own_nodes(report)  # every one, masked or not, on the CPU kernel
+    assert not _flash_nodes(report)
     assert _is_causal(node) is causal
     assert (len(node.args) > 5 and node.args[5] is not None) is masked
-    assert not reports[0].passes["attention"].near_misses
-    assert reports[0].count("aten._safe_softmax") == 0
+    assert not report.passes["attention"].near_misses
+    assert report.count("aten._safe_softmax") == 0
     assert torch.isfinite(out).all()
     assert rel_diff(out, ref) <= 1e-4
 
 
 def test_a_3d_mask_is_not_rewritten():
-    torch.manual_seed(0)
-    model = Attention("mask_3d").eval()
-    inputs = _attention_inputs()
-    with torch.no_grad():
-        ref = model(*inputs)
-    out, reports = compile_and_run(model, inputs, compiler="eager")
-    (report,) = reports
+    out, ref, report = _compiled_attention("mask_3d")
     assert not _flash_nodes(report)
     assert report.count("aten._safe_softmax") == 1 and report.count("aten.bmm") == 2
     (miss,) = report.passes["attention"].near_misses
@@ -261,13 +262,7 @@ def test_a_3d_mask_is_not_rewritten():
 def test_a_strided_last_dim_stays_on_the_math_path():
     """torch 2.13's CPU flash kernel reads wrong values from an input whose last dim is strided (measured:
     tests/test_attention_kernel.py): such an attention is left as it is, with a near-miss saying why."""
-    torch.manual_seed(0)
-    model = Attention("strided_q").eval()
-    inputs = _attention_inputs()
-    with torch.no_grad():
-        ref = model(*inputs)
-    out, reports = compile_and_run(model, inputs, compiler="eager")
-    (report,) = reports
+    out, ref, report = _compiled_attention("strided_q")
     assert not _flash_nodes(report) and not _own_nodes(report)
     assert report.count("aten._safe_softmax") == 1
     reasons = [m.reason for m in report.passes["attention"].near_misses]

@@ -41,19 +41,33 @@ def test_matches_the_exact_product(dtype, causal, length, d, dv):
     ref = reference(q, k, v, scale, causal)
     exact = _exact(q, k, v, scale, causal)
     assert out.dtype == dtype and out.shape == (b, n, length, dv)
-    assert out.stride() == A.attention.default(q, k, v, scale, causal).stride() == (length * n * dv, dv, n * dv, 1)
+    assert out.stride() == ref.stride() == (length * n * dv, dv, n * dv, 1)
     assert _rel(out, exact) <= TOL[dtype]
     assert _rel(out, exact) <= max(2 * _rel(ref, exact), TOL[dtype] / 4)
 
 
-def test_the_fake_output_has_the_kernel_strides():
+@pytest.mark.parametrize(
+    "dtype,d,dv",
+    [
+        (torch.float32, 8, 4),  # the kernel
+        (torch.bfloat16, 7, 4),  # odd head dim: the flash kernel on v padded to 7, sliced back
+        (torch.float16, 8, 4),  # the flash kernel on v padded to 8
+        (torch.float16, 4, 8),  # ... on q and k padded to 8
+    ],
+)
+@pytest.mark.parametrize("length", [0, 7])
+def test_every_path_has_the_fake_strides(dtype, d, dv, length):
+    """The kernel, its fallback to the flash kernel (padded inputs, the output sliced back) and the empty path
+    all return the fake implementation's strides, which the compiled graph (Inductor's checks included)
+    assumes; so does the reference."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    q, k, v = torch.randn(1, 2, 7, 8), torch.randn(1, 2, 7, 8), torch.randn(1, 2, 7, 4)
-    real = A.attention(q, k, v, 0.3, True)
+    q, k = torch.randn(1, 2, length, d).to(dtype), torch.randn(1, 2, length, d).to(dtype)
+    v = torch.randn(1, 2, length, dv).to(dtype)
     with FakeTensorMode() as mode:
         fake = A.attention(mode.from_tensor(q), mode.from_tensor(k), mode.from_tensor(v), 0.3, True)
-    assert fake.shape == real.shape and fake.stride() == real.stride()
+    for real in (A.attention(q, k, v, 0.3, True), reference(q, k, v, 0.3, True)):
+        assert real.shape == fake.shape and real.stride() == fake.stride()
 
 
 def test_causal_rows_see_only_their_past():

@@ -36,6 +36,7 @@ reads every weight from memory once).
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import statistics
 import sys
@@ -205,7 +206,7 @@ def bench_linear(rows: list[int], rounds: int, cold: bool) -> None:
                 first = "stream" if m <= 8 else before
                 for route in (first, "swap", ""):
                     os.environ[variable] = route
-                    turn = iter(range(1 << 62))
+                    turn = itertools.count()
                     t[route] = best(lambda: K.linear(x, ws[next(turn) % copies], None))
                 os.environ.pop(variable, None)
                 cells.append(f"m={m} {1e3 * t[first]:.3f}/{1e3 * t['swap']:.3f}/{1e3 * t['']:.3f}")

@@ -67,6 +67,7 @@ def attention(
     check_attention(q, k, v, scale, is_causal, attn_mask)
     if 0 in (*q.shape, k.shape[2], v.shape[3]):  # torch's flash kernel dies of SIGFPE on no rows or no keys
         return _empty_attention(q, k, v, scale, is_causal, attn_mask)
+    result = _output(q, v)
     # contiguous: torch 2.13's CPU flash kernel reads wrong values from an input whose last dim is strided
     # (measured: errors of O(1) against the float64 product, NaN for bf16 / fp16 q)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
@@ -76,7 +77,14 @@ def attention(
     elif d < dv:
         q, k = F.pad(q, (0, dv - d)), F.pad(k, (0, dv - d))
     out = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, attn_mask=attn_mask, scale=scale)[0]
-    return out[..., :dv]
+    return result.copy_(out[..., :dv])  # the kernel's strides, not the padded output's
+
+
+def _output(q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The op's output, uninitialised: ``[B, N, L, Dv]`` with the flash output's strides (``[B, L, N, Dv]`` in
+    memory), on every path and in the fake implementation alike."""
+    b, n, length, _ = q.shape
+    return q.new_empty((b, length, n, v.shape[3])).transpose(1, 2)
 
 
 def _empty_attention(
@@ -91,9 +99,7 @@ def _empty_attention(
         hidden = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).triu(1)
         scores = scores.masked_fill(hidden, float("-inf"))
     probs = torch.softmax(scores, -1).nan_to_num(0.0)  # a row with every key hidden: zeros
-    b, n, length, dv = q.shape[0], q.shape[1], q.shape[2], v.shape[3]
-    out = q.new_empty((b, length, n, dv)).transpose(1, 2)
-    return out.copy_(probs @ v.float())
+    return _output(q, v).copy_(probs @ v.float())
 
 
 # -------------------------------------------------------------------------------- fake
@@ -106,8 +112,7 @@ def attention_fake(
     attn_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     check_attention(q, k, v, scale, is_causal, attn_mask)
-    b, n, length, _ = q.shape
-    return q.new_empty((b, length, n, v.shape[3])).transpose(1, 2)
+    return _output(q, v)
 
 
 # ----------------------------------------------------------------------------- records

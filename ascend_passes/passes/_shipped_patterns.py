@@ -8,7 +8,7 @@ SOURCES = {
     'ascend_passes.ops': '2a13bed9d4c938acf672945f9aabb9deeb04df45966cc4dad6f4a4eea4bc3db3',
     'ascend_passes.ops._define': '48e5c37d853e339f7e41176c33fcbee9df6146f41d841811450d6123efb98500',
     'ascend_passes.ops.activation': '562ce5bc5f69f6aa0221c110173d38980be216cae6577d564f1fed1f1923a92a',
-    'ascend_passes.ops.attention': 'bb2439e1cbf43b5e894e5ab57032fdaa912c66e680afc661571712c1ffa1d5d5',
+    'ascend_passes.ops.attention': '91a1b819c0afb24481766c5b1f04d557c37b630ee69c2e03dda4e324f489bbff',
     'ascend_passes.ops.checks': '4f69a93255d4201a0f212d96acf2a95374a2266775b4ded00e7c4750d95f45df',
     'ascend_passes.ops.eplb': '5f2e559dcb15b028ffd33b172a9f91055567aa7db107c4f08a6bd9ef9bf51cc4',
     'ascend_passes.ops.linear': '594a625937c957dc57929202dca33d314e26c4c0f548c285b6ce30ec4b292f26',

@@ -4,8 +4,7 @@
 // (amx_swap.h: the weight read in place, no per-call reorder) up to kSwapLinearMaxRows, torch's linear
 // (oneDNN) above. Otherwise a few rows (decode) -> the weight-streaming kernel of skinny.h, split over
 // the weight's rows (bf16: AVX512_BF16 dot products where the CPU has them); 9-64 rows of fp32 on a CPU not
-// of Intel's with AVX-512 (8 rows too where the weight has >= kSwapLinear8MinElems elements), or of bf16 on
-// one with avx512_bf16 but no AMX -> swap_gemm.h's swapped-operand
+// of Intel's with AVX-512, or of bf16 on one with avx512_bf16 but no AMX -> swap_gemm.h's swapped-operand
 // kernel, the weight's rows split over the threads (swap_linear_cpu); fp32 of more rows on a CPU not of
 // Intel's -> gemm.h's GEMM over row x column blocks (gemm_linear); else ATen's linear (BLAS / oneDNN), the
 // call the un-rewritten graph made.
@@ -154,16 +153,14 @@ at::Tensor swap_linear_cpu(const at::Tensor& input, const at::Tensor& weight, co
 // rule stops at 64.
 constexpr int64_t kSwapLinearRows = 64;
 
-// fp32 decode of kSkinnyRows (8) rows: the stream's time grows with the rows (8 FMAs per weight element: on 2
-// threads it is bound by them, not by the weight read), the swapped kernel's does not (it pads to 8 rows).
-// Measured (session 15, the same 2-core Zen 5, both threads, weights rotated past the cache, stream / swap ms,
-// best of 4 alternated; python tools/bench_small_m.py --linear --cold):
-//   m=8 [4096,1024] 0.752/0.664  [2048,1024] 0.546/0.427  [1024,2048] 0.404/0.330  [1024,512] 0.083/0.076;
-//       weights under 2 MB are even or lose: [256,1024] 0.050/0.049, [768,256] 0.040/0.036 (a later run of
-//       the tool: [1024,256] 0.037/0.043), [160,1024] 0.031/0.033, [1024,128] 0.021/0.023; m=7 is mixed
-//       ([4096,1024] 0.642/0.672, [2048,1024] 0.481/0.428), m <= 6 loses (0.61-0.90x); bf16 (vdpbf16ps) loses
-//       at every m <= 8 but one shape (0.62-1.15x): the stream stays.
-constexpr int64_t kSwapLinear8MinElems = int64_t{1} << 19;
+// fp32 decode of kSkinnyRows (8) rows stays on the stream. Session 15 moved 8-row weights of >= 2^19 elements to
+// the swapped kernel: the stream then ran at ~45% of its FMA peak because GCC folded the load of each x vector
+// into every one of the block's FMAs (memory operands: 27 loads per 24 FMAs, bound by the load ports). With one
+// load per x vector (skinny.cpp) the stream wins again; session 16, the same 2-core Zen 5, both threads, weights
+// rotated past the cache, stream / swap ms, medians of 7 alternated rounds (the shapes of the bench model; python
+// tools/bench_small_m.py --linear --cold --rows 8 shows [4096,1024] and [1024,256]):
+//   [4096,1024] 0.512/0.611  [2048,1024] 0.264/0.327  [1024,2048] 0.294/0.315  [1024,512] 0.074/0.071
+//   [256,1024] 0.043/0.047  [1024,256] 0.038/0.035  [160,1024] 0.029/0.032  [1024,128] 0.024/0.025
 
 bool swap_linear_rows(const at::Tensor& input, const at::Tensor& weight, GemmRoute route, Bf16Kernel forced) {
   const int64_t m = input.size(0), k = input.size(1), n = weight.size(0);
@@ -175,7 +172,7 @@ bool swap_linear_rows(const at::Tensor& input, const at::Tensor& weight, GemmRou
   if (input.scalar_type() != at::kFloat || !fp32_piece_takes_swap_gemm(GemmRoute::kSwap, m, k, 1)) return false;
   if (route == GemmRoute::kSwap) return true;
   if (route != GemmRoute::kAuto || cpu_vendor_intel()) return false;
-  return m == kSkinnyRows ? n * k >= kSwapLinear8MinElems : m <= kSwapLinearRows;
+  return m > kSkinnyRows && m <= kSwapLinearRows;
 }
 
 // fp32 with > kSkinnyRows rows and the weight's K contiguous on a CPU not of Intel's (gemm.h's rule:

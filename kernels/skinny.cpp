@@ -119,7 +119,12 @@ ASCEND_INLINE void block(const float* x, int64_t xs, const T* w, int64_t ws, flo
         for (int j = 0; j < NB; ++j) __builtin_prefetch(w + (ahead + j) * ws + kk, 0, 3);
     }
     for (int i = 0; i < MB; ++i) {
-      const V xv = load<L>(x + i * xs + kk);
+      V xv = load<L>(x + i * xs + kk);
+#ifdef ASCEND_SKINNY_X86
+      // one load of x per row and step: left to itself GCC folds the load into each of the NB FMAs
+      // (memory operands), NB loads of the same vector, and the loop becomes bound by the load ports
+      asm("" : "+v"(xv));
+#endif
       for (int j = 0; j < NB; ++j) acc[i][j] += xv * wv[j];
     }
   }

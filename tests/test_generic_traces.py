@@ -9,6 +9,7 @@ re-traces no linear, RMSNorm, SwiGLU or router."""
 from __future__ import annotations
 
 import collections
+import operator
 import random
 import re
 
@@ -84,6 +85,36 @@ def test_a_branch_on_a_relation_of_sizes_is_shared_under_its_condition():
     assert conditions == ["Ne(v0_1, 8)", "v0_1 >= 8"]
     assert _pattern.meets(fakes((3, 9)), conditions)
     assert not _pattern.meets(fakes((3, 8)), conditions) and not _pattern.meets(fakes((3, 7)), conditions)
+
+
+def test_a_replacement_whose_sizes_are_numbers_of_the_match_is_shared_and_folded():
+    """A replacement that computes numbers from its inputs' sizes (the attention's pad of v to q's head dim
+    and the slice back) is shared when those numbers are only arguments of its nodes: ``fold_sizes`` gives
+    each match the graph a trace on its own sizes gives; a search (whose sizes must match the graph's
+    literally) is not shared so, nor is a replacement that returns a size or branches on one's value."""
+
+    def pad_to_q(q, v):
+        return torch.nn.functional.pad(v, (0, q.shape[-1] - v.shape[-1])) * 2
+
+    values = fakes((3, 40), (3, 24))
+    assert _pattern.generic_trace(values, trace(pad_to_q)) is None  # not foldable: a search's re-check
+    gm, conditions = _pattern.generic_trace(values, trace(pad_to_q), foldable=True)
+    size_ops = [t for t in ops(gm) if t is torch.ops.aten.sym_size.int or t is operator.sub]
+    assert len(size_ops) == 3, ops(gm)
+    gm = _pattern._strip_values(gm)
+    for shapes in (((3, 40), (3, 24)), ((7, 9), (7, 2)), ((2, 64), (2, 63))):
+        sized = fakes(*shapes)
+        assert _pattern.meets(sized, conditions)
+        folded = _pattern.fold_sizes(gm, sized)
+        assert str(folded.graph) == str(pm.fwd_only(pad_to_q, sized).graph)
+        assert shapes[0][1] - shapes[1][1] in folded.graph.find_nodes(
+            op="call_function", target=torch.ops.aten.constant_pad_nd.default
+        )[0].args[1]
+    assert _pattern._size_nodes(gm.graph) and not _pattern._size_nodes(folded.graph)
+    returns_a_size = lambda x: (x * 2, x.shape[0] + 1)  # noqa: E731 - a size is no argument of a node there
+    assert _pattern.generic_trace(fakes((16, 64)), trace(returns_a_size), foldable=True) is None
+    branch = lambda x: x * 2 if x.shape[0] == 16 else x * 3  # noqa: E731 - fixes a size to a number
+    assert _pattern.generic_trace(fakes((16, 64)), trace(branch), foldable=True) is None
 
 
 def test_a_form_is_dtypes_ranks_and_unit_sizes():
@@ -165,6 +196,9 @@ def test_first_compile_retraces_no_linear_norm_or_swiglu(fresh, monkeypatch, dyn
     # nor the MLA norms (a slice of the kv projection: shared by their strides' form), nor the fused
     # router (its trace assumed the expert count divisible by the groups)
     assert not [t for t in traced if any(k in t for k in ("linear", "swiglu", "rms_norm", "_as_fn"))], traced
+    if not dynamic:  # nor the attention and MLA replacements (their pad widths, slice bounds and rope halves are
+        # sizes: folded into this match's numbers)
+        assert not [t for t in traced if t.startswith(("_flash.", "replacement_fn."))], traced
     if dynamic:  # the re-checks on symbolic sizes: the attention's (views of its sizes)
         assert len([t for t in traced if "with_symbols" in t]) <= 1, traced
         # once per compile, not once per layer: both layers' norms and attentions have the same sizes
@@ -258,8 +292,8 @@ def test_shipped_generic_traces_are_current_and_equal_traces_on_sizes(fresh):
                 gm = pm.fwd_only(fn, values, get_decomp_fn=get_decomp_fn)
                 on_sizes = pm.fx_to_pattern(gm, argnames=list(argnames), scalar_workaround=dict(scalars))
                 assert on_sizes.pattern_eq(value), (form, [tuple(v.shape) for v in values if hasattr(v, "shape")])
-            elif callable(key):
+            elif callable(key):  # a replacement: its size nodes (a pad width) become this match's numbers
                 gm = pm.fwd_only(key, values, get_decomp_fn=get_decomp_fn)
-                assert str(gm.graph) == str(value.graph), form
+                assert str(gm.graph) == str(_pattern.fold_sizes(value, values).graph), form
             checked += 1
     assert checked >= 16, checked

@@ -902,7 +902,10 @@ def _strip_values(gm: fx.GraphModule) -> fx.GraphModule:
 # by ``tools/gen_patterns.py`` (the recorder: never during a compile, where a symbolic trace costs
 # 2-4x a trace on numbers) on symbolic sizes, every size of 2 or more its own symbol, and shipped
 # with the package (``_shipped``) when (1) no node of it reads or computes a size (no ``sym_size``,
-# no symbolic value: its graph is the same for every size) and (2) no guard of the trace fixes a
+# no symbolic value: its graph is the same for every size) or, for a replacement, the only such nodes
+# are integers the sizes fix, read as arguments of other nodes (a pad width, a slice bound: ``_foldable``;
+# ``fold_sizes`` writes them as a static match's numbers, cached per shape like a trace on the sizes,
+# and a symbolic match is traced on its symbols as before), and (2) no guard of the trace fixes a
 # size to a number.  Its guards become the trace's conditions: equalities between sizes (an mm's
 # inner sizes, a norm's width and its weight's) and any other relation between them (a router's
 # expert count divisible by its groups, a bound), kept as text a restricted ``eval`` checks.  By
@@ -1122,11 +1125,72 @@ def _size_free(gm: fx.GraphModule) -> bool:
     return True
 
 
+# Integer arithmetic on sizes in a graph traced on symbolic sizes (make_fx records SymInt arithmetic as
+# calls of these; tensor arithmetic is ATen)
+_SIZE_ARITHMETIC = frozenset({operator.add, operator.sub, operator.mul, operator.floordiv, operator.mod, operator.neg})
+
+
+def _foldable(gm: fx.GraphModule) -> bool:
+    """Whether every node of ``gm`` (traced on symbolic sizes, fake values still on) that reads or
+    computes a size is an integer a match's sizes fix: ``sym_size.int`` of an input, or integer
+    arithmetic on such sizes and numbers, read only as an argument of other nodes (a replacement's
+    pad width or slice bound).  ``fold_sizes`` turns them into numbers for a match's static sizes."""
+    sizes: set[fx.Node] = set()
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        val = node.meta.get("val")
+        if node.target not in _SIZE_OPS and not isinstance(val, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+            continue
+        if not isinstance(val, torch.SymInt) or node.kwargs or any(u.op == "output" for u in node.users):
+            return False
+        if node.target is torch.ops.aten.sym_size.int:
+            if node.args[0].op != "placeholder" or not isinstance(node.args[1], int):
+                return False
+        elif node.target not in _SIZE_ARITHMETIC or not all(isinstance(a, int) or a in sizes for a in node.args):
+            return False
+        sizes.add(node)
+    return True
+
+
+def _size_nodes(graph: fx.Graph) -> list[fx.Node]:
+    """The size nodes of a graph ``_foldable`` accepted (its fake values may be gone), in order."""
+    return [
+        n
+        for n in graph.nodes
+        if n.op == "call_function" and (n.target is torch.ops.aten.sym_size.int or n.target in _SIZE_ARITHMETIC)
+    ]
+
+
+def fold_sizes(gm: fx.GraphModule, values: Sequence[Any]) -> fx.GraphModule:
+    """A copy of ``gm`` (a shared trace on symbolic sizes that ``_foldable`` accepted, its inputs in the
+    order of ``values``) whose size nodes are replaced by the numbers they compute on ``values``' static
+    sizes: what a trace on those sizes records (the symbolic trace's guards, which the sizes meet, fixed
+    every branch it took)."""
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    inputs = {new: values[i] for i, new in enumerate(n for n in graph.nodes if n.op == "placeholder")}
+    numbers: dict[fx.Node, int] = {}
+    for node in _size_nodes(graph):
+        if node.target is torch.ops.aten.sym_size.int:
+            numbers[node] = int(inputs[node.args[0]].shape[node.args[1]])
+        else:
+            numbers[node] = int(node.target(*(numbers.get(a, a) for a in node.args)))
+    for node in numbers:
+        for user in list(node.users):
+            user.args, user.kwargs = fx.node.map_arg((user.args, user.kwargs), lambda a: numbers.get(a, a))
+    for node in reversed(list(numbers)):
+        graph.erase_node(node)
+    return _GraphHolder(torch.nn.Module(), graph)
+
+
 def generic_trace(
-    values: Sequence[Any], trace: Callable[[list[Any]], fx.GraphModule]
+    values: Sequence[Any], trace: Callable[[list[Any]], fx.GraphModule], *, foldable: bool = False
 ) -> tuple[fx.GraphModule, list[Condition]] | None:
     """``trace(inputs)`` on symbolic inputs of ``values``' form, with the size conditions it
-    assumed, or None when its graph depends on the sizes (see above) or it fails."""
+    assumed, or None when its graph depends on the sizes (see above) or it fails.  ``foldable``: a
+    graph whose size nodes are only integers the sizes fix (``_foldable``: a replacement's pad width)
+    is shared too; ``fold_sizes`` makes a match's graph of it."""
     env, mode, inputs, positions = _symbolic(values)
     try:
         with torch._guards.tracing(torch._guards.TracingContext(mode)), unset_fake_temporarily(), mode:
@@ -1135,7 +1199,7 @@ def generic_trace(
         log.debug("no size-generic trace of %s: %s: %s", trace, type(exc).__name__, exc)
         return None
     conditions = _conditions(env, positions)
-    if conditions is None or not _size_free(gm):
+    if conditions is None or not (_size_free(gm) or (foldable and _foldable(gm))):
         return None
     return gm, conditions
 
@@ -1159,7 +1223,11 @@ def _generic(
     def traced(decompositions: str) -> tuple[Any, list[Condition]] | None:
         STATS[f"generic_{kind}_traced"] += 1
         get_decomp_fn = _decomp_fn(decompositions)
-        made = generic_trace(values, lambda inputs: pm.fwd_only(fn, inputs, get_decomp_fn=get_decomp_fn))
+        made = generic_trace(
+            values,
+            lambda inputs: pm.fwd_only(fn, inputs, get_decomp_fn=get_decomp_fn),
+            foldable=kind == "replacement",
+        )
         return None if made is None else (finish(made[0]), made[1])
 
     def find() -> tuple[Any, list[Condition]] | None:
@@ -1201,13 +1269,15 @@ def replacement_graph(
             return _strip_values(pm.fwd_only(fn, _fresh(values), get_decomp_fn=get_decomp_fn))
 
     generic = _generic("replacement", fn if key is None else key, values, decompositions, fn, _strip_values)
-    if generic is not None:
+    if generic is not None and not _size_nodes(generic.graph):
         return generic
     signature, env = _signature(fn if key is None else key, values, decompositions)
     if signature is None:
         return trace()
     if env is not None:  # symbolic sizes: their symbols belong to this compile
         return _per_compile(env, ("replacement", signature), trace)
+    if generic is not None:  # the shared trace's sizes, numbers of this match's static sizes
+        return _REPLACEMENTS.get(("folded", signature), lambda: fold_sizes(generic, values))
 
     def cached() -> fx.GraphModule:
         return _cached_on_disk(

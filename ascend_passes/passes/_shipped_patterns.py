@@ -49,9 +49,11 @@ DEPENDS = [
     (('ascend_passes.ops', 'ascend_passes.ops._define', 'ascend_passes.ops.activation', 'ascend_passes.ops.attention', 'ascend_passes.ops.checks', 'ascend_passes.ops.eplb', 'ascend_passes.ops.linear', 'ascend_passes.ops.mla', 'ascend_passes.ops.moe', 'ascend_passes.ops.norm', 'ascend_passes.patterns._layout', 'ascend_passes.patterns.norm'), ('transformers',)),  # 10
     (('ascend_passes.ops', 'ascend_passes.ops._define', 'ascend_passes.ops.activation', 'ascend_passes.ops.attention', 'ascend_passes.ops.checks', 'ascend_passes.ops.eplb', 'ascend_passes.ops.linear', 'ascend_passes.ops.mla', 'ascend_passes.ops.moe', 'ascend_passes.ops.norm', 'ascend_passes.patterns._layout', 'ascend_passes.patterns.norm'), ('mpmath', 'sympy')),  # 11
     (('ascend_passes.ops', 'ascend_passes.ops._define', 'ascend_passes.ops.activation', 'ascend_passes.ops.attention', 'ascend_passes.ops.checks', 'ascend_passes.ops.eplb', 'ascend_passes.ops.linear', 'ascend_passes.ops.mla', 'ascend_passes.ops.moe', 'ascend_passes.ops.norm', 'ascend_passes.patterns._layout', 'ascend_passes.patterns.activation'), ('mpmath', 'sympy')),  # 12
-    (('ascend_passes.ops', 'ascend_passes.ops._define', 'ascend_passes.ops.activation', 'ascend_passes.ops.attention', 'ascend_passes.ops.checks', 'ascend_passes.ops.eplb', 'ascend_passes.ops.linear', 'ascend_passes.ops.mla', 'ascend_passes.ops.moe', 'ascend_passes.ops.norm', 'ascend_passes.patterns.linear'), ('mpmath', 'sympy')),  # 13
-    (('ascend_passes.ops', 'ascend_passes.ops._define', 'ascend_passes.ops.activation', 'ascend_passes.ops.attention', 'ascend_passes.ops.checks', 'ascend_passes.ops.eplb', 'ascend_passes.ops.linear', 'ascend_passes.ops.mla', 'ascend_passes.ops.moe', 'ascend_passes.ops.norm', 'ascend_passes.patterns._layout', 'ascend_passes.patterns.norm'), ('sympy',)),  # 14
-    (('ascend_passes.ops', 'ascend_passes.ops._define', 'ascend_passes.ops.activation', 'ascend_passes.ops.attention', 'ascend_passes.ops.checks', 'ascend_passes.ops.eplb', 'ascend_passes.ops.linear', 'ascend_passes.ops.mla', 'ascend_passes.ops.moe', 'ascend_passes.ops.norm', 'ascend_passes.passes.moe', 'ascend_passes.patterns.moe_experts', 'ascend_passes.patterns.moe_gptoss', 'ascend_passes.patterns.moe_llama4', 'ascend_passes.patterns.moe_router', 'ascend_passes.patterns.moe_v4'), ('mpmath', 'sympy')),  # 15
+    (('ascend_passes.ops', 'ascend_passes.ops._define', 'ascend_passes.ops.activation', 'ascend_passes.ops.attention', 'ascend_passes.ops.checks', 'ascend_passes.ops.eplb', 'ascend_passes.ops.linear', 'ascend_passes.ops.mla', 'ascend_passes.ops.moe', 'ascend_passes.ops.norm', 'ascend_passes.patterns.mla'), ('mpmath', 'sympy')),  # 13
+    (('ascend_passes.ops', 'ascend_passes.ops._define', 'ascend_passes.ops.activation', 'ascend_passes.ops.attention', 'ascend_passes.ops.checks', 'ascend_passes.ops.eplb', 'ascend_passes.ops.linear', 'ascend_passes.ops.mla', 'ascend_passes.ops.moe', 'ascend_passes.ops.norm', 'ascend_passes.patterns.linear'), ('mpmath', 'sympy')),  # 14
+    (('ascend_passes.patterns.attention',), ('mpmath', 'sympy')),  # 15
+    (('ascend_passes.ops', 'ascend_passes.ops._define', 'ascend_passes.ops.activation', 'ascend_passes.ops.attention', 'ascend_passes.ops.checks', 'ascend_passes.ops.eplb', 'ascend_passes.ops.linear', 'ascend_passes.ops.mla', 'ascend_passes.ops.moe', 'ascend_passes.ops.norm', 'ascend_passes.patterns._layout', 'ascend_passes.patterns.norm'), ('sympy',)),  # 16
+    (('ascend_passes.ops', 'ascend_passes.ops._define', 'ascend_passes.ops.activation', 'ascend_passes.ops.attention', 'ascend_passes.ops.checks', 'ascend_passes.ops.eplb', 'ascend_passes.ops.linear', 'ascend_passes.ops.mla', 'ascend_passes.ops.moe', 'ascend_passes.ops.norm', 'ascend_passes.passes.moe', 'ascend_passes.patterns.moe_experts', 'ascend_passes.patterns.moe_gptoss', 'ascend_passes.patterns.moe_llama4', 'ascend_passes.patterns.moe_router', 'ascend_passes.patterns.moe_v4'), ('mpmath', 'sympy')),  # 17
 ]
 # 802 traces, 491 distinct patterns, 0 not shipped
 # the body of a function that builds the pattern (run by _shipped.build; source compiled only when used)
@@ -16217,13 +16219,67 @@ return [
 """,
     'g2': """
 return [
+    ('placeholder', 'hidden_1', 'hidden_1', (), {}, ),
+    ('placeholder', 'w_q_a_1', 'w_q_a_1', (), {}, ),
+    ('placeholder', 'gamma_cq_1', 'gamma_cq_1', (), {}, ),
+    ('placeholder', 'w_q_b_1', 'w_q_b_1', (), {}, ),
+    ('placeholder', 'w_kv_a_1', 'w_kv_a_1', (), {}, ),
+    ('placeholder', 'gamma_ckv_1', 'gamma_ckv_1', (), {}, ),
+    ('placeholder', 'cos_1', 'cos_1', (), {}, ),
+    ('placeholder', 'sin_1', 'sin_1', (), {}, ),
+    ('call_function', 'sym_size_int', aten.sym_size.int, (R(6), 2, ), {}, ),
+    ('call_function', 'expand', aten.expand.default, (R(6), [1, 1, R(8)], ), {}, ),
+    ('call_function', 'expand_1', aten.expand.default, (R(7), [1, 1, R(8)], ), {}, ),
+    ('call_function', 'floordiv', operator.floordiv, (R(8), 2, ), {}, ),
+    ('call_function', 'slice_1', aten.slice.Tensor, (R(9), 2, 0, R(11), ), {}, ),
+    ('call_function', 'slice_2', aten.slice.Tensor, (R(9), 2, 0, R(11), ), {}, ),
+    ('call_function', 'cat', aten.cat.default, ([R(12), R(13)], -1, ), {}, ),
+    ('call_function', 'slice_3', aten.slice.Tensor, (R(10), 2, 0, R(11), ), {}, ),
+    ('call_function', 'slice_4', aten.slice.Tensor, (R(10), 2, 0, R(11), ), {}, ),
+    ('call_function', 'cat_1', aten.cat.default, ([R(15), R(16)], -1, ), {}, ),
+    ('call_function', 'permute', aten.permute.default, (R(1), [1, 0], ), {}, ),
+    ('call_function', 'permute_1', aten.permute.default, (R(3), [1, 0], ), {}, ),
+    ('call_function', 'permute_2', aten.permute.default, (R(4), [1, 0], ), {}, ),
+    ('call_function', 'mla_prolog', torch.ops.ascend.mla_prolog.default, (R(0), R(18), R(19), None, R(20), R(2), R(5), R(17), R(14), ), {'head_num': 4, 'rmsnorm_epsilon_cq': 1e-06, 'rmsnorm_epsilon_ckv': 1e-06, 'rope_interleave': True}, ),
+    ('call_function', 'getitem', operator.getitem, (R(21), 0, ), {}, ),
+    ('call_function', 'getitem_1', operator.getitem, (R(21), 1, ), {}, ),
+    ('call_function', 'getitem_2', operator.getitem, (R(21), 2, ), {}, ),
+    ('call_function', 'getitem_3', operator.getitem, (R(21), 3, ), {}, ),
+    ('call_function', 'permute_3', aten.permute.default, (R(22), [0, 2, 1, 3], ), {}, ),
+    ('call_function', 'permute_4', aten.permute.default, (R(23), [0, 2, 1, 3], ), {}, ),
+    ('call_function', 'cat_2', aten.cat.default, ([R(26), R(27)], -1, ), {}, ),
+    ('call_function', 'unsqueeze', aten.unsqueeze.default, (R(24), 1, ), {}, ),
+    ('call_function', 'unsqueeze_1', aten.unsqueeze.default, (R(25), 1, ), {}, ),
+    ('output', 'output', 'output', ((R(28), R(29), R(30), ), ), {}, ),
+]
+""",
+    'g3': """
+return [
     ('placeholder', 'x_1', 'x_1', (), {}, ),
     ('placeholder', 'weight_1', 'weight_1', (), {}, ),
     ('call_function', 'linear', torch.ops.ascend.linear.default, (R(0), R(1), ), {}, ),
     ('output', 'output', 'output', (R(2), ), {}, ),
 ]
 """,
-    'g3': """
+    'g4': """
+return [
+    ('placeholder', 'q_1', 'q_1', (), {}, ),
+    ('placeholder', 'k_1', 'k_1', (), {}, ),
+    ('placeholder', 'v_1', 'v_1', (), {}, ),
+    ('placeholder', 'mask_1', 'mask_1', (), {}, ),
+    ('placeholder', 'sqrt_scale_1', 'sqrt_scale_1', (), {}, ),
+    ('call_function', 'sym_size_int', aten.sym_size.int, (R(2), 3, ), {}, ),
+    ('call_function', 'sym_size_int_1', aten.sym_size.int, (R(0), 3, ), {}, ),
+    ('call_function', 'sub', operator.sub, (R(6), R(5), ), {}, ),
+    ('call_function', 'constant_pad_nd', aten.constant_pad_nd.default, (R(2), [0, R(7)], 0.0, ), {}, ),
+    ('call_function', '_scaled_dot_product_flash_attention_for_cpu', aten._scaled_dot_product_flash_attention_for_cpu.default, (R(0), R(1), R(8), ), {'attn_mask': R(3), 'scale': 0.17677669529663692}, ),
+    ('call_function', 'getitem', operator.getitem, (R(9), 0, ), {}, ),
+    ('call_function', 'slice_1', aten.slice.Tensor, (R(10), 3, 0, R(5), ), {}, ),
+    ('call_function', 'clone', aten.clone.default, (R(11), ), {'memory_format': torch.contiguous_format}, ),
+    ('output', 'output', 'output', (R(12), ), {}, ),
+]
+""",
+    'g5': """
 return [
     ('placeholder', 'x1_1', 'x1_1', (), {}, ),
     ('placeholder', 'x2_1', 'x2_1', (), {}, ),
@@ -16234,7 +16290,117 @@ return [
     ('output', 'output', 'output', ((R(4), R(5), ), ), {}, ),
 ]
 """,
-    'g4': """
+    'g6': """
+return [
+    ('placeholder', 'hidden_1', 'hidden_1', (), {}, ),
+    ('placeholder', 'w_q_a_1', 'w_q_a_1', (), {}, ),
+    ('placeholder', 'gamma_cq_1', 'gamma_cq_1', (), {}, ),
+    ('placeholder', 'w_q_b_1', 'w_q_b_1', (), {}, ),
+    ('placeholder', 'w_kv_a_1', 'w_kv_a_1', (), {}, ),
+    ('placeholder', 'gamma_ckv_1', 'gamma_ckv_1', (), {}, ),
+    ('placeholder', 'cos_1', 'cos_1', (), {}, ),
+    ('placeholder', 'sin_1', 'sin_1', (), {}, ),
+    ('call_function', 'sym_size_int', aten.sym_size.int, (R(0), 0, ), {}, ),
+    ('call_function', 'sym_size_int_1', aten.sym_size.int, (R(6), 2, ), {}, ),
+    ('call_function', 'expand', aten.expand.default, (R(6), [R(8), 1, R(9)], ), {}, ),
+    ('call_function', 'expand_1', aten.expand.default, (R(7), [R(8), 1, R(9)], ), {}, ),
+    ('call_function', 'floordiv', operator.floordiv, (R(9), 2, ), {}, ),
+    ('call_function', 'slice_1', aten.slice.Tensor, (R(10), 2, 0, R(12), ), {}, ),
+    ('call_function', 'slice_2', aten.slice.Tensor, (R(10), 2, 0, R(12), ), {}, ),
+    ('call_function', 'cat', aten.cat.default, ([R(13), R(14)], -1, ), {}, ),
+    ('call_function', 'slice_3', aten.slice.Tensor, (R(11), 2, 0, R(12), ), {}, ),
+    ('call_function', 'slice_4', aten.slice.Tensor, (R(11), 2, 0, R(12), ), {}, ),
+    ('call_function', 'cat_1', aten.cat.default, ([R(16), R(17)], -1, ), {}, ),
+    ('call_function', 't', aten.t.default, (R(1), ), {}, ),
+    ('call_function', 't_1', aten.t.default, (R(3), ), {}, ),
+    ('call_function', 't_2', aten.t.default, (R(4), ), {}, ),
+    ('call_function', 'mla_prolog', torch.ops.ascend.mla_prolog.default, (R(0), R(19), R(20), None, R(21), R(2), R(5), R(18), R(15), ), {'head_num': 4, 'rmsnorm_epsilon_cq': 1e-06, 'rmsnorm_epsilon_ckv': 1e-06, 'rope_interleave': True}, ),
+    ('call_function', 'getitem', operator.getitem, (R(22), 0, ), {}, ),
+    ('call_function', 'getitem_1', operator.getitem, (R(22), 1, ), {}, ),
+    ('call_function', 'getitem_2', operator.getitem, (R(22), 2, ), {}, ),
+    ('call_function', 'getitem_3', operator.getitem, (R(22), 3, ), {}, ),
+    ('call_function', 'transpose', aten.transpose.int, (R(23), 1, 2, ), {}, ),
+    ('call_function', 'transpose_1', aten.transpose.int, (R(24), 1, 2, ), {}, ),
+    ('call_function', 'cat_2', aten.cat.default, ([R(27), R(28)], -1, ), {}, ),
+    ('call_function', 'unsqueeze', aten.unsqueeze.default, (R(25), 1, ), {}, ),
+    ('call_function', 'unsqueeze_1', aten.unsqueeze.default, (R(26), 1, ), {}, ),
+    ('output', 'output', 'output', ((R(29), R(30), R(31), ), ), {}, ),
+]
+""",
+    'g7': """
+return [
+    ('placeholder', 'hidden_1', 'hidden_1', (), {}, ),
+    ('placeholder', 'w_q_a_1', 'w_q_a_1', (), {}, ),
+    ('placeholder', 'gamma_cq_1', 'gamma_cq_1', (), {}, ),
+    ('placeholder', 'w_q_b_1', 'w_q_b_1', (), {}, ),
+    ('placeholder', 'w_kv_a_1', 'w_kv_a_1', (), {}, ),
+    ('placeholder', 'gamma_ckv_1', 'gamma_ckv_1', (), {}, ),
+    ('placeholder', 'cos_1', 'cos_1', (), {}, ),
+    ('placeholder', 'sin_1', 'sin_1', (), {}, ),
+    ('call_function', 'sym_size_int', aten.sym_size.int, (R(0), 0, ), {}, ),
+    ('call_function', 'sym_size_int_1', aten.sym_size.int, (R(6), 2, ), {}, ),
+    ('call_function', 'expand', aten.expand.default, (R(6), [R(8), 1, R(9)], ), {}, ),
+    ('call_function', 'expand_1', aten.expand.default, (R(7), [R(8), 1, R(9)], ), {}, ),
+    ('call_function', 'floordiv', operator.floordiv, (R(9), 2, ), {}, ),
+    ('call_function', 'slice_1', aten.slice.Tensor, (R(10), 2, 0, R(12), ), {}, ),
+    ('call_function', 'slice_2', aten.slice.Tensor, (R(10), 2, 0, R(12), ), {}, ),
+    ('call_function', 'cat', aten.cat.default, ([R(13), R(14)], -1, ), {}, ),
+    ('call_function', 'slice_3', aten.slice.Tensor, (R(11), 2, 0, R(12), ), {}, ),
+    ('call_function', 'slice_4', aten.slice.Tensor, (R(11), 2, 0, R(12), ), {}, ),
+    ('call_function', 'cat_1', aten.cat.default, ([R(16), R(17)], -1, ), {}, ),
+    ('call_function', 'permute', aten.permute.default, (R(1), [1, 0], ), {}, ),
+    ('call_function', 'permute_1', aten.permute.default, (R(3), [1, 0], ), {}, ),
+    ('call_function', 'permute_2', aten.permute.default, (R(4), [1, 0], ), {}, ),
+    ('call_function', 'mla_prolog', torch.ops.ascend.mla_prolog.default, (R(0), R(19), R(20), None, R(21), R(2), R(5), R(18), R(15), ), {'head_num': 4, 'rmsnorm_epsilon_cq': 1e-06, 'rmsnorm_epsilon_ckv': 1e-06, 'rope_interleave': True}, ),
+    ('call_function', 'getitem', operator.getitem, (R(22), 0, ), {}, ),
+    ('call_function', 'getitem_1', operator.getitem, (R(22), 1, ), {}, ),
+    ('call_function', 'getitem_2', operator.getitem, (R(22), 2, ), {}, ),
+    ('call_function', 'getitem_3', operator.getitem, (R(22), 3, ), {}, ),
+    ('call_function', 'permute_3', aten.permute.default, (R(23), [0, 2, 1, 3], ), {}, ),
+    ('call_function', 'permute_4', aten.permute.default, (R(24), [0, 2, 1, 3], ), {}, ),
+    ('call_function', 'cat_2', aten.cat.default, ([R(27), R(28)], -1, ), {}, ),
+    ('call_function', 'unsqueeze', aten.unsqueeze.default, (R(25), 1, ), {}, ),
+    ('call_function', 'unsqueeze_1', aten.unsqueeze.default, (R(26), 1, ), {}, ),
+    ('output', 'output', 'output', ((R(29), R(30), R(31), ), ), {}, ),
+]
+""",
+    'g8': """
+return [
+    ('placeholder', 'hidden_1', 'hidden_1', (), {}, ),
+    ('placeholder', 'w_q_a_1', 'w_q_a_1', (), {}, ),
+    ('placeholder', 'gamma_cq_1', 'gamma_cq_1', (), {}, ),
+    ('placeholder', 'w_q_b_1', 'w_q_b_1', (), {}, ),
+    ('placeholder', 'w_kv_a_1', 'w_kv_a_1', (), {}, ),
+    ('placeholder', 'gamma_ckv_1', 'gamma_ckv_1', (), {}, ),
+    ('placeholder', 'cos_1', 'cos_1', (), {}, ),
+    ('placeholder', 'sin_1', 'sin_1', (), {}, ),
+    ('call_function', 'sym_size_int', aten.sym_size.int, (R(6), 2, ), {}, ),
+    ('call_function', 'expand', aten.expand.default, (R(6), [1, 1, R(8)], ), {}, ),
+    ('call_function', 'expand_1', aten.expand.default, (R(7), [1, 1, R(8)], ), {}, ),
+    ('call_function', 'floordiv', operator.floordiv, (R(8), 2, ), {}, ),
+    ('call_function', 'slice_1', aten.slice.Tensor, (R(9), 2, 0, R(11), ), {}, ),
+    ('call_function', 'slice_2', aten.slice.Tensor, (R(9), 2, 0, R(11), ), {}, ),
+    ('call_function', 'cat', aten.cat.default, ([R(12), R(13)], -1, ), {}, ),
+    ('call_function', 'slice_3', aten.slice.Tensor, (R(10), 2, 0, R(11), ), {}, ),
+    ('call_function', 'slice_4', aten.slice.Tensor, (R(10), 2, 0, R(11), ), {}, ),
+    ('call_function', 'cat_1', aten.cat.default, ([R(15), R(16)], -1, ), {}, ),
+    ('call_function', 't', aten.t.default, (R(1), ), {}, ),
+    ('call_function', 't_1', aten.t.default, (R(3), ), {}, ),
+    ('call_function', 't_2', aten.t.default, (R(4), ), {}, ),
+    ('call_function', 'mla_prolog', torch.ops.ascend.mla_prolog.default, (R(0), R(18), R(19), None, R(20), R(2), R(5), R(17), R(14), ), {'head_num': 4, 'rmsnorm_epsilon_cq': 1e-06, 'rmsnorm_epsilon_ckv': 1e-06, 'rope_interleave': True}, ),
+    ('call_function', 'getitem', operator.getitem, (R(21), 0, ), {}, ),
+    ('call_function', 'getitem_1', operator.getitem, (R(21), 1, ), {}, ),
+    ('call_function', 'getitem_2', operator.getitem, (R(21), 2, ), {}, ),
+    ('call_function', 'getitem_3', operator.getitem, (R(21), 3, ), {}, ),
+    ('call_function', 'transpose', aten.transpose.int, (R(22), 1, 2, ), {}, ),
+    ('call_function', 'transpose_1', aten.transpose.int, (R(23), 1, 2, ), {}, ),
+    ('call_function', 'cat_2', aten.cat.default, ([R(26), R(27)], -1, ), {}, ),
+    ('call_function', 'unsqueeze', aten.unsqueeze.default, (R(24), 1, ), {}, ),
+    ('call_function', 'unsqueeze_1', aten.unsqueeze.default, (R(25), 1, ), {}, ),
+    ('output', 'output', 'output', ((R(28), R(29), R(30), ), ), {}, ),
+]
+""",
+    'g9': """
 return [
     ('placeholder', 'a_1', 'a_1', (), {}, ),
     ('call_function', 'moe_gating_top_k_softmax', torch.ops.ascend.moe_gating_top_k_softmax.default, (R(0), None, 4, ), {}, ),
@@ -16246,7 +16412,44 @@ return [
     ('output', 'output', 'output', ((R(5), R(6), ), ), {}, ),
 ]
 """,
-    'g5': """
+    'g10': """
+return [
+    ('placeholder', 'hidden_1', 'hidden_1', (), {}, ),
+    ('placeholder', 'w_q_a_1', 'w_q_a_1', (), {}, ),
+    ('placeholder', 'gamma_cq_1', 'gamma_cq_1', (), {}, ),
+    ('placeholder', 'w_q_b_1', 'w_q_b_1', (), {}, ),
+    ('placeholder', 'w_kv_a_1', 'w_kv_a_1', (), {}, ),
+    ('placeholder', 'gamma_ckv_1', 'gamma_ckv_1', (), {}, ),
+    ('placeholder', 'cos_1', 'cos_1', (), {}, ),
+    ('placeholder', 'sin_1', 'sin_1', (), {}, ),
+    ('call_function', 'sym_size_int', aten.sym_size.int, (R(0), 1, ), {}, ),
+    ('call_function', 'sym_size_int_1', aten.sym_size.int, (R(6), 2, ), {}, ),
+    ('call_function', 'expand', aten.expand.default, (R(6), [1, R(8), R(9)], ), {}, ),
+    ('call_function', 'expand_1', aten.expand.default, (R(7), [1, R(8), R(9)], ), {}, ),
+    ('call_function', 'floordiv', operator.floordiv, (R(9), 2, ), {}, ),
+    ('call_function', 'slice_1', aten.slice.Tensor, (R(10), 2, 0, R(12), ), {}, ),
+    ('call_function', 'slice_2', aten.slice.Tensor, (R(10), 2, 0, R(12), ), {}, ),
+    ('call_function', 'cat', aten.cat.default, ([R(13), R(14)], -1, ), {}, ),
+    ('call_function', 'slice_3', aten.slice.Tensor, (R(11), 2, 0, R(12), ), {}, ),
+    ('call_function', 'slice_4', aten.slice.Tensor, (R(11), 2, 0, R(12), ), {}, ),
+    ('call_function', 'cat_1', aten.cat.default, ([R(16), R(17)], -1, ), {}, ),
+    ('call_function', 't', aten.t.default, (R(1), ), {}, ),
+    ('call_function', 't_1', aten.t.default, (R(3), ), {}, ),
+    ('call_function', 't_2', aten.t.default, (R(4), ), {}, ),
+    ('call_function', 'mla_prolog', torch.ops.ascend.mla_prolog.default, (R(0), R(19), R(20), None, R(21), R(2), R(5), R(18), R(15), ), {'head_num': 4, 'rmsnorm_epsilon_cq': 1e-06, 'rmsnorm_epsilon_ckv': 1e-06, 'rope_interleave': True}, ),
+    ('call_function', 'getitem', operator.getitem, (R(22), 0, ), {}, ),
+    ('call_function', 'getitem_1', operator.getitem, (R(22), 1, ), {}, ),
+    ('call_function', 'getitem_2', operator.getitem, (R(22), 2, ), {}, ),
+    ('call_function', 'getitem_3', operator.getitem, (R(22), 3, ), {}, ),
+    ('call_function', 'transpose', aten.transpose.int, (R(23), 1, 2, ), {}, ),
+    ('call_function', 'transpose_1', aten.transpose.int, (R(24), 1, 2, ), {}, ),
+    ('call_function', 'cat_2', aten.cat.default, ([R(27), R(28)], -1, ), {}, ),
+    ('call_function', 'unsqueeze', aten.unsqueeze.default, (R(25), 1, ), {}, ),
+    ('call_function', 'unsqueeze_1', aten.unsqueeze.default, (R(26), 1, ), {}, ),
+    ('output', 'output', 'output', ((R(29), R(30), R(31), ), ), {}, ),
+]
+""",
+    'g11': """
 return [
     ('placeholder', 'a_1', 'a_1', (), {}, ),
     ('placeholder', 'b_1', 'b_1', (), {}, ),
@@ -16259,7 +16462,7 @@ return [
     ('output', 'output', 'output', ((R(6), R(7), ), ), {}, ),
 ]
 """,
-    'g6': """
+    'g12': """
 return [
     ('placeholder', 'a_1', 'a_1', (), {}, ),
     ('call_function', 'moe_gating_top_k_softmax', torch.ops.ascend.moe_gating_top_k_softmax.default, (R(0), None, 4, ), {}, ),
@@ -16271,7 +16474,44 @@ return [
     ('output', 'output', 'output', ((R(5), R(6), ), ), {}, ),
 ]
 """,
-    'g7': """
+    'g13': """
+return [
+    ('placeholder', 'hidden_1', 'hidden_1', (), {}, ),
+    ('placeholder', 'w_q_a_1', 'w_q_a_1', (), {}, ),
+    ('placeholder', 'gamma_cq_1', 'gamma_cq_1', (), {}, ),
+    ('placeholder', 'w_q_b_1', 'w_q_b_1', (), {}, ),
+    ('placeholder', 'w_kv_a_1', 'w_kv_a_1', (), {}, ),
+    ('placeholder', 'gamma_ckv_1', 'gamma_ckv_1', (), {}, ),
+    ('placeholder', 'cos_1', 'cos_1', (), {}, ),
+    ('placeholder', 'sin_1', 'sin_1', (), {}, ),
+    ('call_function', 'sym_size_int', aten.sym_size.int, (R(0), 1, ), {}, ),
+    ('call_function', 'sym_size_int_1', aten.sym_size.int, (R(6), 2, ), {}, ),
+    ('call_function', 'expand', aten.expand.default, (R(6), [1, R(8), R(9)], ), {}, ),
+    ('call_function', 'expand_1', aten.expand.default, (R(7), [1, R(8), R(9)], ), {}, ),
+    ('call_function', 'floordiv', operator.floordiv, (R(9), 2, ), {}, ),
+    ('call_function', 'slice_1', aten.slice.Tensor, (R(10), 2, 0, R(12), ), {}, ),
+    ('call_function', 'slice_2', aten.slice.Tensor, (R(10), 2, 0, R(12), ), {}, ),
+    ('call_function', 'cat', aten.cat.default, ([R(13), R(14)], -1, ), {}, ),
+    ('call_function', 'slice_3', aten.slice.Tensor, (R(11), 2, 0, R(12), ), {}, ),
+    ('call_function', 'slice_4', aten.slice.Tensor, (R(11), 2, 0, R(12), ), {}, ),
+    ('call_function', 'cat_1', aten.cat.default, ([R(16), R(17)], -1, ), {}, ),
+    ('call_function', 'permute', aten.permute.default, (R(1), [1, 0], ), {}, ),
+    ('call_function', 'permute_1', aten.permute.default, (R(3), [1, 0], ), {}, ),
+    ('call_function', 'permute_2', aten.permute.default, (R(4), [1, 0], ), {}, ),
+    ('call_function', 'mla_prolog', torch.ops.ascend.mla_prolog.default, (R(0), R(19), R(20), None, R(21), R(2), R(5), R(18), R(15), ), {'head_num': 4, 'rmsnorm_epsilon_cq': 1e-06, 'rmsnorm_epsilon_ckv': 1e-06, 'rope_interleave': True}, ),
+    ('call_function', 'getitem', operator.getitem, (R(22), 0, ), {}, ),
+    ('call_function', 'getitem_1', operator.getitem, (R(22), 1, ), {}, ),
+    ('call_function', 'getitem_2', operator.getitem, (R(22), 2, ), {}, ),
+    ('call_function', 'getitem_3', operator.getitem, (R(22), 3, ), {}, ),
+    ('call_function', 'permute_3', aten.permute.default, (R(23), [0, 2, 1, 3], ), {}, ),
+    ('call_function', 'permute_4', aten.permute.default, (R(24), [0, 2, 1, 3], ), {}, ),
+    ('call_function', 'cat_2', aten.cat.default, ([R(27), R(28)], -1, ), {}, ),
+    ('call_function', 'unsqueeze', aten.unsqueeze.default, (R(25), 1, ), {}, ),
+    ('call_function', 'unsqueeze_1', aten.unsqueeze.default, (R(26), 1, ), {}, ),
+    ('output', 'output', 'output', ((R(29), R(30), R(31), ), ), {}, ),
+]
+""",
+    'g14': """
 return [
     ('placeholder', 'a_1', 'a_1', (), {}, ),
     ('placeholder', 'b_1', 'b_1', (), {}, ),
@@ -16282,7 +16522,7 @@ return [
     ('output', 'output', 'output', ((R(3), R(5), ), ), {}, ),
 ]
 """,
-    'g8': """
+    'g15': """
 return [
     ('placeholder', 'a_1', 'a_1', (), {}, ),
     ('placeholder', 'b_1', 'b_1', (), {}, ),
@@ -16293,7 +16533,7 @@ return [
     ('output', 'output', 'output', ((R(3), R(5), ), ), {}, ),
 ]
 """,
-    'g9': """
+    'g16': """
 return [
     ('placeholder', 'a_1', 'a_1', (), {}, ),
     ('placeholder', 'b_1', 'b_1', (), {}, ),
@@ -16307,7 +16547,7 @@ return [
 ]
 """,
 }
-# 166 size-generic traces of the bundled models' forms (48 forms depend on
+# 190 size-generic traces of the bundled models' forms (24 forms depend on
 # the sizes: traced per shape); sha256 of the form's description: (kind, PATTERNS / GRAPHS key,
 # DEPENDS index, pairs of (value, dim) sizes that must be equal)
 GENERIC = {
@@ -16324,11 +16564,13 @@ GENERIC = {
     '13ce5daeaf72157714e811b8d794e7a1': ('replacement', 'g1', 12, [[[0, 0], [1, 0]], [[0, 2], [1, 2]]]),  # replacement ascend_passes.patterns.activation._cat_swiglu.<locals>.swiglu_replacement [] none ((('s', 1, 's'), torch.float32, device(type='cpu')), (('s', 1, 's'), torch.float32, device(type='cpu')))
     '153758f193003ac8e5197929116329ef': ('replacement', 'g0', 11, [[[0, 3], [1, 0]]]),  # replacement ascend_passes.patterns.norm.rms_norm_replacement [] inductor (((1, 1, 's', 's'), torch.float32, device(type='cpu')), (('s',), torch.float32, device(type='cpu')), (<class 'float'>, 1e-06))
     '1637c2238cd15010d99c14b0e5787b0c': ('specific', 'p483', 11, [[[0, 2], [1, 0]], 'Ne(w0_1, v0_2)', 'w0_1 < w0_0']),  # specific ascend_passes.patterns.norm._weighted_rms_norm.<locals>.rms_norm_pattern [] none (((1, 's', 's'), torch.bfloat16, device(type='cpu'), ('s', 's', 1)), (('s',), torch.bfloat16, device(type='cpu')), ((), torch.float32, device(type='cpu')))
-    '1783325163791f3462325db6f74c9af5': ('specific', 'p484', 13, [[[0, 1], [1, 1]]]),  # specific ascend_passes.patterns.linear.linear_pattern [] inductor (((1, 's'), torch.bfloat16, device(type='cpu')), (('s', 's'), torch.bfloat16, device(type='cpu')))
-    '188e02455dabe17533d4fbcb3017a12e': ('replacement', 'g2', 13, [[[0, 1], [1, 1]]]),  # replacement ascend_passes.patterns.linear.linear_replacement [] inductor (((1, 's'), torch.bfloat16, device(type='cpu')), (('s', 's'), torch.bfloat16, device(type='cpu')))
+    '17547dc9363e70c33b0698bee0d53040': ('replacement', 'g2', 13, [[[0, 2], [1, 1]], [[0, 2], [4, 1]], [[1, 0], [2, 0]], [[1, 0], [3, 1]], [[1, 1], [4, 1]], [[6, 2], [7, 2]], '((v3_0//4)) - 2*((v7_2//2)) >= 0', '((v7_2//2)) <= v7_2', '((v7_2//2)) >= 2', '4*((v3_0//4)) - 8*((v7_2//2)) >= 2', 'Eq(Max(1, ((v3_0//4)) - 2*((v7_2//2))), ((v3_0//4)) - 2*((v7_2//2)))', 'Eq(Mod(v3_0, 4), 0)', 'Eq(v4_0, v5_0 + 2*((v7_2//2)))', 'Eq(v6_2, v7_2) | Eq(v7_2, 1)', 'Ne(((v3_0//4)) - 2*((v7_2//2)), 0)', 'Ne(((v3_0//4)) - 2*((v7_2//2)), 1)']),  # replacement ?.? [] inductor (((1, 1, 's'), torch.float32, device(type='cpu')), (('s', 's'), torch.float32, device(type='cpu')), (('s',), torch.float32, device(type='cpu')), (('s', 's'), torch.float32, device(type='cpu')), (('s', 's'), torch.float32, device(type='cpu')), (('s',), torch.float32, device(type='cpu')), ((1, 1, 's'), torch.float32, device(type='cpu')), ((1, 1, 's'), torch.float32, device(type='cpu')))
+    '1783325163791f3462325db6f74c9af5': ('specific', 'p484', 14, [[[0, 1], [1, 1]]]),  # specific ascend_passes.patterns.linear.linear_pattern [] inductor (((1, 's'), torch.bfloat16, device(type='cpu')), (('s', 's'), torch.bfloat16, device(type='cpu')))
+    '188e02455dabe17533d4fbcb3017a12e': ('replacement', 'g3', 14, [[[0, 1], [1, 1]]]),  # replacement ascend_passes.patterns.linear.linear_replacement [] inductor (((1, 's'), torch.bfloat16, device(type='cpu')), (('s', 's'), torch.bfloat16, device(type='cpu')))
     '1b74fcd873df12a7447235acb539345a': ('specific', 'p481', 11, [[[0, 3], [1, 0]]]),  # specific ascend_passes.patterns.norm._weighted_rms_norm.<locals>.rms_norm_pattern [] inductor ((('s', 1, 's', 's'), torch.float32, device(type='cpu')), (('s',), torch.float32, device(type='cpu')), (<class 'float'>, 1e-06))
+    '1be9981620ce765a96535426f9448c38': ('replacement', 'g4', 15, ['Ne(w2_2, v2_3)', 'v2_3 < v0_3']),  # replacement ascend_passes.patterns.attention._flash.<locals>.attention [] none (((1, 's', 's', 's'), torch.bfloat16, device(type='cpu')), ((1, 's', 's', 's'), torch.bfloat16, device(type='cpu')), ((1, 's', 's', 's'), torch.bfloat16, device(type='cpu'), ('s', 's', 's', 1)), ((1, 1, 's', 's'), torch.bfloat16, device(type='cpu')), (<class 'float'>, 0.4204482076268573))
     '20a5ef25af4644dd8097561b1484c616': ('replacement', 'g0', 11, [[[0, 2], [1, 0]]]),  # replacement ascend_passes.patterns.norm.rms_norm_replacement [] inductor (((1, 1, 's'), torch.bfloat16, device(type='cpu')), (('s',), torch.bfloat16, device(type='cpu')), (<class 'float'>, 1e-06))
-    '20aea1f15a12807b296da45500422eaf': ('replacement', 'g2', 13, [[[0, 1], [1, 1]]]),  # replacement ascend_passes.patterns.linear.linear_replacement [] inductor ((('s', 's'), torch.bfloat16, device(type='cpu')), (('s', 's'), torch.bfloat16, device(type='cpu')))
+    '20aea1f15a12807b296da45500422eaf': ('replacement', 'g3', 14, [[[0, 1], [1, 1]]]),  # replacement ascend_passes.patterns.linear.linear_replacement [] inductor ((('s', 's'), torch.bfloat16, device(type='cpu')), (('s', 's'), torch.bfloat16, device(type='cpu')))
     '22dd89ac1d8f16b751ca134eee93fc62': ('specific', 'p479', 11, [[[0, -2], [0, -1]], [[0, 2], [1, 0]], 'Eq(Mod(w0_0, w0_1), 0)', 'Ne(w0_0, v0_2)', 'Ne(w0_1, v0_2)', 'w0_1 >= w0_0']),  # specific ascend_passes.patterns.norm._weighted_rms_norm.<locals>.rms_norm_pattern [] none ((('s', 1, 's'), torch.bfloat16, device(type='cpu'), ('s', 's', 1)), (('s',), torch.bfloat16, device(type='cpu')), (<class 'float'>, 1e-06))
     '24a3cb8e9bad37edcaef9fce0eb0c051': ('specific', 'p42', 11, [[[0, 2], [1, 2]], [[0, 2], [2, 0]]]),  # specific ascend_passes.patterns.norm.add_rms_norm_default_eps_pattern [] none (((1, 1, 's'), torch.bfloat16, device(type='cpu')), ((1, 1, 's'), torch.bfloat16, device(type='cpu')), (('s',), torch.bfloat16, device(type='cpu')))
     '29508def924b9b4d7303f9005436a8dd': ('specific', 'p485', 11, [[[0, 2], [1, 0]]]),  # specific ascend_passes.patterns.norm._weighted_rms_norm.<locals>.rms_norm_pattern [] none (((1, 's', 's'), torch.float32, device(type='cpu')), (('s',), torch.float32, device(type='cpu')), ((), torch.float32, device(type='cpu')))
@@ -16340,109 +16582,130 @@ GENERIC = {
     '2cdc5f8af2461f82c97425c725cce708': ('specific', 'p486', 12, [[[0, 0], [1, 0]], [[0, 2], [1, 2]]]),  # specific ascend_passes.patterns.activation._silu_mul.<locals>.swiglu_pattern [] inductor ((('s', 1, 's'), torch.bfloat16, device(type='cpu')), (('s', 1, 's'), torch.bfloat16, device(type='cpu')))
     '2d71e160067dbe18a2521577e12c4884': ('specific', 'p221', 12, [[[0, 0], [1, 0]], [[0, 2], [1, 2]]]),  # specific ascend_passes.patterns.activation._silu_mul.<locals>.swiglu_pattern [] none ((('s', 1, 's'), torch.float32, device(type='cpu')), (('s', 1, 's'), torch.float32, device(type='cpu')))
     '2f49e415038d0d613c98d0438f67eb89': ('specific', 'p487', 11, [[[0, 2], [1, 0]], 'Ne(w0_1, v0_2)', 'w0_1 < w0_0']),  # specific ascend_passes.patterns.norm._weighted_rms_norm.<locals>.rms_norm_pattern [] inductor (((1, 's', 's'), torch.bfloat16, device(type='cpu'), ('s', 's', 1)), (('s',), torch.bfloat16, device(type='cpu')), (<class 'float'>, 1e-06))
-    '2fb9a909ffc3b6eca83e82696673d621': ('replacement', 'g3', 11, [[[0, 1], [1, 1]], [[0, 2], [1, 2]], [[0, 2], [2, 0]], [[1, 2], [2, 0]]]),  # replacement ascend_passes.patterns.norm.add_rms_norm_default_eps_replacement [] inductor (((1, 's', 's'), torch.bfloat16, device(type='cpu')), ((1, 's', 's'), torch.bfloat16, device(type='cpu')), (('s',), torch.bfloat16, device(type='cpu')))
-    '32334b8398e5b4c94262f6938cb22ca6': ('specific', 'p488', 14, []),  # specific ascend_passes.patterns.norm.unweighted_rms_norm_pattern [] none (((1, 's', 's'), torch.float32, device(type='cpu')), ((), torch.float32, device(type='cpu')))
+    '2fb9a909ffc3b6eca83e82696673d621': ('replacement', 'g5', 11, [[[0, 1], [1, 1]], [[0, 2], [1, 2]], [[0, 2], [2, 0]], [[1, 2], [2, 0]]]),  # replacement ascend_passes.patterns.norm.add_rms_norm_default_eps_replacement [] inductor (((1, 's', 's'), torch.bfloat16, device(type='cpu')), ((1, 's', 's'), torch.bfloat16, device(type='cpu')), (('s',), torch.bfloat16, device(type='cpu')))
+    '2fbe801bf153e77015b283acffed1bb0': ('replacement', 'g6', 13, [[[0, 2], [1, 1]], [[0, 2], [4, 1]], [[1, 0], [2, 0]], [[1, 0], [3, 1]], [[1, 1], [4, 1]], [[6, 2], [7, 2]], '((v3_0//4)) - 2*((v7_2//2)) >= 0', '((v7_2//2)) <= v7_2', '4*v0_0*(((v3_0//4)) - 2*((v7_2//2))) >= 2', 'Eq(Max(1, ((v3_0//4)) - 2*((v7_2//2))), ((v3_0//4)) - 2*((v7_2//2)))', 'Eq(Mod(v3_0, 4), 0)', 'Eq(v4_0, v5_0 + 2*((v7_2//2)))', 'Eq(v6_2, v7_2) | Eq(v7_2, 1)', 'Ne(((v3_0//4)) - 2*((v7_2//2)), 0)', 'Ne(((v3_0//4)) - 2*((v7_2//2)), 1)', 'Ne((v7_2//2), 1)']),  # replacement ?.? [] none ((('s', 1, 's'), torch.float32, device(type='cpu')), (('s', 's'), torch.float32, device(type='cpu')), (('s',), torch.float32, device(type='cpu')), (('s', 's'), torch.float32, device(type='cpu')), (('s', 's'), torch.float32, device(type='cpu')), (('s',), torch.float32, device(type='cpu')), ((1, 1, 's'), torch.float32, device(type='cpu')), ((1, 1, 's'), torch.float32, device(type='cpu')))
+    '32334b8398e5b4c94262f6938cb22ca6': ('specific', 'p488', 16, []),  # specific ascend_passes.patterns.norm.unweighted_rms_norm_pattern [] none (((1, 's', 's'), torch.float32, device(type='cpu')), ((), torch.float32, device(type='cpu')))
     '32e8c66f02ca66ac103608b7abca2f34': ('replacement', 'g0', 11, [[[0, 3], [1, 0]]]),  # replacement ascend_passes.patterns.norm.rms_norm_replacement [] inductor (((1, 1, 's', 's'), torch.bfloat16, device(type='cpu')), (('s',), torch.bfloat16, device(type='cpu')), (<class 'float'>, 1e-06))
     '3307ebdeb8e12b0ee19b5f404361a6e3': ('specific', 'p487', 11, [[[0, 3], [1, 0]]]),  # specific ascend_passes.patterns.norm._weighted_rms_norm.<locals>.rms_norm_pattern [] inductor (((1, 1, 's', 's'), torch.bfloat16, device(type='cpu')), (('s',), torch.bfloat16, device(type='cpu')), (<class 'float'>, 1e-06))
     '3671e9f78646ef513280aab29679d250': ('specific', 'p481', 11, [[[0, 2], [1, 0]]]),  # specific ascend_passes.patterns.norm._weighted_rms_norm.<locals>.rms_norm_pattern [] none (((1, 's', 's'), torch.float32, device(type='cpu')), (('s',), torch.float32, device(type='cpu')), (<class 'float'>, 1e-06))
-    '39e0804580a86d2f997ceffd2f176b32': ('specific', 'p488', 14, ['Ne(w0_1, v0_2)', 'Ne(w0_1, w0_0)', 'w0_0 >= w0_1']),  # specific ascend_passes.patterns.norm.unweighted_rms_norm_pattern [] none (((1, 's', 's'), torch.float32, device(type='cpu'), ('s', 's', 1)), ((), torch.float32, device(type='cpu')))
-    '3a171a8c1282631296cfc8cf126abba6': ('replacement', 'g3', 11, [[[0, 0], [1, 0]], [[0, 2], [1, 2]], [[0, 2], [2, 0]], [[1, 2], [2, 0]]]),  # replacement ascend_passes.patterns.norm.add_rms_norm_default_eps_replacement [] none ((('s', 1, 's'), torch.float32, device(type='cpu')), (('s', 1, 's'), torch.float32, device(type='cpu')), (('s',), torch.float32, device(type='cpu')))
+    '39e0804580a86d2f997ceffd2f176b32': ('specific', 'p488', 16, ['Ne(w0_1, v0_2)', 'Ne(w0_1, w0_0)', 'w0_0 >= w0_1']),  # specific ascend_passes.patterns.norm.unweighted_rms_norm_pattern [] none (((1, 's', 's'), torch.float32, device(type='cpu'), ('s', 's', 1)), ((), torch.float32, device(type='cpu')))
+    '3a171a8c1282631296cfc8cf126abba6': ('replacement', 'g5', 11, [[[0, 0], [1, 0]], [[0, 2], [1, 2]], [[0, 2], [2, 0]], [[1, 2], [2, 0]]]),  # replacement ascend_passes.patterns.norm.add_rms_norm_default_eps_replacement [] none ((('s', 1, 's'), torch.float32, device(type='cpu')), (('s', 1, 's'), torch.float32, device(type='cpu')), (('s',), torch.float32, device(type='cpu')))
+    '3ae483c52a7137520e9d9f212920b7fd': ('replacement', 'g4', 15, ['Ne(w2_1, v2_3)', 'v2_3 < v0_3']),  # replacement ascend_passes.patterns.attention._flash.<locals>.attention [] none ((('s', 's', 1, 's'), torch.float32, device(type='cpu')), (('s', 's', 1, 's'), torch.float32, device(type='cpu')), (('s', 's', 1, 's'), torch.float32, device(type='cpu'), ('s', 's', 's', 1)), (('s', 1, 1, 1), torch.float32, device(type='cpu')), (<class 'float'>, 0.4204482076268573))
     '3b9eb280c36e93d0bfda2e58040017f8': ('replacement', 'g0', 11, [[[0, 3], [1, 0]]]),  # replacement ascend_passes.patterns.norm.rms_norm_replacement [] none (((1, 1, 's', 's'), torch.bfloat16, device(type='cpu')), (('s',), torch.bfloat16, device(type='cpu')), (<class 'float'>, 1e-06))
-    '405b8f0e8e5ba7ce44331abd72eb12ab': ('replacement', 'g2', 13, [[[0, 1], [1, 1]]]),  # replacement ascend_passes.patterns.linear.linear_replacement [] none ((('s', 's'), torch.bfloat16, device(type='cpu')), (('s', 's'), torch.bfloat16, device(type='cpu')))
+    '405b8f0e8e5ba7ce44331abd72eb12ab': ('replacement', 'g3', 14, [[[0, 1], [1, 1]]]),  # replacement ascend_passes.patterns.linear.linear_replacement [] none ((('s', 's'), torch.bfloat16, device(type='cpu')), (('s', 's'), torch.bfloat16, device(type='cpu')))
+    '41eed5e6079f5ef209ff5d25a7b9c0ab': ('replacement', 'g7', 13, [[[0, 2], [1, 1]], [[0, 2], [4, 1]], [[1, 0], [2, 0]], [[1, 0], [3, 1]], [[1, 1], [4, 1]], [[6, 2], [7, 2]], '((v3_0//4)) - 2*((v7_2//2)) >= 0', '((v7_2//2)) <= v7_2', '4*v0_0*(((v3_0//4)) - 2*((v7_2//2))) >= 2', 'Eq(Max(1, ((v3_0//4)) - 2*((v7_2//2))), ((v3_0//4)) - 2*((v7_2//2)))', 'Eq(Mod(v3_0, 4), 0)', 'Eq(v4_0, v5_0 + 2*((v7_2//2)))', 'Eq(v6_2, v7_2) | Eq(v7_2, 1)', 'Ne(((v3_0//4)) - 2*((v7_2//2)), 0)', 'Ne(((v3_0//4)) - 2*((v7_2//2)), 1)', 'Ne((v7_2//2), 1)']),  # replacement ?.? [] inductor ((('s', 1, 's'), torch.float32, device(type='cpu')), (('s', 's'), torch.float32, device(type='cpu')), (('s',), torch.float32, device(type='cpu')), (('s', 's'), torch.float32, device(type='cpu')), (('s', 's'), torch.float32, device(type='cpu')), (('s',), torch.float32, device(type='cpu')), ((1, 1, 's'), torch.float32, device(type='cpu')), ((1, 1, 's'), torch.float32, device(type='cpu')))
     '446fbb00eab38dfcf560d32241764480': ('specific', 'p42', 11, [[[0, 2], [1, 2]], [[0, 2], [2, 0]]]),  # specific ascend_passes.patterns.norm.add_rms_norm_default_eps_pattern [] none (((1, 1, 's'), torch.float32, device(type='cpu')), ((1, 1, 's'), torch.float32, device(type='cpu')), (('s',), torch.float32, device(type='cpu')))
-    '477c44c0e24bb16bea490dc4573bcb8b': ('specific', 'p484', 13, [[[0, 1], [1, 1]]]),  # specific ascend_passes.patterns.linear.linear_pattern [] inductor ((('s', 's'), torch.bfloat16, device(type='cpu')), (('s', 's'), torch.bfloat16, device(type='cpu')))
-    '4809a8a258503110cb26de9bd4272e68': ('replacement', 'g3', 11, [[[0, 2], [1, 2]], [[0, 2], [2, 0]], [[1, 2], [2, 0]]]),  # replacement ascend_passes.patterns.norm.add_rms_norm_default_eps_replacement [] inductor (((1, 1, 's'), torch.float32, device(type='cpu')), ((1, 1, 's'), torch.float32, device(type='cpu')), (('s',), torch.float32, device(type='cpu')))
+    '477c44c0e24bb16bea490dc4573bcb8b': ('specific', 'p484', 14, [[[0, 1], [1, 1]]]),  # specific ascend_passes.patterns.linear.linear_pattern [] inductor ((('s', 's'), torch.bfloat16, device(type='cpu')), (('s', 's'), torch.bfloat16, device(type='cpu')))
+    '4809a8a258503110cb26de9bd4272e68': ('replacement', 'g5', 11, [[[0, 2], [1, 2]], [[0, 2], [2, 0]], [[1, 2], [2, 0]]]),  # replacement ascend_passes.patterns.norm.add_rms_norm_default_eps_replacement [] inductor (((1, 1, 's'), torch.float32, device(type='cpu')), ((1, 1, 's'), torch.float32, device(type='cpu')), (('s',), torch.float32, device(type='cpu')))
     '4a45e3cf0257f93bd4c5dfe4d7496cf8': ('specific', 'p487', 11, [[[0, 3], [1, 0]]]),  # specific ascend_passes.patterns.norm._weighted_rms_norm.<locals>.rms_norm_pattern [] inductor (((1, 's', 's', 's'), torch.bfloat16, device(type='cpu')), (('s',), torch.bfloat16, device(type='cpu')), (<class 'float'>, 1e-06))
-    '4bec74e557fd41726cd7a7d5609052ab': ('specific', 'p488', 14, []),  # specific ascend_passes.patterns.norm.unweighted_rms_norm_pattern [] inductor (((1, 's', 's'), torch.float32, device(type='cpu')), ((), torch.float32, device(type='cpu')))
+    '4a67d13978d62a3b0ee7d433583f6831': ('replacement', 'g4', 15, ['Ne(w2_1, v2_3)', 'v2_3 < v0_3']),  # replacement ascend_passes.patterns.attention._flash.<locals>.attention [] inductor (((1, 's', 1, 's'), torch.bfloat16, device(type='cpu')), ((1, 's', 1, 's'), torch.bfloat16, device(type='cpu')), ((1, 's', 1, 's'), torch.bfloat16, device(type='cpu'), ('s', 's', 's', 1)), ((1, 1, 1, 1), torch.bfloat16, device(type='cpu')), (<class 'float'>, 0.4204482076268573))
+    '4bec74e557fd41726cd7a7d5609052ab': ('specific', 'p488', 16, []),  # specific ascend_passes.patterns.norm.unweighted_rms_norm_pattern [] inductor (((1, 's', 's'), torch.float32, device(type='cpu')), ((), torch.float32, device(type='cpu')))
     '4c59d0afeb2c2a4e86e81d2b35b96f43': ('specific', 'p480', 12, [[[0, 0], [1, 0]], [[0, 2], [1, 2]]]),  # specific ascend_passes.patterns.activation._silu_mul.<locals>.swiglu_pattern [] inductor ((('s', 1, 's'), torch.float32, device(type='cpu')), (('s', 1, 's'), torch.float32, device(type='cpu')))
-    '4dfd070793716ffba58b2c40ad040672': ('replacement', 'g2', 13, [[[0, 1], [1, 1]]]),  # replacement ascend_passes.patterns.linear.linear_replacement [] none ((('s', 's'), torch.float32, device(type='cpu')), (('s', 's'), torch.float32, device(type='cpu')))
+    '4cb2b6416f57d180574718d71efb2f88': ('replacement', 'g8', 13, [[[0, 2], [1, 1]], [[0, 2], [4, 1]], [[1, 0], [2, 0]], [[1, 0], [3, 1]], [[1, 1], [4, 1]], [[6, 2], [7, 2]], '((v3_0//4)) - 2*((v7_2//2)) >= 0', '((v7_2//2)) <= v7_2', '((v7_2//2)) >= 2', '4*((v3_0//4)) - 8*((v7_2//2)) >= 2', 'Eq(Max(1, ((v3_0//4)) - 2*((v7_2//2))), ((v3_0//4)) - 2*((v7_2//2)))', 'Eq(Mod(v3_0, 4), 0)', 'Eq(v4_0, v5_0 + 2*((v7_2//2)))', 'Eq(v6_2, v7_2) | Eq(v7_2, 1)', 'Ne(((v3_0//4)) - 2*((v7_2//2)), 0)', 'Ne(((v3_0//4)) - 2*((v7_2//2)), 1)']),  # replacement ?.? [] none (((1, 1, 's'), torch.bfloat16, device(type='cpu')), (('s', 's'), torch.bfloat16, device(type='cpu')), (('s',), torch.bfloat16, device(type='cpu')), (('s', 's'), torch.bfloat16, device(type='cpu')), (('s', 's'), torch.bfloat16, device(type='cpu')), (('s',), torch.bfloat16, device(type='cpu')), ((1, 1, 's'), torch.bfloat16, device(type='cpu')), ((1, 1, 's'), torch.bfloat16, device(type='cpu')))
+    '4dfd070793716ffba58b2c40ad040672': ('replacement', 'g3', 14, [[[0, 1], [1, 1]]]),  # replacement ascend_passes.patterns.linear.linear_replacement [] none ((('s', 's'), torch.float32, device(type='cpu')), (('s', 's'), torch.float32, device(type='cpu')))
     '4ee982e51b1cd834dc25b9ceb5653de5': ('specific', 'p481', 11, [[[0, 2], [1, 0]]]),  # specific ascend_passes.patterns.norm._weighted_rms_norm.<locals>.rms_norm_pattern [] none ((('s', 1, 's'), torch.float32, device(type='cpu')), (('s',), torch.float32, device(type='cpu')), (<class 'float'>, 1e-06))
-    '4f501b87c08b0f83018de6620baaf637': ('specific', 'p186', 13, [[[0, 1], [1, 1]]]),  # specific ascend_passes.patterns.linear.linear_pattern [] none ((('s', 's'), torch.bfloat16, device(type='cpu')), (('s', 's'), torch.bfloat16, device(type='cpu')))
+    '4f501b87c08b0f83018de6620baaf637': ('specific', 'p186', 14, [[[0, 1], [1, 1]]]),  # specific ascend_passes.patterns.linear.linear_pattern [] none ((('s', 's'), torch.bfloat16, device(type='cpu')), (('s', 's'), torch.bfloat16, device(type='cpu')))
     '51fed061ddbd2c3504c13d22d7fa5bfb': ('replacement', 'g0', 11, [[[0, 2], [1, 0]]]),  # replacement ascend_passes.patterns.norm.rms_norm_replacement [] none (((1, 1, 's'), torch.bfloat16, device(type='cpu')), (('s',), torch.bfloat16, device(type='cpu')), (<class 'float'>, 1e-06))
+    '5203de1e464a87371388f79554ec575f': ('replacement', 'g4', 15, ['Ne(w2_1, v2_3)', 'v2_3 < v0_3']),  # replacement ascend_passes.patterns.attention._flash.<locals>.attention [] inductor (((1, 's', 1, 's'), torch.float32, device(type='cpu')), ((1, 's', 1, 's'), torch.float32, device(type='cpu')), ((1, 's', 1, 's'), torch.float32, device(type='cpu'), ('s', 's', 's', 1)), ((1, 1, 1, 1), torch.float32, device(type='cpu')), (<class 'float'>, 0.4204482076268573))
     '5296d79a57d3ffcfcaee0d9a4e6b7130': ('specific', 'p42', 11, [[[0, 2], [1, 2]], [[0, 2], [2, 0]]]),  # specific ascend_passes.patterns.norm.add_rms_norm_default_eps_pattern [] inductor (((1, 1, 's'), torch.bfloat16, device(type='cpu')), ((1, 1, 's'), torch.bfloat16, device(type='cpu')), (('s',), torch.bfloat16, device(type='cpu')))
     '52f33188a6526399aa3360cbf4265db3': ('replacement', 'g0', 11, [[[0, 2], [1, 0]]]),  # replacement ascend_passes.patterns.norm.rms_norm_replacement [] inductor ((('s', 1, 's'), torch.bfloat16, device(type='cpu')), (('s',), torch.bfloat16, device(type='cpu')), (<class 'float'>, 1e-06))
     '55333b9a274c6c3e3a63896f923adb98': ('replacement', 'g0', 11, [[[0, 3], [1, 0]]]),  # replacement ascend_passes.patterns.norm.rms_norm_replacement [] none (((1, 's', 's', 's'), torch.bfloat16, device(type='cpu')), (('s',), torch.bfloat16, device(type='cpu')), (<class 'float'>, 1e-06))
-    '57607522ad1e8e6ce0efe5cb0584931e': ('replacement', 'g4', 15, ['v0_1 >= 4']),  # replacement ?.? [] inductor ((('s', 's'), torch.float32, device(type='cpu')),)
+    '56c920273286570200e0fbafb8c272da': ('replacement', 'g2', 13, [[[0, 2], [1, 1]], [[0, 2], [4, 1]], [[1, 0], [2, 0]], [[1, 0], [3, 1]], [[1, 1], [4, 1]], [[6, 2], [7, 2]], '((v3_0//4)) - 2*((v7_2//2)) >= 0', '((v7_2//2)) <= v7_2', '((v7_2//2)) >= 2', '4*((v3_0//4)) - 8*((v7_2//2)) >= 2', 'Eq(Max(1, ((v3_0//4)) - 2*((v7_2//2))), ((v3_0//4)) - 2*((v7_2//2)))', 'Eq(Mod(v3_0, 4), 0)', 'Eq(v4_0, v5_0 + 2*((v7_2//2)))', 'Eq(v6_2, v7_2) | Eq(v7_2, 1)', 'Ne(((v3_0//4)) - 2*((v7_2//2)), 0)', 'Ne(((v3_0//4)) - 2*((v7_2//2)), 1)']),  # replacement ?.? [] inductor (((1, 1, 's'), torch.bfloat16, device(type='cpu')), (('s', 's'), torch.bfloat16, device(type='cpu')), (('s',), torch.bfloat16, device(type='cpu')), (('s', 's'), torch.bfloat16, device(type='cpu')), (('s', 's'), torch.bfloat16, device(type='cpu')), (('s',), torch.bfloat16, device(type='cpu')), ((1, 1, 's'), torch.bfloat16, device(type='cpu')), ((1, 1, 's'), torch.bfloat16, device(type='cpu')))
+    '57607522ad1e8e6ce0efe5cb0584931e': ('replacement', 'g9', 17, ['v0_1 >= 4']),  # replacement ?.? [] inductor ((('s', 's'), torch.float32, device(type='cpu')),)
     '584c55fa2ea61b5c60cab22dfa945216': ('specific', 'p487', 11, [[[0, 3], [1, 0]]]),  # specific ascend_passes.patterns.norm._weighted_rms_norm.<locals>.rms_norm_pattern [] inductor ((('s', 1, 's', 's'), torch.bfloat16, device(type='cpu')), (('s',), torch.bfloat16, device(type='cpu')), (<class 'float'>, 1e-06))
     '585178ef5c5ba68ca5a801099e91187e': ('specific', 'p487', 11, [[[0, -2], [0, -1]], [[0, 2], [1, 0]], 'Eq(Mod(w0_0, w0_1), 0)', 'Ne(w0_0, v0_2)', 'Ne(w0_1, v0_2)', 'w0_1 >= w0_0']),  # specific ascend_passes.patterns.norm._weighted_rms_norm.<locals>.rms_norm_pattern [] inductor ((('s', 1, 's'), torch.bfloat16, device(type='cpu'), ('s', 's', 1)), (('s',), torch.bfloat16, device(type='cpu')), (<class 'float'>, 1e-06))
-    '5b73263f35e43457ed2c77974f5fafcd': ('specific', 'p488', 14, []),  # specific ascend_passes.patterns.norm.unweighted_rms_norm_pattern [] inductor (((1, 's', 's', 's'), torch.float32, device(type='cpu')), ((), torch.float32, device(type='cpu')))
-    '5b8ff1e37ea8c2d9f43147da9b115b5d': ('replacement', 'g3', 11, [[[0, 0], [1, 0]], [[0, 2], [1, 2]], [[0, 2], [2, 0]], [[1, 2], [2, 0]]]),  # replacement ascend_passes.patterns.norm.add_rms_norm_default_eps_replacement [] inductor ((('s', 1, 's'), torch.float32, device(type='cpu')), (('s', 1, 's'), torch.float32, device(type='cpu')), (('s',), torch.float32, device(type='cpu')))
+    '5a745ce683dd032176d3fe9fae639d8b': ('replacement', 'g4', 15, ['Ne(w2_1, v2_3)', 'v2_3 < v0_3']),  # replacement ascend_passes.patterns.attention._flash.<locals>.attention [] none (((1, 's', 1, 's'), torch.bfloat16, device(type='cpu')), ((1, 's', 1, 's'), torch.bfloat16, device(type='cpu')), ((1, 's', 1, 's'), torch.bfloat16, device(type='cpu'), ('s', 's', 's', 1)), ((1, 1, 1, 1), torch.bfloat16, device(type='cpu')), (<class 'float'>, 0.4204482076268573))
+    '5b73263f35e43457ed2c77974f5fafcd': ('specific', 'p488', 16, []),  # specific ascend_passes.patterns.norm.unweighted_rms_norm_pattern [] inductor (((1, 's', 's', 's'), torch.float32, device(type='cpu')), ((), torch.float32, device(type='cpu')))
+    '5b8ff1e37ea8c2d9f43147da9b115b5d': ('replacement', 'g5', 11, [[[0, 0], [1, 0]], [[0, 2], [1, 2]], [[0, 2], [2, 0]], [[1, 2], [2, 0]]]),  # replacement ascend_passes.patterns.norm.add_rms_norm_default_eps_replacement [] inductor ((('s', 1, 's'), torch.float32, device(type='cpu')), (('s', 1, 's'), torch.float32, device(type='cpu')), (('s',), torch.float32, device(type='cpu')))
     '5cd4ad7faebc46f96687ee297ac3bc2d': ('specific', 'p481', 11, [[[0, 2], [1, 0]], 'Ne(w0_1, v0_2)', 'Ne(w0_1, w0_0)', 'w0_0 >= w0_1']),  # specific ascend_passes.patterns.norm._weighted_rms_norm.<locals>.rms_norm_pattern [] none (((1, 's', 's'), torch.float32, device(type='cpu'), ('s', 's', 1)), (('s',), torch.float32, device(type='cpu')), (<class 'float'>, 1e-06))
     '5d7954de160d2b3c7f3748f1fc4c8675': ('replacement', 'g0', 11, [[[0, 2], [1, 0]]]),  # replacement ascend_passes.patterns.norm.rms_norm_replacement [] none ((('s', 1, 's'), torch.float32, device(type='cpu')), (('s',), torch.float32, device(type='cpu')), (<class 'float'>, 1e-06))
     '5de1d5d52bf60b95d9fc55f4c2200a66': ('specific', 'p42', 11, [[[0, 1], [1, 1]], [[0, 2], [1, 2]], [[0, 2], [2, 0]]]),  # specific ascend_passes.patterns.norm.add_rms_norm_default_eps_pattern [] none (((1, 's', 's'), torch.bfloat16, device(type='cpu')), ((1, 's', 's'), torch.bfloat16, device(type='cpu')), (('s',), torch.bfloat16, device(type='cpu')))
     '5e5f0dd2dea6566be50d7bc0157952b1': ('specific', 'p479', 11, [[[0, 2], [1, 0]], 'Ne(w0_1, v0_2)', 'w0_1 < w0_0']),  # specific ascend_passes.patterns.norm._weighted_rms_norm.<locals>.rms_norm_pattern [] none (((1, 's', 's'), torch.bfloat16, device(type='cpu'), ('s', 's', 1)), (('s',), torch.bfloat16, device(type='cpu')), (<class 'float'>, 1e-06))
     '5ef1142634e23b01fa735f1b3a872bb6': ('replacement', 'g1', 12, [[[0, 2], [1, 2]]]),  # replacement ascend_passes.patterns.activation._cat_swiglu.<locals>.swiglu_replacement [] inductor (((1, 1, 's'), torch.float32, device(type='cpu')), ((1, 1, 's'), torch.float32, device(type='cpu')))
-    '5f0258f518d64fcce8f1e3f8edc16c6a': ('specific', 'p186', 13, [[[0, 1], [1, 1]]]),  # specific ascend_passes.patterns.linear.linear_pattern [] none ((('s', 's'), torch.float32, device(type='cpu')), (('s', 's'), torch.float32, device(type='cpu')))
+    '5f0258f518d64fcce8f1e3f8edc16c6a': ('specific', 'p186', 14, [[[0, 1], [1, 1]]]),  # specific ascend_passes.patterns.linear.linear_pattern [] none ((('s', 's'), torch.float32, device(type='cpu')), (('s', 's'), torch.float32, device(type='cpu')))
     '60ed9f06477f4294599fafe11c4a75b8': ('specific', 'p487', 11, [[[0, 2], [1, 0]]]),  # specific ascend_passes.patterns.norm._weighted_rms_norm.<locals>.rms_norm_pattern [] inductor ((('s', 1, 's'), torch.bfloat16, device(type='cpu')), (('s',), torch.bfloat16, device(type='cpu')), (<class 'float'>, 1e-06))
-    '6202c6741e2d34ea4f626f4e4d908159': ('specific', 'p484', 13, [[[0, 1], [1, 1]]]),  # specific ascend_passes.patterns.linear.linear_pattern [] inductor ((('s', 's'), torch.float32, device(type='cpu')), (('s', 's'), torch.float32, device(type='cpu')))
+    '6202c6741e2d34ea4f626f4e4d908159': ('specific', 'p484', 14, [[[0, 1], [1, 1]]]),  # specific ascend_passes.patterns.linear.linear_pattern [] inductor ((('s', 's'), torch.float32, device(type='cpu')), (('s', 's'), torch.float32, device(type='cpu')))
     '62b524fa591bf95abe35e635a6ae1b5c': ('replacement', 'g0', 11, [[[0, 2], [1, 0]]]),  # replacement ascend_passes.patterns.norm.rms_norm_replacement [] none ((('s', 1, 's'), torch.bfloat16, device(type='cpu')), (('s',), torch.bfloat16, device(type='cpu')), (<class 'float'>, 1e-06))
     '64554d9c1699a0ed1c0f23bc4c2e7fbf': ('replacement', 'g1', 12, [[[0, 2], [1, 2]]]),  # replacement ascend_passes.patterns.activation._cat_swiglu.<locals>.swiglu_replacement [] none (((1, 1, 's'), torch.float32, device(type='cpu')), ((1, 1, 's'), torch.float32, device(type='cpu')))
     '6a9d49c606dee1970f3f2e906497f700': ('replacement', 'g1', 12, [[[0, 0], [1, 0]], [[0, 2], [1, 2]]]),  # replacement ascend_passes.patterns.activation._cat_swiglu.<locals>.swiglu_replacement [] inductor ((('s', 1, 's'), torch.bfloat16, device(type='cpu')), (('s', 1, 's'), torch.bfloat16, device(type='cpu')))
+    '6b1e77f0800819dda6f3f652251f1481': ('replacement', 'g4', 15, ['Ne(w2_1, v2_3)', 'v2_3 < v0_3']),  # replacement ascend_passes.patterns.attention._flash.<locals>.attention [] none (((1, 's', 1, 's'), torch.float32, device(type='cpu')), ((1, 's', 1, 's'), torch.float32, device(type='cpu')), ((1, 's', 1, 's'), torch.float32, device(type='cpu'), ('s', 's', 's', 1)), ((1, 1, 1, 1), torch.float32, device(type='cpu')), (<class 'float'>, 0.4204482076268573))
     '6f0fdfd40c5f6994c93e65ea22c9248c': ('replacement', 'g0', 11, [[[0, 3], [1, 0]]]),  # replacement ascend_passes.patterns.norm.rms_norm_replacement [] inductor ((('s', 1, 's', 's'), torch.bfloat16, device(type='cpu')), (('s',), torch.bfloat16, device(type='cpu')), (<class 'float'>, 1e-06))
-    '7128bfa22fbf400dffa334870b349855': ('replacement', 'g2', 13, [[[0, 1], [1, 1]]]),  # replacement ascend_passes.patterns.linear.linear_replacement [] inductor (((1, 's'), torch.float32, device(type='cpu')), (('s', 's'), torch.float32, device(type='cpu')))
+    '6fbac4d1fa5f3283428a35eae5ab9cdb': ('replacement', 'g10', 13, [[[0, 1], [6, 1]], [[0, 2], [1, 1]], [[0, 2], [4, 1]], [[1, 0], [2, 0]], [[1, 0], [3, 1]], [[1, 1], [4, 1]], [[6, 1], [7, 1]], [[6, 2], [7, 2]], '((v3_0//4)) - 2*((v7_2//2)) >= 0', '((v7_2//2)) <= v7_2', '4*v6_1*(((v3_0//4)) - 2*((v7_2//2))) >= 2', 'Eq(Max(1, ((v3_0//4)) - 2*((v7_2//2))), ((v3_0//4)) - 2*((v7_2//2)))', 'Eq(Mod(v3_0, 4), 0)', 'Eq(v0_1, v6_1) | Eq(v6_1, 1)', 'Eq(v4_0, v5_0 + 2*((v7_2//2)))', 'Eq(v6_1, v7_1) | Eq(v7_1, 1)', 'Eq(v6_2, v7_2) | Eq(v7_2, 1)', 'Ne(((v3_0//4)) - 2*((v7_2//2)), 0)', 'Ne(((v3_0//4)) - 2*((v7_2//2)), 1)', 'Ne((v7_2//2), 1)', 'Ne(4*Max(1, ((v3_0//4)) - 2*((v7_2//2))), ((v3_0//4)) - 2*((v7_2//2)))', 'Ne(Max(1, ((v3_0//4)) - 2*((v7_2//2))), 1)', 'Ne(v7_2, (v7_2//2))', 'Ne(v7_2, Max(1, (v7_2//2)))']),  # replacement ?.? [] none (((1, 's', 's'), torch.float32, device(type='cpu')), (('s', 's'), torch.float32, device(type='cpu')), (('s',), torch.float32, device(type='cpu')), (('s', 's'), torch.float32, device(type='cpu')), (('s', 's'), torch.float32, device(type='cpu')), (('s',), torch.float32, device(type='cpu')), ((1, 's', 's'), torch.float32, device(type='cpu')), ((1, 's', 's'), torch.float32, device(type='cpu')))
+    '70ab1c3a228041cf1ddc36fe882b1432': ('replacement', 'g4', 15, ['Ne(w2_1, v2_3)', 'v2_3 < v0_3']),  # replacement ascend_passes.patterns.attention._flash.<locals>.attention [] inductor ((('s', 's', 1, 's'), torch.float32, device(type='cpu')), (('s', 's', 1, 's'), torch.float32, device(type='cpu')), (('s', 's', 1, 's'), torch.float32, device(type='cpu'), ('s', 's', 's', 1)), (('s', 1, 1, 1), torch.float32, device(type='cpu')), (<class 'float'>, 0.4204482076268573))
+    '7128bfa22fbf400dffa334870b349855': ('replacement', 'g3', 14, [[[0, 1], [1, 1]]]),  # replacement ascend_passes.patterns.linear.linear_replacement [] inductor (((1, 's'), torch.float32, device(type='cpu')), (('s', 's'), torch.float32, device(type='cpu')))
+    '74bbcc6aa8be86d6e48a989ebcb766a8': ('replacement', 'g4', 15, ['Ne(w2_2, v2_3)', 'v2_3 < v0_3']),  # replacement ascend_passes.patterns.attention._flash.<locals>.attention [] none (((1, 's', 's', 's'), torch.float32, device(type='cpu')), ((1, 's', 's', 's'), torch.float32, device(type='cpu')), ((1, 's', 's', 's'), torch.float32, device(type='cpu'), ('s', 's', 's', 1)), ((1, 1, 's', 's'), torch.float32, device(type='cpu')), (<class 'float'>, 0.4204482076268573))
+    '74eac6a47ae0e233655b9eb78bf7bc45': ('replacement', 'g4', 15, ['Ne(w2_2, v2_3)', 'v2_3 < v0_3']),  # replacement ascend_passes.patterns.attention._flash.<locals>.attention [] inductor (((1, 's', 's', 's'), torch.float32, device(type='cpu')), ((1, 's', 's', 's'), torch.float32, device(type='cpu')), ((1, 's', 's', 's'), torch.float32, device(type='cpu'), ('s', 's', 's', 1)), ((1, 1, 's', 's'), torch.float32, device(type='cpu')), (<class 'float'>, 0.4204482076268573))
     '7a382b804606169f7b3c78f8906c0efc': ('replacement', 'g0', 11, [[[0, 2], [1, 0]]]),  # replacement ascend_passes.patterns.norm.rms_norm_replacement [] inductor (((1, 's', 's'), torch.bfloat16, device(type='cpu')), (('s',), torch.bfloat16, device(type='cpu')), (<class 'float'>, 1e-06))
-    '7b458a9376a2b5f4dedfa120611bcf18': ('specific', 'p489', 14, []),  # specific ascend_passes.patterns.norm.unweighted_rms_norm_pattern [] none (((1, 's', 's', 's'), torch.bfloat16, device(type='cpu')), ((), torch.float32, device(type='cpu')))
+    '7b458a9376a2b5f4dedfa120611bcf18': ('specific', 'p489', 16, []),  # specific ascend_passes.patterns.norm.unweighted_rms_norm_pattern [] none (((1, 's', 's', 's'), torch.bfloat16, device(type='cpu')), ((), torch.float32, device(type='cpu')))
     '7b987ae6d0602e55ebab2def05352229': ('specific', 'p481', 11, [[[0, -2], [0, -1]], [[0, 2], [1, 0]], 'Ne(w0_0, v0_2)', 'Ne(w0_1, v0_2)']),  # specific ascend_passes.patterns.norm._weighted_rms_norm.<locals>.rms_norm_pattern [] inductor ((('s', 1, 's'), torch.float32, device(type='cpu'), ('s', 's', 1)), (('s',), torch.float32, device(type='cpu')), (<class 'float'>, 1e-06))
     '7d11ed3b0f9ad0090f03a29e119302ac': ('replacement', 'g1', 12, [[[0, 1], [1, 1]], [[0, 2], [1, 2]]]),  # replacement ascend_passes.patterns.activation._cat_swiglu.<locals>.swiglu_replacement [] none (((1, 's', 's'), torch.float32, device(type='cpu')), ((1, 's', 's'), torch.float32, device(type='cpu')))
-    '7dec623a2f3f7b27efc1737c53048cb7': ('replacement', 'g5', 15, [[[0, 1], [1, 0]], '2*((v1_0//4)) >= 4', 'Eq(Mod(v1_0, 4), 0)']),  # replacement ?.? [] none ((('s', 's'), torch.float32, device(type='cpu')), (('s',), torch.float32, device(type='cpu')), ((), torch.float32, device(type='cpu')))
+    '7dec623a2f3f7b27efc1737c53048cb7': ('replacement', 'g11', 17, [[[0, 1], [1, 0]], '2*((v1_0//4)) >= 4', 'Eq(Mod(v1_0, 4), 0)']),  # replacement ?.? [] none ((('s', 's'), torch.float32, device(type='cpu')), (('s',), torch.float32, device(type='cpu')), ((), torch.float32, device(type='cpu')))
     '7f32fef7d53db48cfb8c0524917b8a75': ('specific', 'p42', 11, [[[0, 0], [1, 0]], [[0, 2], [1, 2]], [[0, 2], [2, 0]]]),  # specific ascend_passes.patterns.norm.add_rms_norm_default_eps_pattern [] inductor ((('s', 1, 's'), torch.float32, device(type='cpu')), (('s', 1, 's'), torch.float32, device(type='cpu')), (('s',), torch.float32, device(type='cpu')))
     '7f6bee847847c67511939696a3747ae7': ('specific', 'p42', 11, [[[0, 0], [1, 0]], [[0, 2], [1, 2]], [[0, 2], [2, 0]]]),  # specific ascend_passes.patterns.norm.add_rms_norm_default_eps_pattern [] inductor ((('s', 1, 's'), torch.bfloat16, device(type='cpu')), (('s', 1, 's'), torch.bfloat16, device(type='cpu')), (('s',), torch.bfloat16, device(type='cpu')))
     '7f8f3ea4b4e3e436f068f0551840a91a': ('specific', 'p479', 11, [[[0, 3], [1, 0]]]),  # specific ascend_passes.patterns.norm._weighted_rms_norm.<locals>.rms_norm_pattern [] none ((('s', 1, 's', 's'), torch.bfloat16, device(type='cpu')), (('s',), torch.bfloat16, device(type='cpu')), (<class 'float'>, 1e-06))
+    '80593adee780ee823b7458f0ff2c8545': ('replacement', 'g10', 13, [[[0, 1], [6, 1]], [[0, 2], [1, 1]], [[0, 2], [4, 1]], [[1, 0], [2, 0]], [[1, 0], [3, 1]], [[1, 1], [4, 1]], [[6, 1], [7, 1]], [[6, 2], [7, 2]], '((v3_0//4)) - 2*((v7_2//2)) >= 0', '((v7_2//2)) <= v7_2', '4*v6_1*(((v3_0//4)) - 2*((v7_2//2))) >= 2', 'Eq(Max(1, ((v3_0//4)) - 2*((v7_2//2))), ((v3_0//4)) - 2*((v7_2//2)))', 'Eq(Mod(v3_0, 4), 0)', 'Eq(v0_1, v6_1) | Eq(v6_1, 1)', 'Eq(v4_0, v5_0 + 2*((v7_2//2)))', 'Eq(v6_1, v7_1) | Eq(v7_1, 1)', 'Eq(v6_2, v7_2) | Eq(v7_2, 1)', 'Ne(((v3_0//4)) - 2*((v7_2//2)), 0)', 'Ne(((v3_0//4)) - 2*((v7_2//2)), 1)', 'Ne((v7_2//2), 1)', 'Ne(4*Max(1, ((v3_0//4)) - 2*((v7_2//2))), ((v3_0//4)) - 2*((v7_2//2)))', 'Ne(Max(1, ((v3_0//4)) - 2*((v7_2//2))), 1)', 'Ne(v7_2, (v7_2//2))', 'Ne(v7_2, Max(1, (v7_2//2)))']),  # replacement ?.? [] none (((1, 's', 's'), torch.bfloat16, device(type='cpu')), (('s', 's'), torch.bfloat16, device(type='cpu')), (('s',), torch.bfloat16, device(type='cpu')), (('s', 's'), torch.bfloat16, device(type='cpu')), (('s', 's'), torch.bfloat16, device(type='cpu')), (('s',), torch.bfloat16, device(type='cpu')), ((1, 's', 's'), torch.bfloat16, device(type='cpu')), ((1, 's', 's'), torch.bfloat16, device(type='cpu')))
     '82faa7020715e1d90ea9749cec5e4f1d': ('specific', 'p42', 11, [[[0, 2], [1, 2]], [[0, 2], [2, 0]]]),  # specific ascend_passes.patterns.norm.add_rms_norm_default_eps_pattern [] inductor (((1, 1, 's'), torch.float32, device(type='cpu')), ((1, 1, 's'), torch.float32, device(type='cpu')), (('s',), torch.float32, device(type='cpu')))
-    '83c18e492661dc6328a8c01ae7e5c067': ('replacement', 'g3', 11, [[[0, 0], [1, 0]], [[0, 2], [1, 2]], [[0, 2], [2, 0]], [[1, 2], [2, 0]]]),  # replacement ascend_passes.patterns.norm.add_rms_norm_default_eps_replacement [] inductor ((('s', 1, 's'), torch.bfloat16, device(type='cpu')), (('s', 1, 's'), torch.bfloat16, device(type='cpu')), (('s',), torch.bfloat16, device(type='cpu')))
-    '86464e723e1affc55e7e7740c225c243': ('replacement', 'g3', 11, [[[0, 0], [1, 0]], [[0, 2], [1, 2]], [[0, 2], [2, 0]], [[1, 2], [2, 0]]]),  # replacement ascend_passes.patterns.norm.add_rms_norm_default_eps_replacement [] none ((('s', 1, 's'), torch.bfloat16, device(type='cpu')), (('s', 1, 's'), torch.bfloat16, device(type='cpu')), (('s',), torch.bfloat16, device(type='cpu')))
-    '870d69d731aaa51361fa7a05c33d065f': ('replacement', 'g2', 13, [[[0, 1], [1, 1]]]),  # replacement ascend_passes.patterns.linear.linear_replacement [] none (((1, 's'), torch.float32, device(type='cpu')), (('s', 's'), torch.float32, device(type='cpu')))
-    '8898ff575764403cbbafaf4343388bdb': ('replacement', 'g3', 11, [[[0, 2], [1, 2]], [[0, 2], [2, 0]], [[1, 2], [2, 0]]]),  # replacement ascend_passes.patterns.norm.add_rms_norm_default_eps_replacement [] none (((1, 1, 's'), torch.float32, device(type='cpu')), ((1, 1, 's'), torch.float32, device(type='cpu')), (('s',), torch.float32, device(type='cpu')))
+    '83c18e492661dc6328a8c01ae7e5c067': ('replacement', 'g5', 11, [[[0, 0], [1, 0]], [[0, 2], [1, 2]], [[0, 2], [2, 0]], [[1, 2], [2, 0]]]),  # replacement ascend_passes.patterns.norm.add_rms_norm_default_eps_replacement [] inductor ((('s', 1, 's'), torch.bfloat16, device(type='cpu')), (('s', 1, 's'), torch.bfloat16, device(type='cpu')), (('s',), torch.bfloat16, device(type='cpu')))
+    '86464e723e1affc55e7e7740c225c243': ('replacement', 'g5', 11, [[[0, 0], [1, 0]], [[0, 2], [1, 2]], [[0, 2], [2, 0]], [[1, 2], [2, 0]]]),  # replacement ascend_passes.patterns.norm.add_rms_norm_default_eps_replacement [] none ((('s', 1, 's'), torch.bfloat16, device(type='cpu')), (('s', 1, 's'), torch.bfloat16, device(type='cpu')), (('s',), torch.bfloat16, device(type='cpu')))
+    '870d69d731aaa51361fa7a05c33d065f': ('replacement', 'g3', 14, [[[0, 1], [1, 1]]]),  # replacement ascend_passes.patterns.linear.linear_replacement [] none (((1, 's'), torch.float32, device(type='cpu')), (('s', 's'), torch.float32, device(type='cpu')))
+    '8898ff575764403cbbafaf4343388bdb': ('replacement', 'g5', 11, [[[0, 2], [1, 2]], [[0, 2], [2, 0]], [[1, 2], [2, 0]]]),  # replacement ascend_passes.patterns.norm.add_rms_norm_default_eps_replacement [] none (((1, 1, 's'), torch.float32, device(type='cpu')), ((1, 1, 's'), torch.float32, device(type='cpu')), (('s',), torch.float32, device(type='cpu')))
     '89f71fc90513be0a10093761eba124d2': ('specific', 'p221', 12, [[[0, 0], [1, 0]], [[0, 2], [1, 2]]]),  # specific ascend_passes.patterns.activation._silu_mul.<locals>.swiglu_pattern [] none ((('s', 1, 's'), torch.bfloat16, device(type='cpu')), (('s', 1, 's'), torch.bfloat16, device(type='cpu')))
     '8a4a1514605884786acb040d840c867f': ('replacement', 'g0', 11, [[[0, 3], [1, 0]]]),  # replacement ascend_passes.patterns.norm.rms_norm_replacement [] none (((1, 1, 's', 's'), torch.float32, device(type='cpu')), (('s',), torch.float32, device(type='cpu')), (<class 'float'>, 1e-06))
-    '8a507147ff1cde6479037f3154241f91': ('specific', 'p489', 14, []),  # specific ascend_passes.patterns.norm.unweighted_rms_norm_pattern [] none (((1, 's', 's'), torch.bfloat16, device(type='cpu')), ((), torch.float32, device(type='cpu')))
+    '8a507147ff1cde6479037f3154241f91': ('specific', 'p489', 16, []),  # specific ascend_passes.patterns.norm.unweighted_rms_norm_pattern [] none (((1, 's', 's'), torch.bfloat16, device(type='cpu')), ((), torch.float32, device(type='cpu')))
     '9227b5dc0f7e653f9695e5073ab32ae3': ('replacement', 'g0', 11, [[[0, 2], [1, 0]]]),  # replacement ascend_passes.patterns.norm.rms_norm_replacement [] none (((1, 's', 's'), torch.float32, device(type='cpu')), (('s',), torch.float32, device(type='cpu')), (<class 'float'>, 1e-06))
-    '95b57c0f92f61f155f3794856e786f1e': ('replacement', 'g3', 11, [[[0, 1], [1, 1]], [[0, 2], [1, 2]], [[0, 2], [2, 0]], [[1, 2], [2, 0]]]),  # replacement ascend_passes.patterns.norm.add_rms_norm_default_eps_replacement [] none (((1, 's', 's'), torch.float32, device(type='cpu')), ((1, 's', 's'), torch.float32, device(type='cpu')), (('s',), torch.float32, device(type='cpu')))
+    '95b57c0f92f61f155f3794856e786f1e': ('replacement', 'g5', 11, [[[0, 1], [1, 1]], [[0, 2], [1, 2]], [[0, 2], [2, 0]], [[1, 2], [2, 0]]]),  # replacement ascend_passes.patterns.norm.add_rms_norm_default_eps_replacement [] none (((1, 's', 's'), torch.float32, device(type='cpu')), ((1, 's', 's'), torch.float32, device(type='cpu')), (('s',), torch.float32, device(type='cpu')))
     '96444f8530204e6e99b334fd508bdc18': ('replacement', 'g0', 11, [[[0, 3], [1, 0]]]),  # replacement ascend_passes.patterns.norm.rms_norm_replacement [] none ((('s', 1, 's', 's'), torch.bfloat16, device(type='cpu')), (('s',), torch.bfloat16, device(type='cpu')), (<class 'float'>, 1e-06))
-    '98361148dc769c4e550c9c132f4a1700': ('replacement', 'g6', 15, ['v0_1 >= 4']),  # replacement ?.? [] none ((('s', 's'), torch.float32, device(type='cpu')),)
-    '99a96877148cb6bf3bb174d3c2a936fd': ('replacement', 'g4', 15, ['v0_1 >= 4']),  # replacement ?.? [] inductor ((('s', 's'), torch.bfloat16, device(type='cpu')),)
+    '98361148dc769c4e550c9c132f4a1700': ('replacement', 'g12', 17, ['v0_1 >= 4']),  # replacement ?.? [] none ((('s', 's'), torch.float32, device(type='cpu')),)
+    '99a96877148cb6bf3bb174d3c2a936fd': ('replacement', 'g9', 17, ['v0_1 >= 4']),  # replacement ?.? [] inductor ((('s', 's'), torch.bfloat16, device(type='cpu')),)
     '9e2ede54735b05285f005e16fa5d3b16': ('replacement', 'g0', 11, [[[0, -2], [0, -1]], [[0, 2], [1, 0]], 'Ne(w0_0, v0_2)']),  # replacement ascend_passes.patterns.norm.rms_norm_replacement [] inductor ((('s', 1, 's'), torch.bfloat16, device(type='cpu'), ('s', 's', 1)), (('s',), torch.bfloat16, device(type='cpu')), (<class 'float'>, 1e-06))
     '9e52bc8a75efe20f794d76bade63adc3': ('specific', 'p487', 11, [[[0, 2], [1, 0]]]),  # specific ascend_passes.patterns.norm._weighted_rms_norm.<locals>.rms_norm_pattern [] inductor (((1, 1, 's'), torch.bfloat16, device(type='cpu')), (('s',), torch.bfloat16, device(type='cpu')), (<class 'float'>, 1e-06))
+    '9e94a31c9a3166f8e949bd44aadaaad6': ('replacement', 'g4', 15, ['Ne(w2_2, v2_3)', 'v2_3 < v0_3']),  # replacement ascend_passes.patterns.attention._flash.<locals>.attention [] inductor (((1, 's', 's', 's'), torch.bfloat16, device(type='cpu')), ((1, 's', 's', 's'), torch.bfloat16, device(type='cpu')), ((1, 's', 's', 's'), torch.bfloat16, device(type='cpu'), ('s', 's', 's', 1)), ((1, 1, 's', 's'), torch.bfloat16, device(type='cpu')), (<class 'float'>, 0.4204482076268573))
     'a0b1c50b157e4554bc44f3cf1a2a090d': ('specific', 'p481', 11, [[[0, 3], [1, 0]]]),  # specific ascend_passes.patterns.norm._weighted_rms_norm.<locals>.rms_norm_pattern [] inductor (((1, 's', 's', 's'), torch.float32, device(type='cpu')), (('s',), torch.float32, device(type='cpu')), (<class 'float'>, 1e-06))
     'a17997e21306113f677fd72a81093755': ('replacement', 'g0', 11, [[[0, -2], [0, -1]], [[0, 2], [1, 0]], 'Ne(w0_0, v0_2)']),  # replacement ascend_passes.patterns.norm.rms_norm_replacement [] none ((('s', 1, 's'), torch.float32, device(type='cpu'), ('s', 's', 1)), (('s',), torch.float32, device(type='cpu')), (<class 'float'>, 1e-06))
     'a5485b4a2605210df4d88af7066adbb2': ('specific', 'p481', 11, [[[0, 2], [1, 0]]]),  # specific ascend_passes.patterns.norm._weighted_rms_norm.<locals>.rms_norm_pattern [] inductor (((1, 's', 's'), torch.float32, device(type='cpu')), (('s',), torch.float32, device(type='cpu')), (<class 'float'>, 1e-06))
     'a616bd477b5d2533a6437936501b15ae': ('replacement', 'g0', 11, [[[0, 2], [1, 0]], 'Ne(w0_1, v0_2)', 'Ne(w0_1, w0_0)', 'w0_0 >= w0_1']),  # replacement ascend_passes.patterns.norm.rms_norm_replacement [] none (((1, 's', 's'), torch.float32, device(type='cpu'), ('s', 's', 1)), (('s',), torch.float32, device(type='cpu')), (<class 'float'>, 1e-06))
     'a91c17949c8fcef30c1b79af09e8fe67': ('specific', 'p481', 11, [[[0, 2], [1, 0]]]),  # specific ascend_passes.patterns.norm._weighted_rms_norm.<locals>.rms_norm_pattern [] none (((1, 1, 's'), torch.float32, device(type='cpu')), (('s',), torch.float32, device(type='cpu')), (<class 'float'>, 1e-06))
+    'aa4296c13d5128e90d5f49dd40e080fe': ('replacement', 'g8', 13, [[[0, 2], [1, 1]], [[0, 2], [4, 1]], [[1, 0], [2, 0]], [[1, 0], [3, 1]], [[1, 1], [4, 1]], [[6, 2], [7, 2]], '((v3_0//4)) - 2*((v7_2//2)) >= 0', '((v7_2//2)) <= v7_2', '((v7_2//2)) >= 2', '4*((v3_0//4)) - 8*((v7_2//2)) >= 2', 'Eq(Max(1, ((v3_0//4)) - 2*((v7_2//2))), ((v3_0//4)) - 2*((v7_2//2)))', 'Eq(Mod(v3_0, 4), 0)', 'Eq(v4_0, v5_0 + 2*((v7_2//2)))', 'Eq(v6_2, v7_2) | Eq(v7_2, 1)', 'Ne(((v3_0//4)) - 2*((v7_2//2)), 0)', 'Ne(((v3_0//4)) - 2*((v7_2//2)), 1)']),  # replacement ?.? [] none (((1, 1, 's'), torch.float32, device(type='cpu')), (('s', 's'), torch.float32, device(type='cpu')), (('s',), torch.float32, device(type='cpu')), (('s', 's'), torch.float32, device(type='cpu')), (('s', 's'), torch.float32, device(type='cpu')), (('s',), torch.float32, device(type='cpu')), ((1, 1, 's'), torch.float32, device(type='cpu')), ((1, 1, 's'), torch.float32, device(type='cpu')))
     'ab48ca5e41142b3c2d315796cc0cd94f': ('specific', 'p479', 11, [[[0, 3], [1, 0]]]),  # specific ascend_passes.patterns.norm._weighted_rms_norm.<locals>.rms_norm_pattern [] none (((1, 1, 's', 's'), torch.bfloat16, device(type='cpu')), (('s',), torch.bfloat16, device(type='cpu')), (<class 'float'>, 1e-06))
-    'adc7136cc118d7759177e76e38db1975': ('replacement', 'g6', 15, ['v0_1 >= 4']),  # replacement ?.? [] none (((1, 's'), torch.bfloat16, device(type='cpu')),)
-    'af51d3c4b4ae4acb4305a6d94e4ab063': ('replacement', 'g2', 13, [[[0, 1], [1, 1]]]),  # replacement ascend_passes.patterns.linear.linear_replacement [] none (((1, 's'), torch.bfloat16, device(type='cpu')), (('s', 's'), torch.bfloat16, device(type='cpu')))
+    'ad16901327930deb4b713898f99a23d5': ('replacement', 'g13', 13, [[[0, 1], [6, 1]], [[0, 2], [1, 1]], [[0, 2], [4, 1]], [[1, 0], [2, 0]], [[1, 0], [3, 1]], [[1, 1], [4, 1]], [[6, 1], [7, 1]], [[6, 2], [7, 2]], '((v3_0//4)) - 2*((v7_2//2)) >= 0', '((v7_2//2)) <= v7_2', '4*v6_1*(((v3_0//4)) - 2*((v7_2//2))) >= 2', 'Eq(Max(1, ((v3_0//4)) - 2*((v7_2//2))), ((v3_0//4)) - 2*((v7_2//2)))', 'Eq(Mod(v3_0, 4), 0)', 'Eq(v0_1, v6_1) | Eq(v6_1, 1)', 'Eq(v4_0, v5_0 + 2*((v7_2//2)))', 'Eq(v6_1, v7_1) | Eq(v7_1, 1)', 'Eq(v6_2, v7_2) | Eq(v7_2, 1)', 'Ne(((v3_0//4)) - 2*((v7_2//2)), 0)', 'Ne(((v3_0//4)) - 2*((v7_2//2)), 1)', 'Ne((v7_2//2), 1)', 'Ne(4*Max(1, ((v3_0//4)) - 2*((v7_2//2))), ((v3_0//4)) - 2*((v7_2//2)))', 'Ne(Max(1, ((v3_0//4)) - 2*((v7_2//2))), 1)', 'Ne(v7_2, (v7_2//2))', 'Ne(v7_2, Max(1, (v7_2//2)))']),  # replacement ?.? [] inductor (((1, 's', 's'), torch.bfloat16, device(type='cpu')), (('s', 's'), torch.bfloat16, device(type='cpu')), (('s',), torch.bfloat16, device(type='cpu')), (('s', 's'), torch.bfloat16, device(type='cpu')), (('s', 's'), torch.bfloat16, device(type='cpu')), (('s',), torch.bfloat16, device(type='cpu')), ((1, 's', 's'), torch.bfloat16, device(type='cpu')), ((1, 's', 's'), torch.bfloat16, device(type='cpu')))
+    'adc7136cc118d7759177e76e38db1975': ('replacement', 'g12', 17, ['v0_1 >= 4']),  # replacement ?.? [] none (((1, 's'), torch.bfloat16, device(type='cpu')),)
+    'af51d3c4b4ae4acb4305a6d94e4ab063': ('replacement', 'g3', 14, [[[0, 1], [1, 1]]]),  # replacement ascend_passes.patterns.linear.linear_replacement [] none (((1, 's'), torch.bfloat16, device(type='cpu')), (('s', 's'), torch.bfloat16, device(type='cpu')))
     'b00594e4e7aa2dc57ad2d5d4abb62bd8': ('specific', 'p482', 11, [[[0, 2], [1, 0]], 'Ne(w0_1, v0_2)', 'w0_1 < w0_0']),  # specific ascend_passes.patterns.norm._weighted_rms_norm.<locals>.rms_norm_pattern [] inductor (((1, 's', 's'), torch.bfloat16, device(type='cpu'), ('s', 's', 1)), (('s',), torch.bfloat16, device(type='cpu')), ((), torch.float32, device(type='cpu')))
     'b0935465f21d7adaeb8c9378cecc0315': ('replacement', 'g1', 12, [[[0, 0], [1, 0]], [[0, 2], [1, 2]]]),  # replacement ascend_passes.patterns.activation._cat_swiglu.<locals>.swiglu_replacement [] none ((('s', 1, 's'), torch.bfloat16, device(type='cpu')), (('s', 1, 's'), torch.bfloat16, device(type='cpu')))
+    'b153f9bb5ba3536a23662a40589580dc': ('replacement', 'g7', 13, [[[0, 2], [1, 1]], [[0, 2], [4, 1]], [[1, 0], [2, 0]], [[1, 0], [3, 1]], [[1, 1], [4, 1]], [[6, 2], [7, 2]], '((v3_0//4)) - 2*((v7_2//2)) >= 0', '((v7_2//2)) <= v7_2', '4*v0_0*(((v3_0//4)) - 2*((v7_2//2))) >= 2', 'Eq(Max(1, ((v3_0//4)) - 2*((v7_2//2))), ((v3_0//4)) - 2*((v7_2//2)))', 'Eq(Mod(v3_0, 4), 0)', 'Eq(v4_0, v5_0 + 2*((v7_2//2)))', 'Eq(v6_2, v7_2) | Eq(v7_2, 1)', 'Ne(((v3_0//4)) - 2*((v7_2//2)), 0)', 'Ne(((v3_0//4)) - 2*((v7_2//2)), 1)', 'Ne((v7_2//2), 1)']),  # replacement ?.? [] inductor ((('s', 1, 's'), torch.bfloat16, device(type='cpu')), (('s', 's'), torch.bfloat16, device(type='cpu')), (('s',), torch.bfloat16, device(type='cpu')), (('s', 's'), torch.bfloat16, device(type='cpu')), (('s', 's'), torch.bfloat16, device(type='cpu')), (('s',), torch.bfloat16, device(type='cpu')), ((1, 1, 's'), torch.bfloat16, device(type='cpu')), ((1, 1, 's'), torch.bfloat16, device(type='cpu')))
     'b2951c10a9bef6798ef5d766d27fe46f': ('specific', 'p42', 11, [[[0, 1], [1, 1]], [[0, 2], [1, 2]], [[0, 2], [2, 0]]]),  # specific ascend_passes.patterns.norm.add_rms_norm_default_eps_pattern [] inductor (((1, 's', 's'), torch.bfloat16, device(type='cpu')), ((1, 's', 's'), torch.bfloat16, device(type='cpu')), (('s',), torch.bfloat16, device(type='cpu')))
     'b3345c86f03d23c98e5928fdf629af93': ('specific', 'p483', 11, [[[0, 2], [1, 0]]]),  # specific ascend_passes.patterns.norm._weighted_rms_norm.<locals>.rms_norm_pattern [] none (((1, 's', 's'), torch.bfloat16, device(type='cpu')), (('s',), torch.bfloat16, device(type='cpu')), ((), torch.float32, device(type='cpu')))
     'b398272a2ea4d0b4209ffaa95fa8960b': ('replacement', 'g1', 12, [[[0, 1], [1, 1]], [[0, 2], [1, 2]]]),  # replacement ascend_passes.patterns.activation._cat_swiglu.<locals>.swiglu_replacement [] inductor (((1, 's', 's'), torch.float32, device(type='cpu')), ((1, 's', 's'), torch.float32, device(type='cpu')))
     'b46b0bc4c8be58123a5c1ecb319ee10f': ('specific', 'p486', 12, [[[0, 2], [1, 2]]]),  # specific ascend_passes.patterns.activation._silu_mul.<locals>.swiglu_pattern [] inductor (((1, 1, 's'), torch.bfloat16, device(type='cpu')), ((1, 1, 's'), torch.bfloat16, device(type='cpu')))
-    'b52dd641e6c3d57055e2f46beacfa369': ('replacement', 'g3', 11, [[[0, 2], [1, 2]], [[0, 2], [2, 0]], [[1, 2], [2, 0]]]),  # replacement ascend_passes.patterns.norm.add_rms_norm_default_eps_replacement [] none (((1, 1, 's'), torch.bfloat16, device(type='cpu')), ((1, 1, 's'), torch.bfloat16, device(type='cpu')), (('s',), torch.bfloat16, device(type='cpu')))
+    'b5221297de4cf05f74635accfae142f5': ('replacement', 'g4', 15, ['Ne(w2_1, v2_3)', 'v2_3 < v0_3']),  # replacement ascend_passes.patterns.attention._flash.<locals>.attention [] none ((('s', 's', 1, 's'), torch.bfloat16, device(type='cpu')), (('s', 's', 1, 's'), torch.bfloat16, device(type='cpu')), (('s', 's', 1, 's'), torch.bfloat16, device(type='cpu'), ('s', 's', 's', 1)), (('s', 1, 1, 1), torch.bfloat16, device(type='cpu')), (<class 'float'>, 0.4204482076268573))
+    'b52dd641e6c3d57055e2f46beacfa369': ('replacement', 'g5', 11, [[[0, 2], [1, 2]], [[0, 2], [2, 0]], [[1, 2], [2, 0]]]),  # replacement ascend_passes.patterns.norm.add_rms_norm_default_eps_replacement [] none (((1, 1, 's'), torch.bfloat16, device(type='cpu')), ((1, 1, 's'), torch.bfloat16, device(type='cpu')), (('s',), torch.bfloat16, device(type='cpu')))
     'b5548296ea26fac321020eccad276a07': ('specific', 'p483', 11, [[[0, 3], [1, 0]]]),  # specific ascend_passes.patterns.norm._weighted_rms_norm.<locals>.rms_norm_pattern [] none (((1, 's', 's', 's'), torch.bfloat16, device(type='cpu')), (('s',), torch.bfloat16, device(type='cpu')), ((), torch.float32, device(type='cpu')))
-    'b6c6bf35d0355ddb23ad4191b141928d': ('replacement', 'g3', 11, [[[0, 1], [1, 1]], [[0, 2], [1, 2]], [[0, 2], [2, 0]], [[1, 2], [2, 0]]]),  # replacement ascend_passes.patterns.norm.add_rms_norm_default_eps_replacement [] inductor (((1, 's', 's'), torch.float32, device(type='cpu')), ((1, 's', 's'), torch.float32, device(type='cpu')), (('s',), torch.float32, device(type='cpu')))
+    'b6c6bf35d0355ddb23ad4191b141928d': ('replacement', 'g5', 11, [[[0, 1], [1, 1]], [[0, 2], [1, 2]], [[0, 2], [2, 0]], [[1, 2], [2, 0]]]),  # replacement ascend_passes.patterns.norm.add_rms_norm_default_eps_replacement [] inductor (((1, 's', 's'), torch.float32, device(type='cpu')), ((1, 's', 's'), torch.float32, device(type='cpu')), (('s',), torch.float32, device(type='cpu')))
     'b72d37ae64c07cf4bccf8fe4d06ad97e': ('replacement', 'g1', 12, [[[0, 2], [1, 2]]]),  # replacement ascend_passes.patterns.activation._cat_swiglu.<locals>.swiglu_replacement [] inductor (((1, 1, 's'), torch.bfloat16, device(type='cpu')), ((1, 1, 's'), torch.bfloat16, device(type='cpu')))
     'b87a109d3a7f135fd9e9bfdd80758cae': ('replacement', 'g1', 12, [[[0, 0], [1, 0]], [[0, 2], [1, 2]]]),  # replacement ascend_passes.patterns.activation._cat_swiglu.<locals>.swiglu_replacement [] inductor ((('s', 1, 's'), torch.float32, device(type='cpu')), (('s', 1, 's'), torch.float32, device(type='cpu')))
     'b9c25d194cab7274b032a95e795a4732': ('replacement', 'g0', 11, [[[0, 2], [1, 0]], 'Ne(w0_1, v0_2)', 'Ne(w0_1, w0_0)', 'w0_0 >= w0_1']),  # replacement ascend_passes.patterns.norm.rms_norm_replacement [] inductor (((1, 's', 's'), torch.float32, device(type='cpu'), ('s', 's', 1)), (('s',), torch.float32, device(type='cpu')), (<class 'float'>, 1e-06))
     'bc3dbd98775098c5e0205270289ec3bb': ('replacement', 'g0', 11, [[[0, 2], [1, 0]]]),  # replacement ascend_passes.patterns.norm.rms_norm_replacement [] inductor ((('s', 1, 's'), torch.float32, device(type='cpu')), (('s',), torch.float32, device(type='cpu')), (<class 'float'>, 1e-06))
     'bcb1981ef8944476cee5fb122833d448': ('specific', 'p221', 12, [[[0, 1], [1, 1]], [[0, 2], [1, 2]]]),  # specific ascend_passes.patterns.activation._silu_mul.<locals>.swiglu_pattern [] none (((1, 's', 's'), torch.float32, device(type='cpu')), ((1, 's', 's'), torch.float32, device(type='cpu')))
-    'bcd54471b3439db2a340e68309d1c298': ('specific', 'p484', 13, [[[0, 1], [1, 1]]]),  # specific ascend_passes.patterns.linear.linear_pattern [] inductor (((1, 's'), torch.float32, device(type='cpu')), (('s', 's'), torch.float32, device(type='cpu')))
+    'bcd54471b3439db2a340e68309d1c298': ('specific', 'p484', 14, [[[0, 1], [1, 1]]]),  # specific ascend_passes.patterns.linear.linear_pattern [] inductor (((1, 's'), torch.float32, device(type='cpu')), (('s', 's'), torch.float32, device(type='cpu')))
     'bd4656b272f982dcd75786a35b15aa42': ('specific', 'p485', 11, [[[0, 3], [1, 0]]]),  # specific ascend_passes.patterns.norm._weighted_rms_norm.<locals>.rms_norm_pattern [] none (((1, 's', 's', 's'), torch.float32, device(type='cpu')), (('s',), torch.float32, device(type='cpu')), ((), torch.float32, device(type='cpu')))
-    'be0457f2245dfdb7e5c1e228d236b580': ('replacement', 'g7', 15, [[[0, 1], [1, 0]], '2*((v1_0//4)) >= 4', 'Eq(Mod(v1_0, 4), 0)']),  # replacement ?.? [] inductor ((('s', 's'), torch.float32, device(type='cpu')), (('s',), torch.float32, device(type='cpu')))
-    'bef690dfb0bddc7fb3b3c7903454d6ca': ('replacement', 'g3', 11, [[[0, 1], [1, 1]], [[0, 2], [1, 2]], [[0, 2], [2, 0]], [[1, 2], [2, 0]]]),  # replacement ascend_passes.patterns.norm.add_rms_norm_default_eps_replacement [] none (((1, 's', 's'), torch.bfloat16, device(type='cpu')), ((1, 's', 's'), torch.bfloat16, device(type='cpu')), (('s',), torch.bfloat16, device(type='cpu')))
+    'be0457f2245dfdb7e5c1e228d236b580': ('replacement', 'g14', 17, [[[0, 1], [1, 0]], '2*((v1_0//4)) >= 4', 'Eq(Mod(v1_0, 4), 0)']),  # replacement ?.? [] inductor ((('s', 's'), torch.float32, device(type='cpu')), (('s',), torch.float32, device(type='cpu')))
+    'bef690dfb0bddc7fb3b3c7903454d6ca': ('replacement', 'g5', 11, [[[0, 1], [1, 1]], [[0, 2], [1, 2]], [[0, 2], [2, 0]], [[1, 2], [2, 0]]]),  # replacement ascend_passes.patterns.norm.add_rms_norm_default_eps_replacement [] none (((1, 's', 's'), torch.bfloat16, device(type='cpu')), ((1, 's', 's'), torch.bfloat16, device(type='cpu')), (('s',), torch.bfloat16, device(type='cpu')))
     'c0acba3dbd52520a78f9f4432333c45d': ('specific', 'p42', 11, [[[0, 1], [1, 1]], [[0, 2], [1, 2]], [[0, 2], [2, 0]]]),  # specific ascend_passes.patterns.norm.add_rms_norm_default_eps_pattern [] inductor (((1, 's', 's'), torch.float32, device(type='cpu')), ((1, 's', 's'), torch.float32, device(type='cpu')), (('s',), torch.float32, device(type='cpu')))
-    'c2ca60365428a58c72ed77a6d3901ad9': ('specific', 'p488', 14, ['Ne(w0_1, v0_2)', 'Ne(w0_1, w0_0)', 'w0_0 >= w0_1']),  # specific ascend_passes.patterns.norm.unweighted_rms_norm_pattern [] inductor (((1, 's', 's'), torch.float32, device(type='cpu'), ('s', 's', 1)), ((), torch.float32, device(type='cpu')))
+    'c2ca60365428a58c72ed77a6d3901ad9': ('specific', 'p488', 16, ['Ne(w0_1, v0_2)', 'Ne(w0_1, w0_0)', 'w0_0 >= w0_1']),  # specific ascend_passes.patterns.norm.unweighted_rms_norm_pattern [] inductor (((1, 's', 's'), torch.float32, device(type='cpu'), ('s', 's', 1)), ((), torch.float32, device(type='cpu')))
     'c53c044f9006259b65167a4c91d46d7a': ('specific', 'p479', 11, [[[0, 2], [1, 0]]]),  # specific ascend_passes.patterns.norm._weighted_rms_norm.<locals>.rms_norm_pattern [] none (((1, 's', 's'), torch.bfloat16, device(type='cpu')), (('s',), torch.bfloat16, device(type='cpu')), (<class 'float'>, 1e-06))
-    'c77f82e906245fb74a3b941e01f85cb7': ('specific', 'p186', 13, [[[0, 1], [1, 1]]]),  # specific ascend_passes.patterns.linear.linear_pattern [] none (((1, 's'), torch.float32, device(type='cpu')), (('s', 's'), torch.float32, device(type='cpu')))
+    'c77f82e906245fb74a3b941e01f85cb7': ('specific', 'p186', 14, [[[0, 1], [1, 1]]]),  # specific ascend_passes.patterns.linear.linear_pattern [] none (((1, 's'), torch.float32, device(type='cpu')), (('s', 's'), torch.float32, device(type='cpu')))
+    'c86bb7f7218567065e294ff803ef5292': ('replacement', 'g13', 13, [[[0, 1], [6, 1]], [[0, 2], [1, 1]], [[0, 2], [4, 1]], [[1, 0], [2, 0]], [[1, 0], [3, 1]], [[1, 1], [4, 1]], [[6, 1], [7, 1]], [[6, 2], [7, 2]], '((v3_0//4)) - 2*((v7_2//2)) >= 0', '((v7_2//2)) <= v7_2', '4*v6_1*(((v3_0//4)) - 2*((v7_2//2))) >= 2', 'Eq(Max(1, ((v3_0//4)) - 2*((v7_2//2))), ((v3_0//4)) - 2*((v7_2//2)))', 'Eq(Mod(v3_0, 4), 0)', 'Eq(v0_1, v6_1) | Eq(v6_1, 1)', 'Eq(v4_0, v5_0 + 2*((v7_2//2)))', 'Eq(v6_1, v7_1) | Eq(v7_1, 1)', 'Eq(v6_2, v7_2) | Eq(v7_2, 1)', 'Ne(((v3_0//4)) - 2*((v7_2//2)), 0)', 'Ne(((v3_0//4)) - 2*((v7_2//2)), 1)', 'Ne((v7_2//2), 1)', 'Ne(4*Max(1, ((v3_0//4)) - 2*((v7_2//2))), ((v3_0//4)) - 2*((v7_2//2)))', 'Ne(Max(1, ((v3_0//4)) - 2*((v7_2//2))), 1)', 'Ne(v7_2, (v7_2//2))', 'Ne(v7_2, Max(1, (v7_2//2)))']),  # replacement ?.? [] inductor (((1, 's', 's'), torch.float32, device(type='cpu')), (('s', 's'), torch.float32, device(type='cpu')), (('s',), torch.float32, device(type='cpu')), (('s', 's'), torch.float32, device(type='cpu')), (('s', 's'), torch.float32, device(type='cpu')), (('s',), torch.float32, device(type='cpu')), ((1, 's', 's'), torch.float32, device(type='cpu')), ((1, 's', 's'), torch.float32, device(type='cpu')))
     'd037413046fee3c7cbf56dd845b14e46': ('specific', 'p481', 11, [[[0, 2], [1, 0]], 'Ne(w0_1, v0_2)', 'Ne(w0_1, w0_0)', 'w0_0 >= w0_1']),  # specific ascend_passes.patterns.norm._weighted_rms_norm.<locals>.rms_norm_pattern [] inductor (((1, 's', 's'), torch.float32, device(type='cpu'), ('s', 's', 1)), (('s',), torch.float32, device(type='cpu')), (<class 'float'>, 1e-06))
-    'd0656a99965ca9238f918c85291cb185': ('replacement', 'g6', 15, ['v0_1 >= 4']),  # replacement ?.? [] none (((1, 's'), torch.float32, device(type='cpu')),)
-    'd0c3f2d27d52f05ef3105685a1965278': ('replacement', 'g6', 15, ['v0_1 >= 4']),  # replacement ?.? [] none ((('s', 's'), torch.bfloat16, device(type='cpu')),)
+    'd0656a99965ca9238f918c85291cb185': ('replacement', 'g12', 17, ['v0_1 >= 4']),  # replacement ?.? [] none (((1, 's'), torch.float32, device(type='cpu')),)
+    'd0c3f2d27d52f05ef3105685a1965278': ('replacement', 'g12', 17, ['v0_1 >= 4']),  # replacement ?.? [] none ((('s', 's'), torch.bfloat16, device(type='cpu')),)
     'd5e90f330cf1fb7211006f1c0c61dffa': ('specific', 'p485', 11, [[[0, 3], [1, 0]]]),  # specific ascend_passes.patterns.norm._weighted_rms_norm.<locals>.rms_norm_pattern [] inductor (((1, 's', 's', 's'), torch.float32, device(type='cpu')), (('s',), torch.float32, device(type='cpu')), ((), torch.float32, device(type='cpu')))
     'd8995e0df79d58bd997563d6ecb40864': ('specific', 'p490', 11, ['Ne(w0_1, v0_2)', 'w0_1 < w0_0']),  # specific ascend_passes.patterns.norm.unweighted_rms_norm_pattern [] inductor (((1, 's', 's'), torch.bfloat16, device(type='cpu'), ('s', 's', 1)), ((), torch.float32, device(type='cpu')))
+    'd8d50dd5db8995f0808d20142e715666': ('replacement', 'g6', 13, [[[0, 2], [1, 1]], [[0, 2], [4, 1]], [[1, 0], [2, 0]], [[1, 0], [3, 1]], [[1, 1], [4, 1]], [[6, 2], [7, 2]], '((v3_0//4)) - 2*((v7_2//2)) >= 0', '((v7_2//2)) <= v7_2', '4*v0_0*(((v3_0//4)) - 2*((v7_2//2))) >= 2', 'Eq(Max(1, ((v3_0//4)) - 2*((v7_2//2))), ((v3_0//4)) - 2*((v7_2//2)))', 'Eq(Mod(v3_0, 4), 0)', 'Eq(v4_0, v5_0 + 2*((v7_2//2)))', 'Eq(v6_2, v7_2) | Eq(v7_2, 1)', 'Ne(((v3_0//4)) - 2*((v7_2//2)), 0)', 'Ne(((v3_0//4)) - 2*((v7_2//2)), 1)', 'Ne((v7_2//2), 1)']),  # replacement ?.? [] none ((('s', 1, 's'), torch.bfloat16, device(type='cpu')), (('s', 's'), torch.bfloat16, device(type='cpu')), (('s',), torch.bfloat16, device(type='cpu')), (('s', 's'), torch.bfloat16, device(type='cpu')), (('s', 's'), torch.bfloat16, device(type='cpu')), (('s',), torch.bfloat16, device(type='cpu')), ((1, 1, 's'), torch.bfloat16, device(type='cpu')), ((1, 1, 's'), torch.bfloat16, device(type='cpu')))
     'da8b7d1a83fdbbb949e6ebac53745669': ('replacement', 'g0', 11, [[[0, -2], [0, -1]], [[0, 2], [1, 0]], 'Ne(w0_0, v0_2)']),  # replacement ascend_passes.patterns.norm.rms_norm_replacement [] none ((('s', 1, 's'), torch.bfloat16, device(type='cpu'), ('s', 's', 1)), (('s',), torch.bfloat16, device(type='cpu')), (<class 'float'>, 1e-06))
     'dbb59d5d5686c8cee4b6112cdfb1be16': ('replacement', 'g0', 11, [[[0, 2], [1, 0]]]),  # replacement ascend_passes.patterns.norm.rms_norm_replacement [] none (((1, 's', 's'), torch.bfloat16, device(type='cpu')), (('s',), torch.bfloat16, device(type='cpu')), (<class 'float'>, 1e-06))
-    'dc54e56f3aa05170c778ef7e08b77378': ('replacement', 'g8', 15, [[[0, 1], [1, 0]], '2*((v1_0//4)) >= 4', 'Eq(Mod(v1_0, 4), 0)']),  # replacement ?.? [] none (((1, 's'), torch.float32, device(type='cpu')), (('s',), torch.float32, device(type='cpu')))
+    'dc54e56f3aa05170c778ef7e08b77378': ('replacement', 'g15', 17, [[[0, 1], [1, 0]], '2*((v1_0//4)) >= 4', 'Eq(Mod(v1_0, 4), 0)']),  # replacement ?.? [] none (((1, 's'), torch.float32, device(type='cpu')), (('s',), torch.float32, device(type='cpu')))
     'dd28ba23704cb8432f5983c3f3911356': ('specific', 'p481', 11, [[[0, 3], [1, 0]]]),  # specific ascend_passes.patterns.norm._weighted_rms_norm.<locals>.rms_norm_pattern [] none ((('s', 1, 's', 's'), torch.float32, device(type='cpu')), (('s',), torch.float32, device(type='cpu')), (<class 'float'>, 1e-06))
-    'de09a9f22884b76323e760820c375679': ('specific', 'p186', 13, [[[0, 1], [1, 1]]]),  # specific ascend_passes.patterns.linear.linear_pattern [] none (((1, 's'), torch.bfloat16, device(type='cpu')), (('s', 's'), torch.bfloat16, device(type='cpu')))
+    'de09a9f22884b76323e760820c375679': ('specific', 'p186', 14, [[[0, 1], [1, 1]]]),  # specific ascend_passes.patterns.linear.linear_pattern [] none (((1, 's'), torch.bfloat16, device(type='cpu')), (('s', 's'), torch.bfloat16, device(type='cpu')))
     'dfe8961679c1626ac6eecd094966020f': ('replacement', 'g1', 12, [[[0, 1], [1, 1]], [[0, 2], [1, 2]]]),  # replacement ascend_passes.patterns.activation._cat_swiglu.<locals>.swiglu_replacement [] none (((1, 's', 's'), torch.bfloat16, device(type='cpu')), ((1, 's', 's'), torch.bfloat16, device(type='cpu')))
     'e21e55bf1f5eb6220d2162d06e1086a4': ('replacement', 'g0', 11, [[[0, 3], [1, 0]]]),  # replacement ascend_passes.patterns.norm.rms_norm_replacement [] inductor ((('s', 1, 's', 's'), torch.float32, device(type='cpu')), (('s',), torch.float32, device(type='cpu')), (<class 'float'>, 1e-06))
     'e309f34e16a3d7f774ceb6d16b217ebf': ('specific', 'p485', 11, [[[0, 2], [1, 0]], 'Ne(w0_1, v0_2)', 'Ne(w0_1, w0_0)', 'w0_0 >= w0_1']),  # specific ascend_passes.patterns.norm._weighted_rms_norm.<locals>.rms_norm_pattern [] inductor (((1, 's', 's'), torch.float32, device(type='cpu'), ('s', 's', 1)), (('s',), torch.float32, device(type='cpu')), ((), torch.float32, device(type='cpu')))
@@ -16450,31 +16713,32 @@ GENERIC = {
     'e5058d656860163c423d673afc2afd7a': ('specific', 'p480', 12, [[[0, 1], [1, 1]], [[0, 2], [1, 2]]]),  # specific ascend_passes.patterns.activation._silu_mul.<locals>.swiglu_pattern [] inductor (((1, 's', 's'), torch.float32, device(type='cpu')), ((1, 's', 's'), torch.float32, device(type='cpu')))
     'e533d3dc8be23bacb89f410652f1750f': ('specific', 'p481', 11, [[[0, 3], [1, 0]]]),  # specific ascend_passes.patterns.norm._weighted_rms_norm.<locals>.rms_norm_pattern [] none (((1, 1, 's', 's'), torch.float32, device(type='cpu')), (('s',), torch.float32, device(type='cpu')), (<class 'float'>, 1e-06))
     'e54b4a131ace21f676622197b476311e': ('specific', 'p479', 11, [[[0, 2], [1, 0]]]),  # specific ascend_passes.patterns.norm._weighted_rms_norm.<locals>.rms_norm_pattern [] none (((1, 1, 's'), torch.bfloat16, device(type='cpu')), (('s',), torch.bfloat16, device(type='cpu')), (<class 'float'>, 1e-06))
+    'e56dc5aea4a270dcf1ed19786437803e': ('replacement', 'g4', 15, ['Ne(w2_1, v2_3)', 'v2_3 < v0_3']),  # replacement ascend_passes.patterns.attention._flash.<locals>.attention [] inductor ((('s', 's', 1, 's'), torch.bfloat16, device(type='cpu')), (('s', 's', 1, 's'), torch.bfloat16, device(type='cpu')), (('s', 's', 1, 's'), torch.bfloat16, device(type='cpu'), ('s', 's', 's', 1)), (('s', 1, 1, 1), torch.bfloat16, device(type='cpu')), (<class 'float'>, 0.4204482076268573))
     'e61067ebf59d936f92d77665804e0e4f': ('specific', 'p42', 11, [[[0, 0], [1, 0]], [[0, 2], [1, 2]], [[0, 2], [2, 0]]]),  # specific ascend_passes.patterns.norm.add_rms_norm_default_eps_pattern [] none ((('s', 1, 's'), torch.bfloat16, device(type='cpu')), (('s', 1, 's'), torch.bfloat16, device(type='cpu')), (('s',), torch.bfloat16, device(type='cpu')))
-    'e6d2691977dcb77cf8a80e5b03eea319': ('replacement', 'g3', 11, [[[0, 2], [1, 2]], [[0, 2], [2, 0]], [[1, 2], [2, 0]]]),  # replacement ascend_passes.patterns.norm.add_rms_norm_default_eps_replacement [] inductor (((1, 1, 's'), torch.bfloat16, device(type='cpu')), ((1, 1, 's'), torch.bfloat16, device(type='cpu')), (('s',), torch.bfloat16, device(type='cpu')))
+    'e6d2691977dcb77cf8a80e5b03eea319': ('replacement', 'g5', 11, [[[0, 2], [1, 2]], [[0, 2], [2, 0]], [[1, 2], [2, 0]]]),  # replacement ascend_passes.patterns.norm.add_rms_norm_default_eps_replacement [] inductor (((1, 1, 's'), torch.bfloat16, device(type='cpu')), ((1, 1, 's'), torch.bfloat16, device(type='cpu')), (('s',), torch.bfloat16, device(type='cpu')))
     'e741bb0939064946295653875abf383b': ('specific', 'p489', 11, ['Ne(w0_1, v0_2)', 'w0_1 < w0_0']),  # specific ascend_passes.patterns.norm.unweighted_rms_norm_pattern [] none (((1, 's', 's'), torch.bfloat16, device(type='cpu'), ('s', 's', 1)), ((), torch.float32, device(type='cpu')))
     'e872aadd15b9c550ab5c2f3b13631c6a': ('replacement', 'g0', 11, [[[0, 3], [1, 0]]]),  # replacement ascend_passes.patterns.norm.rms_norm_replacement [] inductor (((1, 's', 's', 's'), torch.float32, device(type='cpu')), (('s',), torch.float32, device(type='cpu')), (<class 'float'>, 1e-06))
     'eacce8ecd4e7fbe08d09b3ac06ba16b1': ('replacement', 'g0', 11, [[[0, 2], [1, 0]]]),  # replacement ascend_passes.patterns.norm.rms_norm_replacement [] none (((1, 1, 's'), torch.float32, device(type='cpu')), (('s',), torch.float32, device(type='cpu')), (<class 'float'>, 1e-06))
-    'eb3991448aa090830df9f99dfa8d19f2': ('replacement', 'g7', 15, [[[0, 1], [1, 0]], '2*((v1_0//4)) >= 4', 'Eq(Mod(v1_0, 4), 0)']),  # replacement ?.? [] inductor (((1, 's'), torch.float32, device(type='cpu')), (('s',), torch.float32, device(type='cpu')))
+    'eb3991448aa090830df9f99dfa8d19f2': ('replacement', 'g14', 17, [[[0, 1], [1, 0]], '2*((v1_0//4)) >= 4', 'Eq(Mod(v1_0, 4), 0)']),  # replacement ?.? [] inductor (((1, 's'), torch.float32, device(type='cpu')), (('s',), torch.float32, device(type='cpu')))
     'ec45141ab1da84e5d77291d30950517f': ('replacement', 'g0', 11, [[[0, 2], [1, 0]]]),  # replacement ascend_passes.patterns.norm.rms_norm_replacement [] inductor (((1, 's', 's'), torch.float32, device(type='cpu')), (('s',), torch.float32, device(type='cpu')), (<class 'float'>, 1e-06))
-    'ed37c3b9d838be79d76aa00b0c548502': ('specific', 'p490', 14, []),  # specific ascend_passes.patterns.norm.unweighted_rms_norm_pattern [] inductor (((1, 's', 's', 's'), torch.bfloat16, device(type='cpu')), ((), torch.float32, device(type='cpu')))
-    'f0055d2fe7852b549a56625325a87f98': ('replacement', 'g4', 15, ['v0_1 >= 4']),  # replacement ?.? [] inductor (((1, 's'), torch.bfloat16, device(type='cpu')),)
+    'ed37c3b9d838be79d76aa00b0c548502': ('specific', 'p490', 16, []),  # specific ascend_passes.patterns.norm.unweighted_rms_norm_pattern [] inductor (((1, 's', 's', 's'), torch.bfloat16, device(type='cpu')), ((), torch.float32, device(type='cpu')))
+    'f0055d2fe7852b549a56625325a87f98': ('replacement', 'g9', 17, ['v0_1 >= 4']),  # replacement ?.? [] inductor (((1, 's'), torch.bfloat16, device(type='cpu')),)
     'f0896cf713dbae0622cef7d88cff6b4e': ('replacement', 'g0', 11, [[[0, 2], [1, 0]]]),  # replacement ascend_passes.patterns.norm.rms_norm_replacement [] inductor (((1, 1, 's'), torch.float32, device(type='cpu')), (('s',), torch.float32, device(type='cpu')), (<class 'float'>, 1e-06))
     'f0fd4c14a6749e93ad4c73182c3bec8d': ('specific', 'p485', 11, [[[0, 2], [1, 0]], 'Ne(w0_1, v0_2)', 'Ne(w0_1, w0_0)', 'w0_0 >= w0_1']),  # specific ascend_passes.patterns.norm._weighted_rms_norm.<locals>.rms_norm_pattern [] none (((1, 's', 's'), torch.float32, device(type='cpu'), ('s', 's', 1)), (('s',), torch.float32, device(type='cpu')), ((), torch.float32, device(type='cpu')))
-    'f1acacae0e05e293bfa89cdfff5e093b': ('specific', 'p488', 14, []),  # specific ascend_passes.patterns.norm.unweighted_rms_norm_pattern [] none (((1, 's', 's', 's'), torch.float32, device(type='cpu')), ((), torch.float32, device(type='cpu')))
-    'f39d8cb5654e97f6d96e64b61e8ef7c1': ('replacement', 'g9', 15, [[[0, 1], [1, 0]], '2*((v1_0//4)) >= 4', 'Eq(Mod(v1_0, 4), 0)']),  # replacement ?.? [] inductor ((('s', 's'), torch.float32, device(type='cpu')), (('s',), torch.float32, device(type='cpu')), ((), torch.float32, device(type='cpu')))
+    'f1acacae0e05e293bfa89cdfff5e093b': ('specific', 'p488', 16, []),  # specific ascend_passes.patterns.norm.unweighted_rms_norm_pattern [] none (((1, 's', 's', 's'), torch.float32, device(type='cpu')), ((), torch.float32, device(type='cpu')))
+    'f39d8cb5654e97f6d96e64b61e8ef7c1': ('replacement', 'g16', 17, [[[0, 1], [1, 0]], '2*((v1_0//4)) >= 4', 'Eq(Mod(v1_0, 4), 0)']),  # replacement ?.? [] inductor ((('s', 's'), torch.float32, device(type='cpu')), (('s',), torch.float32, device(type='cpu')), ((), torch.float32, device(type='cpu')))
     'f3dd156cfde4e7745e7eea919b15d515': ('specific', 'p221', 12, [[[0, 1], [1, 1]], [[0, 2], [1, 2]]]),  # specific ascend_passes.patterns.activation._silu_mul.<locals>.swiglu_pattern [] none (((1, 's', 's'), torch.bfloat16, device(type='cpu')), ((1, 's', 's'), torch.bfloat16, device(type='cpu')))
     'f4105e2e29b18a7689397223c073be3b': ('specific', 'p221', 12, [[[0, 2], [1, 2]]]),  # specific ascend_passes.patterns.activation._silu_mul.<locals>.swiglu_pattern [] none (((1, 1, 's'), torch.bfloat16, device(type='cpu')), ((1, 1, 's'), torch.bfloat16, device(type='cpu')))
     'f97864cee7e4b167cc1201a8ba253790': ('specific', 'p42', 11, [[[0, 1], [1, 1]], [[0, 2], [1, 2]], [[0, 2], [2, 0]]]),  # specific ascend_passes.patterns.norm.add_rms_norm_default_eps_pattern [] none (((1, 's', 's'), torch.float32, device(type='cpu')), ((1, 's', 's'), torch.float32, device(type='cpu')), (('s',), torch.float32, device(type='cpu')))
     'fbf547eb4d690b4dd208087c7deb6448': ('specific', 'p479', 11, [[[0, 3], [1, 0]]]),  # specific ascend_passes.patterns.norm._weighted_rms_norm.<locals>.rms_norm_pattern [] none (((1, 's', 's', 's'), torch.bfloat16, device(type='cpu')), (('s',), torch.bfloat16, device(type='cpu')), (<class 'float'>, 1e-06))
     'fc6bb227c4c00ecf1a95ae09abe5488c': ('specific', 'p42', 11, [[[0, 0], [1, 0]], [[0, 2], [1, 2]], [[0, 2], [2, 0]]]),  # specific ascend_passes.patterns.norm.add_rms_norm_default_eps_pattern [] none ((('s', 1, 's'), torch.float32, device(type='cpu')), (('s', 1, 's'), torch.float32, device(type='cpu')), (('s',), torch.float32, device(type='cpu')))
-    'fcaa7bada95aa79c9a4a472fe4d5741d': ('replacement', 'g2', 13, [[[0, 1], [1, 1]]]),  # replacement ascend_passes.patterns.linear.linear_replacement [] inductor ((('s', 's'), torch.float32, device(type='cpu')), (('s', 's'), torch.float32, device(type='cpu')))
+    'fcaa7bada95aa79c9a4a472fe4d5741d': ('replacement', 'g3', 14, [[[0, 1], [1, 1]]]),  # replacement ascend_passes.patterns.linear.linear_replacement [] inductor ((('s', 's'), torch.float32, device(type='cpu')), (('s', 's'), torch.float32, device(type='cpu')))
     'fcd12ea36527fe6e72833044e4aa0f55': ('specific', 'p487', 11, [[[0, 2], [1, 0]]]),  # specific ascend_passes.patterns.norm._weighted_rms_norm.<locals>.rms_norm_pattern [] inductor (((1, 's', 's'), torch.bfloat16, device(type='cpu')), (('s',), torch.bfloat16, device(type='cpu')), (<class 'float'>, 1e-06))
-    'fd370f943027aba561c8840104d832f2': ('replacement', 'g8', 15, [[[0, 1], [1, 0]], '2*((v1_0//4)) >= 4', 'Eq(Mod(v1_0, 4), 0)']),  # replacement ?.? [] none ((('s', 's'), torch.float32, device(type='cpu')), (('s',), torch.float32, device(type='cpu')))
+    'fd370f943027aba561c8840104d832f2': ('replacement', 'g15', 17, [[[0, 1], [1, 0]], '2*((v1_0//4)) >= 4', 'Eq(Mod(v1_0, 4), 0)']),  # replacement ?.? [] none ((('s', 's'), torch.float32, device(type='cpu')), (('s',), torch.float32, device(type='cpu')))
     'fd4910c4bb58b713aee80ba1c9a4370e': ('specific', 'p482', 11, [[[0, 3], [1, 0]]]),  # specific ascend_passes.patterns.norm._weighted_rms_norm.<locals>.rms_norm_pattern [] inductor (((1, 's', 's', 's'), torch.bfloat16, device(type='cpu')), (('s',), torch.bfloat16, device(type='cpu')), ((), torch.float32, device(type='cpu')))
-    'fd5be8b25c0648cf17203bb50dc375e3': ('replacement', 'g4', 15, ['v0_1 >= 4']),  # replacement ?.? [] inductor (((1, 's'), torch.float32, device(type='cpu')),)
+    'fd5be8b25c0648cf17203bb50dc375e3': ('replacement', 'g9', 17, ['v0_1 >= 4']),  # replacement ?.? [] inductor (((1, 's'), torch.float32, device(type='cpu')),)
     'fd8d73864b7e72cb16f35567e4dd546d': ('specific', 'p481', 11, [[[0, 2], [1, 0]]]),  # specific ascend_passes.patterns.norm._weighted_rms_norm.<locals>.rms_norm_pattern [] inductor (((1, 1, 's'), torch.float32, device(type='cpu')), (('s',), torch.float32, device(type='cpu')), (<class 'float'>, 1e-06))
     'fe2b2bb2eae83b7ac90d381f6376f263': ('specific', 'p481', 11, [[[0, 3], [1, 0]]]),  # specific ascend_passes.patterns.norm._weighted_rms_norm.<locals>.rms_norm_pattern [] inductor (((1, 1, 's', 's'), torch.float32, device(type='cpu')), (('s',), torch.float32, device(type='cpu')), (<class 'float'>, 1e-06))
-    'fea975ddd37fd86f5534ec168911999f': ('specific', 'p490', 14, []),  # specific ascend_passes.patterns.norm.unweighted_rms_norm_pattern [] inductor (((1, 's', 's'), torch.bfloat16, device(type='cpu')), ((), torch.float32, device(type='cpu')))
+    'fea975ddd37fd86f5534ec168911999f': ('specific', 'p490', 16, []),  # specific ascend_passes.patterns.norm.unweighted_rms_norm_pattern [] inductor (((1, 's', 's'), torch.bfloat16, device(type='cpu')), ((), torch.float32, device(type='cpu')))
     'fee5bff4c9032e0d3e3ee9340690fc2c': ('specific', 'p481', 11, [[[0, -2], [0, -1]], [[0, 2], [1, 0]], 'Ne(w0_0, v0_2)', 'Ne(w0_1, v0_2)']),  # specific ascend_passes.patterns.norm._weighted_rms_norm.<locals>.rms_norm_pattern [] none ((('s', 1, 's'), torch.float32, device(type='cpu'), ('s', 's', 1)), (('s',), torch.float32, device(type='cpu')), (<class 'float'>, 1e-06))
 }

@@ -107,9 +107,10 @@ def test_a_replacement_whose_sizes_are_numbers_of_the_match_is_shared_and_folded
         assert _pattern.meets(sized, conditions)
         folded = _pattern.fold_sizes(gm, sized)
         assert str(folded.graph) == str(pm.fwd_only(pad_to_q, sized).graph)
-        assert shapes[0][1] - shapes[1][1] in folded.graph.find_nodes(
-            op="call_function", target=torch.ops.aten.constant_pad_nd.default
-        )[0].args[1]
+        assert (
+            shapes[0][1] - shapes[1][1]
+            in folded.graph.find_nodes(op="call_function", target=torch.ops.aten.constant_pad_nd.default)[0].args[1]
+        )
     assert _pattern._size_nodes(gm.graph) and not _pattern._size_nodes(folded.graph)
     returns_a_size = lambda x: (x * 2, x.shape[0] + 1)  # noqa: E731 - a size is no argument of a node there
     assert _pattern.generic_trace(fakes((16, 64)), trace(returns_a_size), foldable=True) is None

@@ -6,8 +6,9 @@
 //
 // Why not torch's CPU flash kernel: at the prompt lengths of a CPU prefill (256-1024 tokens) a whole
 // row block of scores fits in L2, so no online softmax is needed; each work item (64 query rows of one
-// head) computes its scores with gemm.h's AVX-512 GEMM (bf16: vdpbf16ps dot products, fp32 sums), the
-// causal columns past its last row never, one softmax in fp32, and p·v with the same GEMM (p rounded to
+// head) computes its scores with gemm.h's AVX-512 GEMM (bf16: vdpbf16ps dot products, fp32 sums) on the
+// head's keys packed once per thread and head (gemm_pack), the causal columns past its last row never, one
+// softmax in fp32, and p·v with the same GEMM on the head's values packed likewise (p rounded to
 // the input dtype for bf16, as the flash kernel does), on v's own head dim (the flash kernel needs q, k
 // and v of one head dim: the pass padded v to q's and sliced the output). Measured in
 // tools/bench_kernels.py (attention rows). Without AVX-512 (or bf16 without avx512_bf16, or an odd head
@@ -112,44 +113,45 @@ at::Tensor flash_reference(const at::Tensor& q, const at::Tensor& k, const at::T
   return attention_output(q, v).copy_(out.slice(3, 0, dv));  // the kernel's strides, not the padded output's
 }
 
-// mask: an fp32 [B, N, L, S] view (broadcast dims of stride 0), or undefined
+// mask: an fp32 [B, N, L, S] view (broadcast dims of stride 0), or undefined. q, k, v: the last dim contiguous.
+// A thread packs the keys and values of each head it meets once, into gemm.h's panels (gemm_pack), and every
+// block of that head's queries multiplies with them (the same panels and micro-kernels as gemm_nt: equal
+// bits). Packing them per block (gemm_nt) cost a third to a half of the time at 256-1024 tokens: session 16,
+// bench model's attention (8 heads, q/k 96, v 64, causal), per call, three alternated runs of each library:
+// fp32 T=256 0.52-0.66 -> 0.36-0.43 ms, T=1024 6.0-7.6 -> 4.8-5.6; bf16 T=256 0.42-0.59 -> 0.27-0.33,
+// T=1024 4.0-5.3 -> 3.1-3.8. The threads take contiguous ranges of items, so a head is packed by at most
+// two threads.
 template <typename T>
 void attention_blocks(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,
                       at::Tensor& out, float scale, bool causal) {
+  constexpr bool kPairs = !std::is_same_v<T, float>;
   const int64_t B = q.size(0), N = q.size(1), L = q.size(2), D = q.size(3), S = k.size(2), Dv = v.size(3);
-  const int64_t sp = (S + 1) / 2 * 2;  // kv columns padded to even (pairs of the bf16 dot product)
-  // vᵀ per head, [Dv, sp], zero past S: the second product's "weight" rows (gemm_nt wants W[N, K])
-  std::vector<T> vt(static_cast<size_t>(B * N * Dv * sp));
-  const T* vp = v.const_data_ptr<T>();
-  at::parallel_for(0, B * N, 1, [&](int64_t lo, int64_t hi) {
-    for (int64_t bn = lo; bn < hi; ++bn) {
-      const T* src = vp + (bn / N) * v.stride(0) + (bn % N) * v.stride(1);
-      T* dst = vt.data() + bn * Dv * sp;
-      for (int64_t d = 0; d < Dv; ++d) {
-        for (int64_t j = 0; j < S; ++j) dst[d * sp + j] = src[j * v.stride(2) + d * v.stride(3)];
-        for (int64_t j = S; j < sp; ++j) dst[d * sp + j] = T(0.0f);
-      }
-    }
-  });
+  const int64_t sp = (S + 1) / 2 * 2;  // kv positions padded to even (pairs of the bf16 dot product)
   const int64_t blocks = (L + kRows - 1) / kRows;
   const T* qp = q.const_data_ptr<T>();
   const T* kp = k.const_data_ptr<T>();
+  const T* vp = v.const_data_ptr<T>();
   T* op = out.data_ptr<T>();
   const float* mp = mask.defined() ? mask.const_data_ptr<float>() : nullptr;
   at::parallel_for(0, B * N * blocks, 1, [&](int64_t lo, int64_t hi) {
     std::vector<float> scores(static_cast<size_t>(kRows * sp)), acc(static_cast<size_t>(kRows * Dv)), inv(kRows);
     std::vector<T> probs(std::is_same_v<T, float> ? 0 : static_cast<size_t>(kRows * sp));
+    // this thread's head: kᵀ's panels (W = k [S, D]) and v's (W = vᵀ [Dv, sp], packed from v [S, Dv])
+    std::vector<uint32_t> kpan(static_cast<size_t>(gemm_panel_words(S, D, kPairs)));
+    std::vector<uint32_t> vpan(static_cast<size_t>(gemm_panel_words(Dv, sp, kPairs)));
+    int64_t packed = -1;
     for (int64_t item = lo; item < hi; ++item) {
       const int64_t bn = item / blocks, b = bn / N, n = bn % N, r0 = (item % blocks) * kRows;
+      if (bn != packed) {
+        gemm_pack(kp + b * k.stride(0) + n * k.stride(1), k.stride(2), S, D, kpan.data());
+        gemm_pack_t(vp + b * v.stride(0) + n * v.stride(1), v.stride(2), Dv, S, sp, vpan.data());
+        packed = bn;
+      }
       const int64_t rows = std::min(kRows, L - r0);
       const int64_t kv = causal ? std::min(S, r0 + rows) : S;  // columns any of these rows sees
       const int64_t kvp = (kv + 1) / 2 * 2;
       const T* qb = qp + b * q.stride(0) + n * q.stride(1) + r0 * q.stride(2);
-      const T* kb = kp + b * k.stride(0) + n * k.stride(1);
-      if constexpr (std::is_same_v<T, float>)
-        gemm_nt(qb, q.stride(2), kb, k.stride(2), scores.data(), kvp, rows, kv, D, {});
-      else
-        gemm_dp_nt(qb, q.stride(2), kb, k.stride(2), scores.data(), kvp, rows, kv, D, {});
+      gemm_nt_packed(qb, q.stride(2), kpan.data(), D, scores.data(), kvp, rows, kv, D);
       for (int64_t i = 0; i < rows; ++i) {
         float* s = scores.data() + i * kvp;
         const float* m =
@@ -157,11 +159,10 @@ void attention_blocks(const at::Tensor& q, const at::Tensor& k, const at::Tensor
         inv[i] = softmax_row(s, m, mp == nullptr ? 0 : mask.stride(3), causal ? r0 + i + 1 : kv, kvp, scale);
         if constexpr (!std::is_same_v<T, float>) round_row(s, probs.data() + i * kvp, kvp);
       }
-      const T* vtb = vt.data() + bn * Dv * sp;
       if constexpr (std::is_same_v<T, float>)
-        gemm_nt(scores.data(), kvp, vtb, sp, acc.data(), Dv, rows, Dv, kvp, {});
+        gemm_nt_packed(scores.data(), kvp, vpan.data(), sp, acc.data(), Dv, rows, Dv, kvp);
       else
-        gemm_dp_nt(probs.data(), kvp, vtb, sp, acc.data(), Dv, rows, Dv, kvp, {});
+        gemm_nt_packed(probs.data(), kvp, vpan.data(), sp, acc.data(), Dv, rows, Dv, kvp);
       for (int64_t i = 0; i < rows; ++i)
         scale_row(acc.data() + i * Dv, inv[i], op + b * out.stride(0) + n * out.stride(1) + (r0 + i) * out.stride(2),
                   Dv);
@@ -210,16 +211,16 @@ at::Tensor attention(const at::Tensor& query, const at::Tensor& key, const at::T
   if (B * N * L == 0 || S == 0 || query.size(3) == 0 || value.size(3) == 0)
     return empty_attention(query, key, value, scale, is_causal, attn_mask);
   auto last = [](const at::Tensor& t) { return t.stride(3) == 1 ? t : t.contiguous(); };
-  const auto q = last(query), k = last(key);
+  const auto q = last(query), k = last(key), v = last(value);
   // bf16 pairs: an even head dim and key row stride (the p.v product's K and row stride are padded to even)
   const bool fast = gemm_nt_available() &&
                     (dtype == at::kFloat || (dtype == at::kBFloat16 && gemm_dp_nt_supported(q.size(3), k.stride(2))));
   if (!fast) return flash_reference(query, key, value, scale, is_causal, attn_mask);
   auto out = attention_output(query, value);
   if (dtype == at::kFloat)
-    attention_blocks<float>(q, k, value, mask, out, static_cast<float>(scale), is_causal);
+    attention_blocks<float>(q, k, v, mask, out, static_cast<float>(scale), is_causal);
   else
-    attention_blocks<c10::BFloat16>(q, k, value, mask, out, static_cast<float>(scale), is_causal);
+    attention_blocks<c10::BFloat16>(q, k, v, mask, out, static_cast<float>(scale), is_causal);
   return out;
 }
 

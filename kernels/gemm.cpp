@@ -113,6 +113,7 @@ struct F32Path {
   using AType = float;
   using WType = T;
   static constexpr int64_t kDepth = kKC;
+  static constexpr int64_t words(int64_t k) { return k; }  // 32-bit words of a panel row per k: floats
   static ASCEND_AVX512_INLINE void pack(const T* w, int64_t ldw, int nr, int64_t kc, void* panel) {
     pack_panel(w, ldw, nr, kc, static_cast<float*>(panel));
   }
@@ -122,6 +123,27 @@ struct F32Path {
     ascend_kernels::micro<R>(a, lda, static_cast<const float*>(panel), kc, c, ldc, nr, accumulate, pf, pf_lines);
   }
 };
+
+// C[0:rows, 0:nr] (+)= A[0:rows, 0:kc] @ panel for rows <= kMR, one micro-kernel call
+template <typename Path>
+ASCEND_AVX512_INLINE void micro_rows(const typename Path::AType* ab, int64_t lda, const void* panel, int64_t kc,
+                                     float* cb, int64_t ldc, int64_t rows, int nr, bool acc, const char* pf,
+                                     int64_t pf_lines) {
+  switch (std::min<int64_t>(kMR, rows)) {
+    case 1:
+      return Path::template micro<1>(ab, lda, panel, kc, cb, ldc, nr, acc, pf, pf_lines);
+    case 2:
+      return Path::template micro<2>(ab, lda, panel, kc, cb, ldc, nr, acc, pf, pf_lines);
+    case 3:
+      return Path::template micro<3>(ab, lda, panel, kc, cb, ldc, nr, acc, pf, pf_lines);
+    case 4:
+      return Path::template micro<4>(ab, lda, panel, kc, cb, ldc, nr, acc, pf, pf_lines);
+    case 5:
+      return Path::template micro<5>(ab, lda, panel, kc, cb, ldc, nr, acc, pf, pf_lines);
+    default:
+      return Path::template micro<6>(ab, lda, panel, kc, cb, ldc, nr, acc, pf, pf_lines);
+  }
+}
 
 // The blocked GEMM both paths share: 64-column panels of W packed per kDepth of K, a kMR-row micro-kernel
 // over the rows of A, the next panel's (or the next weight's first panel's) rows prefetched under it.
@@ -159,31 +181,38 @@ ASCEND_AVX512 void gemm_blocked(const typename Path::AType* a, int64_t lda, cons
           pf_lines = std::min(share, next.lines_per_row - done % next.lines_per_row);
           done += pf_lines;
         }
-        const auto* ab = a + m0 * lda + k0;
-        float* cb = c + m0 * ldc + n0;
-        const bool acc = k0 > 0;
-        switch (std::min<int64_t>(kMR, m - m0)) {
-          case 1:
-            Path::template micro<1>(ab, lda, panel, kc, cb, ldc, nr, acc, pf, pf_lines);
-            break;
-          case 2:
-            Path::template micro<2>(ab, lda, panel, kc, cb, ldc, nr, acc, pf, pf_lines);
-            break;
-          case 3:
-            Path::template micro<3>(ab, lda, panel, kc, cb, ldc, nr, acc, pf, pf_lines);
-            break;
-          case 4:
-            Path::template micro<4>(ab, lda, panel, kc, cb, ldc, nr, acc, pf, pf_lines);
-            break;
-          case 5:
-            Path::template micro<5>(ab, lda, panel, kc, cb, ldc, nr, acc, pf, pf_lines);
-            break;
-          default:
-            Path::template micro<6>(ab, lda, panel, kc, cb, ldc, nr, acc, pf, pf_lines);
-            break;
-        }
+        micro_rows<Path>(a + m0 * lda + k0, lda, panel, kc, c + m0 * ldc + n0, ldc, m - m0, nr, k0 > 0, pf, pf_lines);
       }
     }
+  }
+}
+
+// gemm_blocked on W packed beforehand (pack_all): every panel of the first n rows of W and k of its columns,
+// no prefetch (the panels are hot: packed for many products)
+template <typename Path>
+ASCEND_AVX512 void gemm_prepacked(const typename Path::AType* a, int64_t lda, const void* panels, int64_t k_packed,
+                                  float* c, int64_t ldc, int64_t m, int64_t n, int64_t k) {
+  constexpr int64_t kDepth = Path::kDepth;
+  const auto* words = static_cast<const uint32_t*>(panels);  // 32-bit words: a float, or a pair of bf16
+  for (int64_t n0 = 0; n0 < n; n0 += kNR) {
+    const int nr = static_cast<int>(std::min<int64_t>(kNR, n - n0));
+    const uint32_t* panel = words + (n0 / kNR) * Path::words(k_packed) * kNR;
+    for (int64_t k0 = 0; k0 < k; k0 += kDepth) {
+      const int64_t kc = std::min(kDepth, k - k0);
+      for (int64_t m0 = 0; m0 < m; m0 += kMR)
+        micro_rows<Path>(a + m0 * lda + k0, lda, panel + Path::words(k0) * kNR, kc, c + m0 * ldc + n0, ldc, m - m0, nr,
+                         k0 > 0, nullptr, 0);
+    }
+  }
+}
+
+// Every panel of W [n, k] at once, [n panels][words(k)][kNR] 32-bit words, zero past n
+template <typename Path>
+ASCEND_AVX512 void pack_all(const typename Path::WType* w, int64_t ldw, int64_t n, int64_t k, void* panels) {
+  auto* words = static_cast<uint32_t*>(panels);
+  for (int64_t n0 = 0; n0 < n; n0 += kNR) {
+    const int nr = static_cast<int>(std::min<int64_t>(kNR, n - n0));
+    Path::pack(w + n0 * ldw, ldw, nr, k, words + (n0 / kNR) * Path::words(k) * kNR);
   }
 }
 
@@ -239,6 +268,7 @@ struct DpPath {
   using AType = c10::BFloat16;
   using WType = c10::BFloat16;
   static constexpr int64_t kDepth = kDpDepth;
+  static constexpr int64_t words(int64_t k) { return k / 2; }  // pairs (k even: gemm_dp_nt_supported)
   static ASCEND_AVX512_INLINE void pack(const c10::BFloat16* w, int64_t ldw, int nr, int64_t kc, void* panel) {
     pack_pairs(w, ldw, nr, kc, panel);
   }
@@ -265,6 +295,51 @@ void gemm_nt(const float* a, int64_t lda, const c10::BFloat16* w, int64_t ldw, f
 
 bool gemm_dp_nt_supported(int64_t k, int64_t ldw) { return avx512_bf16_usable() && k % 2 == 0 && ldw % 2 == 0; }
 
+int64_t gemm_panel_words(int64_t n, int64_t k, bool pairs) { return (n + kNR - 1) / kNR * kNR * (pairs ? k / 2 : k); }
+
+void gemm_pack(const float* w, int64_t ldw, int64_t n, int64_t k, uint32_t* panels) {
+  pack_all<F32Path<float>>(w, ldw, n, k, panels);
+}
+
+void gemm_pack(const c10::BFloat16* w, int64_t ldw, int64_t n, int64_t k, uint32_t* panels) {
+  pack_all<DpPath>(w, ldw, n, k, panels);
+}
+
+void gemm_pack_t(const float* wt, int64_t ldwt, int64_t n, int64_t k, int64_t k_packed, uint32_t* panels) {
+  for (int64_t n0 = 0; n0 < n; n0 += kNR) {
+    const int64_t nr = std::min<int64_t>(kNR, n - n0);
+    auto* panel = reinterpret_cast<float*>(panels + (n0 / kNR) * k_packed * kNR);
+    for (int64_t kk = 0; kk < k_packed; ++kk) {
+      float* dst = panel + kk * kNR;
+      if (kk < k) std::memcpy(dst, wt + kk * ldwt + n0, nr * sizeof(float));
+      std::fill(dst + (kk < k ? nr : 0), dst + kNR, 0.f);
+    }
+  }
+}
+
+void gemm_pack_t(const c10::BFloat16* wt, int64_t ldwt, int64_t n, int64_t k, int64_t k_packed, uint32_t* panels) {
+  const auto bits = [&](int64_t row, int64_t col) -> uint32_t {
+    return row < k ? static_cast<uint32_t>(wt[row * ldwt + col].x) : 0u;
+  };
+  for (int64_t n0 = 0; n0 < n; n0 += kNR) {
+    const int64_t nr = std::min<int64_t>(kNR, n - n0);
+    uint32_t* panel = panels + (n0 / kNR) * (k_packed / 2) * kNR;
+    for (int64_t p = 0; p < k_packed / 2; ++p)
+      for (int64_t j = 0; j < kNR; ++j)  // (W[j][2p], W[j][2p + 1]) = (Wt[2p][j], Wt[2p + 1][j]), low half first
+        panel[p * kNR + j] = j < nr ? bits(2 * p, n0 + j) | (bits(2 * p + 1, n0 + j) << 16) : 0u;
+  }
+}
+
+void gemm_nt_packed(const float* a, int64_t lda, const uint32_t* panels, int64_t k_packed, float* c, int64_t ldc,
+                    int64_t m, int64_t n, int64_t k) {
+  gemm_prepacked<F32Path<float>>(a, lda, panels, k_packed, c, ldc, m, n, k);
+}
+
+void gemm_nt_packed(const c10::BFloat16* a, int64_t lda, const uint32_t* panels, int64_t k_packed, float* c,
+                    int64_t ldc, int64_t m, int64_t n, int64_t k) {
+  gemm_prepacked<DpPath>(a, lda, panels, k_packed, c, ldc, m, n, k);
+}
+
 void gemm_dp_nt(const c10::BFloat16* a, int64_t lda, const c10::BFloat16* w, int64_t ldw, float* c, int64_t ldc,
                 int64_t m, int64_t n, int64_t k, const NextWeight& next) {
   gemm_blocked<DpPath>(a, lda, w, ldw, c, ldc, m, n, k, next);
@@ -281,6 +356,14 @@ void gemm_nt(const float*, int64_t, const c10::BFloat16*, int64_t, float*, int64
 bool gemm_dp_nt_supported(int64_t, int64_t) { return false; }
 void gemm_dp_nt(const c10::BFloat16*, int64_t, const c10::BFloat16*, int64_t, float*, int64_t, int64_t, int64_t,
                 int64_t, const NextWeight&) {}
+int64_t gemm_panel_words(int64_t, int64_t, bool) { return 0; }
+void gemm_pack(const float*, int64_t, int64_t, int64_t, uint32_t*) {}
+void gemm_pack_t(const float*, int64_t, int64_t, int64_t, int64_t, uint32_t*) {}
+void gemm_pack_t(const c10::BFloat16*, int64_t, int64_t, int64_t, int64_t, uint32_t*) {}
+void gemm_pack(const c10::BFloat16*, int64_t, int64_t, int64_t, uint32_t*) {}
+void gemm_nt_packed(const float*, int64_t, const uint32_t*, int64_t, float*, int64_t, int64_t, int64_t, int64_t) {}
+void gemm_nt_packed(const c10::BFloat16*, int64_t, const uint32_t*, int64_t, float*, int64_t, int64_t, int64_t,
+                    int64_t) {}
 
 #endif
 

@@ -70,6 +70,23 @@ void gemm_dp_nt(const c10::BFloat16* a, int64_t lda, const c10::BFloat16* w, int
 // the threads: route kOwn, or kAuto on a CPU not of Intel's (as fp32_piece_takes_own_gemm at any K).
 bool fp32_linear_takes_own_gemm(GemmRoute route);
 
+// W packed once for many products with it (attention: a head's keys and values serve every block of its
+// queries): gemm_nt's panels of W [n, k] (rows ldw apart), all of them, gemm_panel_words(n, k, pairs) 32-bit
+// words (floats; bf16, pairs = true: pairs of bf16, k and ldw even as gemm_dp_nt_supported), then C[m, n'] (row
+// stride ldc) = A[m, k'] @ W[0:n', 0:k']^T for any n' <= n, k' <= k (bf16: k' even) with the sums of gemm_nt /
+// gemm_dp_nt (the same panels, micro-kernels and blocking of K: equal bits).
+int64_t gemm_panel_words(int64_t n, int64_t k, bool pairs);
+void gemm_pack(const float* w, int64_t ldw, int64_t n, int64_t k, uint32_t* panels);
+void gemm_pack(const c10::BFloat16* w, int64_t ldw, int64_t n, int64_t k, uint32_t* panels);
+// The same panels of W given as its transpose Wt [k, n] (rows ldwt apart, n contiguous), packed k_packed deep
+// (rows k .. k_packed - 1 zero; bf16: k_packed even): gemm_panel_words(n, k_packed) words.
+void gemm_pack_t(const float* wt, int64_t ldwt, int64_t n, int64_t k, int64_t k_packed, uint32_t* panels);
+void gemm_pack_t(const c10::BFloat16* wt, int64_t ldwt, int64_t n, int64_t k, int64_t k_packed, uint32_t* panels);
+void gemm_nt_packed(const float* a, int64_t lda, const uint32_t* panels, int64_t k_packed, float* c, int64_t ldc,
+                    int64_t m, int64_t n, int64_t k);
+void gemm_nt_packed(const c10::BFloat16* a, int64_t lda, const uint32_t* panels, int64_t k_packed, float* c,
+                    int64_t ldc, int64_t m, int64_t n, int64_t k);
+
 // Whether gemm_nt runs here (isa_level() is AVX-512 or above, see common.h); callers use BLAS otherwise.
 bool gemm_nt_available();
 

@@ -12,7 +12,8 @@
 // the input dtype for bf16, as the flash kernel does), on v's own head dim (the flash kernel needs q, k
 // and v of one head dim: the pass padded v to q's and sliced the output). Measured in
 // tools/bench_kernels.py (attention rows). Without AVX-512 (or bf16 without avx512_bf16, or an odd head
-// dim in bf16), and for anything else, the flash kernel on the padded inputs, as the reference.
+// dim in bf16), bf16 on a CPU with AMX (where the flash kernel's bf16 products run on the tile units), and
+// for anything else, the flash kernel on the padded inputs, as the reference.
 #include "common.h"
 #include "gemm.h"
 #include "kernels.h"
@@ -103,10 +104,12 @@ at::Tensor empty_attention(const at::Tensor& q, const at::Tensor& k, const at::T
 // What the op computed before this kernel: the flash kernel on the inputs padded to one head dim.
 at::Tensor flash_reference(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale, bool causal,
                            const std::optional<at::Tensor>& mask) {
-  // contiguous: torch 2.13's CPU flash kernel reads wrong values from an input whose last dim is strided
-  // (measured: errors of O(1) against the float64 product, NaN for bf16 / fp16 q)
+  // the last dim contiguous: torch 2.13's CPU flash kernel reads wrong values from an input whose last dim is
+  // strided (measured: errors of O(1) against the float64 product, NaN for bf16 / fp16 q); other strides it
+  // reads right (the heads-transposed views of the attention pass: no copy)
   const int64_t d = q.size(3), dv = v.size(3);
-  at::Tensor qp = q.contiguous(), kp = k.contiguous(), vp = v.contiguous();
+  auto last = [](const at::Tensor& t) { return t.stride(3) == 1 ? t : t.contiguous(); };
+  at::Tensor qp = last(q), kp = last(k), vp = last(v);
   if (dv < d) vp = at::constant_pad_nd(vp, {0, d - dv});
   if (d < dv) qp = at::constant_pad_nd(qp, {0, dv - d}), kp = at::constant_pad_nd(kp, {0, dv - d});
   auto out = std::get<0>(at::_scaled_dot_product_flash_attention_for_cpu(qp, kp, vp, 0.0, causal, mask, scale));
@@ -213,7 +216,12 @@ at::Tensor attention(const at::Tensor& query, const at::Tensor& key, const at::T
   auto last = [](const at::Tensor& t) { return t.stride(3) == 1 ? t : t.contiguous(); };
   const auto q = last(query), k = last(key), v = last(value);
   // bf16 pairs: an even head dim and key row stride (the p.v product's K and row stride are padded to even)
-  const bool fast = gemm_nt_available() &&
+  // bf16 on a CPU with AMX: the flash kernel, whose bf16 products reach the tile units through oneDNN's brgemm;
+  // this kernel's vdpbf16ps GEMM is 2.5-3.6x slower there (session 17, 2-core Xeon with AMX, the bench model's
+  // attention, 8 heads, q/k 96, v 64, causal, ms per call, this kernel / the flash kernel on v padded: T=256
+  // 0.88 / 0.24, T=1024 8.8 / 3.1; fp32 0.51 / 0.78 and 6.2 / 8.9, so fp32 keeps this kernel)
+  const bool amx_bf16 = dtype == at::kBFloat16 && isa_level() == Isa::kAmx;
+  const bool fast = gemm_nt_available() && !amx_bf16 &&
                     (dtype == at::kFloat || (dtype == at::kBFloat16 && gemm_dp_nt_supported(q.size(3), k.stride(2))));
   if (!fast) return flash_reference(query, key, value, scale, is_causal, attn_mask);
   auto out = attention_output(query, value);

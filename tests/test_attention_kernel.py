@@ -5,11 +5,13 @@ output has the flash output's strides; bad input raises the op's ValueError."""
 
 from __future__ import annotations
 
+import os
 import re
 
 import pytest
 import torch
 import torch.nn.functional as F
+from _helpers import cpu_flags, rerun_capped
 
 import ascend_passes.ops  # noqa: F401 - torch.ops.ascend
 from ascend_passes.ops.attention import attention as reference
@@ -155,6 +157,32 @@ def test_odd_bf16_head_dim_takes_the_reference():
     torch.manual_seed(2)
     q, k, v = (torch.randn(1, 2, 9, 7).bfloat16() for _ in range(3))
     assert torch.equal(A.attention(q, k, v, 0.4, True), reference(q, k, v, 0.4, True))
+
+
+def test_bf16_on_an_amx_cpu_takes_the_flash_kernel():
+    """On a CPU with AMX (uncapped) bf16 attention is the flash kernel on v padded to q's head dim, bit for bit
+    (its bf16 products reach the tile units; the own vdpbf16ps kernel is 2.5-3.6x slower there); capped
+    (ASCEND_PASSES_ISA=avx512_bf16, test_bf16_capped_below_amx) the own kernel runs, within the tolerance."""
+    amx = {"amx_bf16", "amx_tile", "avx512_bf16"} <= cpu_flags()
+    if not amx or os.environ.get("ASCEND_PASSES_ISA", "amx") != "amx":
+        pytest.skip("this CPU lacks AMX (amx_bf16/amx_tile in /proc/cpuinfo) or the level is capped: no AMX route")
+    torch.manual_seed(5)
+    q, k = (torch.randn(1, 70, 4, 96).bfloat16().transpose(1, 2) for _ in range(2))
+    v = torch.randn(1, 70, 4, 64).bfloat16().transpose(1, 2)
+    flash = F.scaled_dot_product_attention(q, k, F.pad(v, (0, 32)), is_causal=True, scale=0.3)[..., :64]
+    out = A.attention(q, k, v, 0.3, True)
+    assert torch.equal(out, flash)
+    assert _rel(out, _exact(q, k, v, 0.3, True)) <= TOL[torch.bfloat16]
+
+
+def test_bf16_capped_below_amx():
+    """On a CPU with AMX, the bf16 tests again in a fresh process capped to avx512_bf16: the own kernel's bf16
+    path, which such a CPU runs only when capped, stays tested there."""
+    if not {"amx_bf16", "amx_tile", "avx512_bf16"} <= cpu_flags():
+        pytest.skip("this CPU lacks AMX: the uncapped run above already ran the own bf16 kernel")
+    if os.environ.get("ASCEND_PASSES_ISA"):
+        pytest.skip("already capped")
+    rerun_capped(__file__, "dtype1 or odd_bf16", "avx512_bf16")  # dtype1: bf16 in every dtype list here
 
 
 @pytest.mark.parametrize(

@@ -14,11 +14,20 @@
 // tools/bench_kernels.py (attention rows). Without AVX-512 (or bf16 without avx512_bf16, or an odd head
 // dim in bf16), bf16 on a CPU with AMX (where the flash kernel's bf16 products run on the tile units), and
 // for anything else, the flash kernel on the padded inputs, as the reference.
+#include "amx_swap.h"  // amx_swap_available
 #include "common.h"
 #include "gemm.h"
 #include "kernels.h"
 
 #include <vector>
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#include <immintrin.h>
+
+#include "amx_tiles.h"
+#include "transpose.h"
+#define ASCEND_ATTN_AMX 1
+#endif
 
 namespace ascend_kernels {
 namespace {
@@ -48,10 +57,18 @@ ASCEND_ATTN_TARGET float softmax_row(float* s, const float* m, int64_t ms, int64
     scale = 1.0f;
   }
   float part[W];
-  for (int64_t l = 0; l < W; ++l) part[l] = -std::numeric_limits<float>::infinity();
   int64_t j = 0;
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+  // vmaxps(part, s) is `part > s ? part : s`, the loop below element for element (GCC left that loop scalar:
+  // a quarter of the AMX attention's time at 1024 tokens)
+  __m512 pm = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (; j + W <= seen; j += W) pm = _mm512_max_ps(pm, _mm512_loadu_ps(s + j));
+  _mm512_storeu_ps(part, pm);
+#else
+  for (int64_t l = 0; l < W; ++l) part[l] = -std::numeric_limits<float>::infinity();
   for (; j + W <= seen; j += W)
     for (int64_t l = 0; l < W; ++l) part[l] = part[l] > s[j + l] ? part[l] : s[j + l];
+#endif
   float mx = -std::numeric_limits<float>::infinity();
   for (; j < seen; ++j) mx = std::max(mx, s[j]);
   for (int64_t l = 0; l < W; ++l) mx = std::max(mx, part[l]);
@@ -173,6 +190,199 @@ void attention_blocks(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   });
 }
 
+#if ASCEND_ATTN_AMX
+// bf16 on the AMX tile units (a CPU with AMX; 16 or more query rows; q/k and v head dims multiples of 32, any
+// strides): per thread and head, k packed once as the B operand of q·kᵀ (VNNI-2: [16-key block][D/2
+// pairs][16 keys], pack_keys) and v as the B operand of p·v ([32-key step][16-dim block][16 key pairs][16
+// dims], pack_values), keys zero-padded to a multiple of 32; per work item (64 query rows) the rows copied into
+// a zero-padded [64][D] block (A tiles read whole 32-element steps), scores in 2 x 2 tiles (32 rows x 32 keys)
+// over D, the causal key blocks past a 32-row half's last row never, the softmax of the AVX-512 path, p rounded
+// to bf16 32 at a time (round_row_bf16), then p·v in 2 x 2 tiles (32 rows x 32 dims) over the keys. fp32 sums of bf16
+// products, as the AVX-512 path and the flash kernel (other summation order: within the bf16 tolerance, not equal
+// bits).
+#define ASCEND_ATTN_AMX_T \
+  __attribute__((target("amx-tile,amx-bf16,avx512f,avx512vl,avx512bw,avx512dq,avx512bf16,avx2,fma")))
+
+constexpr int64_t kKeyStep = 32;  // keys (and head dims) per tile step
+
+constexpr int64_t kAmxMinRows = 16;  // fewer query rows (decode): the flash kernel (attention() below)
+
+bool amx_attention_supported(const at::Tensor& q, const at::Tensor& v) {
+  return amx_swap_available() && q.scalar_type() == at::kBFloat16 && q.size(2) >= kAmxMinRows &&
+         q.size(3) % kKeyStep == 0 && v.size(3) % kKeyStep == 0;
+}
+
+// kp[b][p][j] = (k[16b + j][2p], k[16b + j][2p + 1]), zero for keys >= S; blocks up to sp / 16. Any row stride
+// (32 bf16 of a row read as 16 unaligned 32-bit pairs).
+ASCEND_ATTN_AMX_T void pack_keys(const c10::BFloat16* k, int64_t ldk, int64_t S, int64_t D, int64_t sp, uint32_t* kp) {
+  const int64_t half = D / 2;
+  for (int64_t b = 0; b < sp / 16; ++b) {
+    const int64_t rows = std::clamp<int64_t>(S - 16 * b, 0, 16);
+    for (int64_t s = 0; s < D / kKeyStep; ++s) {
+      __m512 r[16];
+      for (int64_t i = 0; i < 16; ++i)
+        r[i] = i < rows ? _mm512_loadu_ps(reinterpret_cast<const float*>(k + (16 * b + i) * ldk + s * kKeyStep))
+                        : _mm512_setzero_ps();
+      transpose16x16_store(r, reinterpret_cast<float*>(kp + (b * half + s * 16) * 16), 16);
+    }
+  }
+}
+
+// vp[t][c][p][j] = (v[32t + 2p][16c + j], v[32t + 2p + 1][16c + j]), zero for keys >= S; t < sp / 32.
+ASCEND_ATTN_AMX_T void pack_values(const c10::BFloat16* v, int64_t ldv, int64_t S, int64_t Dv, int64_t sp,
+                                   uint32_t* vp) {
+  const uint16_t* v16 = reinterpret_cast<const uint16_t*>(v);
+  const int64_t blocks = Dv / 16;
+  for (int64_t t = 0; t < sp / kKeyStep; ++t)
+    for (int64_t c = 0; c < blocks; ++c)
+      for (int64_t p = 0; p < 16; ++p) {
+        const int64_t r0 = kKeyStep * t + 2 * p;
+        const __m256i lo = r0 < S ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v16 + r0 * ldv + 16 * c))
+                                  : _mm256_setzero_si256();
+        const __m256i hi = r0 + 1 < S
+                               ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v16 + (r0 + 1) * ldv + 16 * c))
+                               : _mm256_setzero_si256();
+        const __m512i pair =
+            _mm512_or_si512(_mm512_cvtepu16_epi32(lo), _mm512_slli_epi32(_mm512_cvtepu16_epi32(hi), 16));
+        _mm512_storeu_si512(vp + ((t * blocks + c) * 16 + p) * 16, pair);
+      }
+}
+
+// p[j] = s[j] rounded to bf16 to nearest even, 32 at a time (vcvtne2ps2bf16; as round_row, but a denormal
+// probability, below 1.2e-38 of the row's largest, becomes 0).
+ASCEND_ATTN_AMX_T void round_row_bf16(const float* s, c10::BFloat16* p, int64_t n) {
+  int64_t j = 0;
+  for (; j + 32 <= n; j += 32)
+    _mm512_storeu_si512(p + j, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(s + j + 16), _mm512_loadu_ps(s + j)));
+  for (; j < n; ++j) p[j] = c10::BFloat16(s[j]);
+}
+
+// scores[i][j] (row stride lds floats) = q[i] · k[j] for rows i < 32 of qb ([32][D] bf16, zero past the real
+// rows) and keys j < keys (a multiple of 32).
+ASCEND_ATTN_AMX_T void amx_scores(const c10::BFloat16* qb, int64_t D, const uint32_t* kp, int64_t keys, float* scores,
+                                  int64_t lds) {
+  const int64_t half = D / 2;
+  for (int64_t kb = 0; kb < keys / kKeyStep; ++kb) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    const uint32_t* b0 = kp + 2 * kb * half * 16;
+    const uint32_t* b1 = b0 + half * 16;
+    for (int64_t s = 0; s < D / kKeyStep; ++s) {
+      _tile_loadd(4, qb + s * kKeyStep, D * 2);
+      _tile_loadd(6, b0 + s * 256, 64);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_loadd(7, b1 + s * 256, 64);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_loadd(5, qb + 16 * D + s * kKeyStep, D * 2);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+    float* c = scores + kb * kKeyStep;
+    _tile_stored(0, c, lds * 4);
+    _tile_stored(1, c + 16, lds * 4);
+    _tile_stored(2, c + 16 * lds, lds * 4);
+    _tile_stored(3, c + 16 * lds + 16, lds * 4);
+  }
+}
+
+// acc[i][d] (row stride Dv floats) = sum over keys j < keys (a multiple of 32) of p[i][j] v[j][d], rows i < 32 of
+// p ([32][ldp] bf16).
+ASCEND_ATTN_AMX_T void amx_values(const c10::BFloat16* p, int64_t ldp, const uint32_t* vp, int64_t keys, int64_t Dv,
+                                  float* acc) {
+  const int64_t blocks = Dv / 16;
+  for (int64_t cb = 0; cb < Dv / kKeyStep; ++cb) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t t = 0; t < keys / kKeyStep; ++t) {
+      const uint32_t* b0 = vp + (t * blocks + 2 * cb) * 256;
+      _tile_loadd(4, p + t * kKeyStep, ldp * 2);
+      _tile_loadd(6, b0, 64);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_loadd(7, b0 + 256, 64);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_loadd(5, p + 16 * ldp + t * kKeyStep, ldp * 2);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+    float* c = acc + cb * kKeyStep;
+    _tile_stored(0, c, Dv * 4);
+    _tile_stored(1, c + 16, Dv * 4);
+    _tile_stored(2, c + 16 * Dv, Dv * 4);
+    _tile_stored(3, c + 16 * Dv + 16, Dv * 4);
+  }
+}
+
+// The work items [lo, hi) of amx_attention_blocks on one thread (the AMX target for the tile calls).
+ASCEND_ATTN_AMX_T void amx_attention_items(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                           const at::Tensor& mask, at::Tensor& out, float scale, bool causal,
+                                           int64_t lo, int64_t hi) {
+  using bf16 = c10::BFloat16;
+  const int64_t N = q.size(1), L = q.size(2), D = q.size(3), S = k.size(2), Dv = v.size(3);
+  const int64_t sp = (S + kKeyStep - 1) / kKeyStep * kKeyStep;  // keys padded to the tile step
+  const int64_t blocks = (L + kRows - 1) / kRows;
+  const bf16* qp = q.const_data_ptr<bf16>();
+  const bf16* kp = k.const_data_ptr<bf16>();
+  const bf16* vp = v.const_data_ptr<bf16>();
+  bf16* op = out.data_ptr<bf16>();
+  const float* mp = mask.defined() ? mask.const_data_ptr<float>() : nullptr;
+  std::vector<float> scores(static_cast<size_t>(kRows * sp)), acc(static_cast<size_t>(kRows * Dv)), inv(kRows);
+  std::vector<bf16> probs(static_cast<size_t>(kRows * sp)), qbuf(static_cast<size_t>(kRows * D));
+  std::vector<uint32_t> kpan(static_cast<size_t>(sp * D / 2)), vpan(static_cast<size_t>(sp * Dv / 2));
+  configure_amx_tiles();
+  int64_t packed = -1;
+  for (int64_t item = lo; item < hi; ++item) {
+    const int64_t bn = item / blocks, b = bn / N, n = bn % N, r0 = (item % blocks) * kRows;
+    if (bn != packed) {
+      pack_keys(kp + b * k.stride(0) + n * k.stride(1), k.stride(2), S, D, sp, kpan.data());
+      pack_values(vp + b * v.stride(0) + n * v.stride(1), v.stride(2), S, Dv, sp, vpan.data());
+      packed = bn;
+    }
+    const int64_t rows = std::min(kRows, L - r0);
+    const int64_t kv = causal ? std::min(S, r0 + rows) : S;  // keys any of these rows sees
+    const int64_t kvp = (kv + kKeyStep - 1) / kKeyStep * kKeyStep;
+    // the keys a half of 32 rows sees: up to its last row's (causal), all kv otherwise
+    const auto half_keys = [&](int64_t h) {
+      return causal ? std::min(kvp, (std::min(S, r0 + h + 32) + kKeyStep - 1) / kKeyStep * kKeyStep) : kvp;
+    };
+    const bf16* qb = qp + b * q.stride(0) + n * q.stride(1) + r0 * q.stride(2);
+    const int64_t padded_rows = (rows + 31) / 32 * 32;
+    for (int64_t i = 0; i < padded_rows; ++i) {
+      if (i < rows)
+        std::memcpy(qbuf.data() + i * D, qb + i * q.stride(2), D * sizeof(bf16));
+      else
+        std::memset(static_cast<void*>(qbuf.data() + i * D), 0, D * sizeof(bf16));
+    }
+    for (int64_t h = 0; h < rows; h += 32)
+      amx_scores(qbuf.data() + h * D, D, kpan.data(), half_keys(h), scores.data() + h * kvp, kvp);
+    for (int64_t i = 0; i < rows; ++i) {
+      float* s = scores.data() + i * kvp;
+      const float* m =
+          mp == nullptr ? nullptr : mp + b * mask.stride(0) + n * mask.stride(1) + (r0 + i) * mask.stride(2);
+      inv[i] = softmax_row(s, m, mp == nullptr ? 0 : mask.stride(3), causal ? r0 + i + 1 : kv, kvp, scale);
+      round_row_bf16(s, probs.data() + i * kvp, kvp);
+    }
+    for (int64_t i = rows; i < padded_rows; ++i)  // the last half's rows past L: zeros, not stale values
+      std::memset(static_cast<void*>(probs.data() + i * kvp), 0, kvp * sizeof(bf16));
+    for (int64_t h = 0; h < rows; h += 32)
+      amx_values(probs.data() + h * kvp, kvp, vpan.data(), half_keys(h), Dv, acc.data() + h * Dv);
+    for (int64_t i = 0; i < rows; ++i)
+      scale_row(acc.data() + i * Dv, inv[i], op + b * out.stride(0) + n * out.stride(1) + (r0 + i) * out.stride(2), Dv);
+  }
+  _tile_release();
+}
+
+void amx_attention_blocks(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,
+                          at::Tensor& out, float scale, bool causal) {
+  const int64_t items = q.size(0) * q.size(1) * ((q.size(2) + kRows - 1) / kRows);
+  at::parallel_for(0, items, 1,
+                   [&](int64_t lo, int64_t hi) { amx_attention_items(q, k, v, mask, out, scale, causal, lo, hi); });
+}
+#endif
+
 }  // namespace
 
 at::Tensor attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, double scale,
@@ -216,11 +426,22 @@ at::Tensor attention(const at::Tensor& query, const at::Tensor& key, const at::T
   auto last = [](const at::Tensor& t) { return t.stride(3) == 1 ? t : t.contiguous(); };
   const auto q = last(query), k = last(key), v = last(value);
   // bf16 pairs: an even head dim and key row stride (the p.v product's K and row stride are padded to even)
-  // bf16 on a CPU with AMX: the flash kernel, whose bf16 products reach the tile units through oneDNN's brgemm;
-  // this kernel's vdpbf16ps GEMM is 2.5-3.6x slower there (session 17, 2-core Xeon with AMX, the bench model's
-  // attention, 8 heads, q/k 96, v 64, causal, ms per call, this kernel / the flash kernel on v padded: T=256
-  // 0.88 / 0.24, T=1024 8.8 / 3.1; fp32 0.51 / 0.78 and 6.2 / 8.9, so fp32 keeps this kernel)
+  // bf16 on a CPU with AMX: the tile kernel (amx_attention_blocks) for 16 or more query rows and head dims that
+  // are multiples of 32, else the flash kernel, whose bf16 products reach the tile units through oneDNN's
+  // brgemm; the vdpbf16ps GEMM below is 2.5-3.6x slower there. Session 17, 2-core Xeon with AMX, the bench
+  // model's attention (8 heads, q/k 96, v 64, causal), ms per call, vdpbf16ps / flash (v padded) / tiles:
+  // T=64 - / 0.065-0.069 / 0.042-0.045, T=256 0.88 / 0.30-0.34 / 0.23, T=1024 8.8 / 3.3 / 2.9 (both
+  // exp-bound: the softmax is half of the tile kernel's time); one query row (decode, B=8, S=1 / S=256):
+  // flash 0.026 / 0.034, tiles 0.034 / 0.049, hence kAmxMinRows. fp32 keeps the own kernel (0.51 / 0.78 ms
+  // against flash at T=256, 6.2 / 8.9 at T=1024).
   const bool amx_bf16 = dtype == at::kBFloat16 && isa_level() == Isa::kAmx;
+#if ASCEND_ATTN_AMX
+  if (amx_bf16 && amx_attention_supported(q, v)) {
+    auto out = attention_output(query, value);
+    amx_attention_blocks(q, k, v, mask, out, static_cast<float>(scale), is_causal);
+    return out;
+  }
+#endif
   const bool fast = gemm_nt_available() && !amx_bf16 &&
                     (dtype == at::kFloat || (dtype == at::kBFloat16 && gemm_dp_nt_supported(q.size(3), k.stride(2))));
   if (!fast) return flash_reference(query, key, value, scale, is_causal, attn_mask);

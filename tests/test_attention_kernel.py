@@ -87,12 +87,13 @@ def test_causal_rows_see_only_their_past():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("form", ["2d", "4d", "heads", "batch_f32"])
-def test_additive_masks(dtype, form):
+@pytest.mark.parametrize("d,dv", [(16, 8), (32, 32)])  # bf16 32/32 on an AMX CPU: the tile kernel
+def test_additive_masks(dtype, form, d, dv):
     """A mask broadcast to the scores (2-D [L, S], 4-D [B, N, L, S], [1, N, L, S], a float32 [B, 1, L, S] for
     bf16 inputs), with rows it hides entirely (batch row 1, query row 7): those rows give zeros, the others
     the exact product, as the reference (the flash kernel) does."""
     torch.manual_seed(3)
-    b, n, length, kv, d, dv = 2, 3, 70, 66, 16, 8
+    b, n, length, kv = 2, 3, 70, 66
     q, k = torch.randn(b, n, length, d).to(dtype), torch.randn(b, n, kv, d).to(dtype)
     v = torch.randn(b, n, kv, dv).to(dtype)
     shape = {"2d": (length, kv), "4d": (b, n, length, kv), "heads": (1, n, length, kv)}
@@ -111,11 +112,13 @@ def test_additive_masks(dtype, form):
     assert _rel(ref, exact) <= TOL[dtype]
 
 
-def test_a_nan_or_inf_score_makes_its_row_nan():
+@pytest.mark.parametrize("dtype,d,dv", [(torch.float32, 16, 8), (torch.bfloat16, 32, 32)])
+def test_a_nan_or_inf_score_makes_its_row_nan(dtype, d, dv):
     """The kernel's semantics of special values (tests/test_fuzz_ops.py fuzzes finite inputs only: torch's flash
-    kernel gives per-column patterns there): a NaN or +Inf score makes the row NaN, nothing else."""
+    kernel gives per-column patterns there): a NaN or +Inf score makes the row NaN, nothing else (bf16 32/32: the
+    tile kernel on an AMX CPU, the vdpbf16ps one elsewhere)."""
     torch.manual_seed(4)
-    q, k, v = torch.randn(1, 1, 70, 16), torch.randn(1, 1, 70, 16), torch.randn(1, 1, 70, 8)
+    q, k, v = (torch.randn(1, 1, 70, w).to(dtype) for w in (d, d, dv))
     mask = torch.zeros(70, 70)
     mask[3, 10], mask[40, 2] = float("nan"), float("inf")
     out = A.attention(q, k, v, 0.25, False, mask)
@@ -159,27 +162,38 @@ def test_odd_bf16_head_dim_takes_the_reference():
     assert torch.equal(A.attention(q, k, v, 0.4, True), reference(q, k, v, 0.4, True))
 
 
-def test_bf16_on_an_amx_cpu_takes_the_flash_kernel():
-    """On a CPU with AMX (uncapped) bf16 attention is the flash kernel on v padded to q's head dim, bit for bit
-    (its bf16 products reach the tile units; the own vdpbf16ps kernel is 2.5-3.6x slower there); capped
-    (ASCEND_PASSES_ISA=avx512_bf16, test_bf16_capped_below_amx) the own kernel runs, within the tolerance."""
+def _amx_uncapped() -> bool:
     amx = {"amx_bf16", "amx_tile", "avx512_bf16"} <= cpu_flags()
-    if not amx or os.environ.get("ASCEND_PASSES_ISA", "amx") != "amx":
+    return amx and os.environ.get("ASCEND_PASSES_ISA", "amx") == "amx"
+
+
+@pytest.mark.parametrize(
+    "length,d,dv,route",
+    [(70, 96, 64, "tiles"), (16, 32, 32, "tiles"), (15, 96, 64, "flash"), (70, 48, 64, "flash"), (70, 96, 40, "flash")],
+)
+def test_bf16_routes_on_an_amx_cpu(length, d, dv, route):
+    """On a CPU with AMX (uncapped) bf16 attention runs on the tile units: the own tile kernel for 16 or more query
+    rows and head dims that are multiples of 32 (within the tolerance; its sums in another order than the flash
+    kernel's, so other bits), else the flash kernel on v padded to q's head dim, bit for bit. (Capped to
+    avx512_bf16 the vdpbf16ps kernel runs: test_bf16_capped_below_amx.)"""
+    if not _amx_uncapped():
         pytest.skip("this CPU lacks AMX (amx_bf16/amx_tile in /proc/cpuinfo) or the level is capped: no AMX route")
-    torch.manual_seed(5)
-    q, k = (torch.randn(1, 70, 4, 96).bfloat16().transpose(1, 2) for _ in range(2))
-    v = torch.randn(1, 70, 4, 64).bfloat16().transpose(1, 2)
-    flash = F.scaled_dot_product_attention(q, k, F.pad(v, (0, 32)), is_causal=True, scale=0.3)[..., :64]
+    torch.manual_seed(length + d + dv)
+    q, k = (torch.randn(1, length, 4, d).bfloat16().transpose(1, 2) for _ in range(2))
+    v = torch.randn(1, length, 4, dv).bfloat16().transpose(1, 2)
+    width = max(d, dv)
+    pad = (lambda t: F.pad(t, (0, width - t.shape[-1]))) if d != dv else (lambda t: t)
+    flash = F.scaled_dot_product_attention(pad(q), pad(k), pad(v), is_causal=True, scale=0.3)[..., :dv]
     out = A.attention(q, k, v, 0.3, True)
-    assert torch.equal(out, flash)
     assert _rel(out, _exact(q, k, v, 0.3, True)) <= TOL[torch.bfloat16]
+    assert torch.equal(out, flash) == (route == "flash")
 
 
 def test_bf16_capped_below_amx():
     """On a CPU with AMX, the bf16 tests again in a fresh process capped to avx512_bf16: the own kernel's bf16
     path, which such a CPU runs only when capped, stays tested there."""
     if not {"amx_bf16", "amx_tile", "avx512_bf16"} <= cpu_flags():
-        pytest.skip("this CPU lacks AMX: the uncapped run above already ran the own bf16 kernel")
+        pytest.skip("this CPU lacks AMX: the uncapped run already ran the vdpbf16ps kernel")
     if os.environ.get("ASCEND_PASSES_ISA"):
         pytest.skip("already capped")
     rerun_capped(__file__, "dtype1 or odd_bf16", "avx512_bf16")  # dtype1: bf16 in every dtype list here

@@ -196,10 +196,10 @@ void attention_blocks(const at::Tensor& q, const at::Tensor& k, const at::Tensor
 // pairs][16 keys], pack_keys) and v as the B operand of p·v ([32-key step][16-dim block][16 key pairs][16
 // dims], pack_values), keys zero-padded to a multiple of 32; per work item (64 query rows) the rows copied into
 // a zero-padded [64][D] block (A tiles read whole 32-element steps), scores in 2 x 2 tiles (32 rows x 32 keys)
-// over D, the causal key blocks past a 32-row half's last row never, the softmax of the AVX-512 path, p rounded
-// to bf16 32 at a time (round_row_bf16), then p·v in 2 x 2 tiles (32 rows x 32 dims) over the keys. fp32 sums of bf16
-// products, as the AVX-512 path and the flash kernel (other summation order: within the bf16 tolerance, not equal
-// bits).
+// over D, the causal key blocks past a 32-row half's last row never, the softmax (softmax_round_row: exp, sum
+// and rounding of p to bf16 in one vectorised pass), then p·v in 2 x 2 tiles (32 rows x 32 dims) over the keys. fp32
+// sums of bf16 products, as the AVX-512 path and the flash kernel (other summation order: within the bf16 tolerance,
+// not equal bits).
 #define ASCEND_ATTN_AMX_T \
   __attribute__((target("amx-tile,amx-bf16,avx512f,avx512vl,avx512bw,avx512dq,avx512bf16,avx2,fma")))
 
@@ -248,13 +248,69 @@ ASCEND_ATTN_AMX_T void pack_values(const c10::BFloat16* v, int64_t ldv, int64_t 
       }
 }
 
-// p[j] = s[j] rounded to bf16 to nearest even, 32 at a time (vcvtne2ps2bf16; as round_row, but a denormal
-// probability, below 1.2e-38 of the row's largest, becomes 0).
-ASCEND_ATTN_AMX_T void round_row_bf16(const float* s, c10::BFloat16* p, int64_t n) {
-  int64_t j = 0;
-  for (; j + 32 <= n; j += 32)
-    _mm512_storeu_si512(p + j, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(s + j + 16), _mm512_loadu_ps(s + j)));
-  for (; j < n; ++j) p[j] = c10::BFloat16(s[j]);
+// exp(x) of 16 lanes, x <= 0 or NaN (a softmax's shifted scores): exp_reduced's range reduction and polynomial
+// (common.h), the 2^n scale by vscalefps (underflows gradually to 0, as exp_f32); NaN stays NaN.
+ASCEND_ATTN_AMX_T __m512 exp_nonpositive(__m512 x) {
+  x = _mm512_max_ps(_mm512_set1_ps(-104.0f), x);  // vmaxps returns its second operand for a NaN: kept
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// softmax_row's semantics for the tile kernel, its exp, sum and rounding in one pass: p[0, kvp) (kvp a multiple
+// of 32) = bf16(exp(x - max x)) with x = s * scale (+ the mask row) over the `seen` first columns, 0 after;
+// returns 1 / sum of the fp32 exps (0 for a row the mask hides entirely; NaN or +Inf scores make the row NaN).
+// The exps are not stored back: half the passes over the row of softmax_row and a rounding pass (the tile
+// kernel's softmax was half its time at 1024 tokens; session 17, the bench model's attention, alternated in one
+// process: T=64 0.050-0.055 -> 0.037-0.041 ms, T=256 0.25-0.27 -> 0.19-0.21, T=1024 2.35-2.63 -> 1.97-2.13).
+// p rounded by vcvtne2ps2bf16 (to nearest even; a denormal probability, below 1.2e-38 of the row's largest,
+// becomes 0).
+ASCEND_ATTN_AMX_T float softmax_round_row(float* s, const float* m, int64_t ms, int64_t seen, int64_t kvp, float scale,
+                                          c10::BFloat16* p) {
+  if (m != nullptr) {
+    if (ms == 1)
+      for (int64_t j = 0; j < seen; ++j) s[j] = s[j] * scale + m[j];
+    else
+      for (int64_t j = 0; j < seen; ++j) s[j] = s[j] * scale + m[j * ms];
+    scale = 1.0f;
+  }
+  const auto lanes = [&](int64_t j) -> __mmask16 {
+    return j + 16 <= seen ? __mmask16(0xffff) : j >= seen ? __mmask16(0) : __mmask16((1u << (seen - j)) - 1);
+  };
+  __m512 pm = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t j = 0; j < seen; j += 16) pm = _mm512_mask_max_ps(pm, lanes(j), pm, _mm512_loadu_ps(s + j));
+  const float mx = _mm512_reduce_max_ps(pm);
+  if (mx == -std::numeric_limits<float>::infinity()) {  // every score -inf (the mask), or NaN
+    bool nan = false;
+    for (int64_t j = 0; j < seen; ++j) nan |= std::isnan(s[j]);
+    for (int64_t j = 0; j < kvp; ++j)
+      p[j] = nan && j < seen ? c10::BFloat16(std::numeric_limits<float>::quiet_NaN()) : c10::BFloat16(0.0f);
+    return nan ? 1.0f : 0.0f;
+  }
+  const __m512 vmx = _mm512_set1_ps(mx), vscale = _mm512_set1_ps(scale);
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t j = 0; j < kvp; j += 32) {
+    __m512 e[2];
+    for (int h = 0; h < 2; ++h) {
+      const __mmask16 k = lanes(j + 16 * h);
+      e[h] = k == 0
+                 ? _mm512_setzero_ps()
+                 : _mm512_maskz_mov_ps(k, exp_nonpositive(_mm512_mul_ps(
+                                              _mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + j + 16 * h), vmx), vscale)));
+      sum = _mm512_add_ps(sum, e[h]);
+    }
+    _mm512_storeu_si512(p + j, (__m512i)_mm512_cvtne2ps_pbh(e[1], e[0]));
+  }
+  return 1.0f / _mm512_reduce_add_ps(sum);
 }
 
 // scores[i][j] (row stride lds floats) = q[i] · k[j] for rows i < 32 of qb ([32][D] bf16, zero past the real
@@ -362,8 +418,8 @@ ASCEND_ATTN_AMX_T void amx_attention_items(const at::Tensor& q, const at::Tensor
       float* s = scores.data() + i * kvp;
       const float* m =
           mp == nullptr ? nullptr : mp + b * mask.stride(0) + n * mask.stride(1) + (r0 + i) * mask.stride(2);
-      inv[i] = softmax_row(s, m, mp == nullptr ? 0 : mask.stride(3), causal ? r0 + i + 1 : kv, kvp, scale);
-      round_row_bf16(s, probs.data() + i * kvp, kvp);
+      inv[i] = softmax_round_row(s, m, mp == nullptr ? 0 : mask.stride(3), causal ? r0 + i + 1 : kv, kvp, scale,
+                                 probs.data() + i * kvp);
     }
     for (int64_t i = rows; i < padded_rows; ++i)  // the last half's rows past L: zeros, not stale values
       std::memset(static_cast<void*>(probs.data() + i * kvp), 0, kvp * sizeof(bf16));

@@ -89,6 +89,7 @@ ASCEND_ATTN_TARGET float softmax_row(float* s, const float* m, int64_t ms, int64
   return 1.0f / sum;
 }
 
+// (bf16 without the x86-64 GCC build's softmax_round_row)
 ASCEND_ATTN_TARGET void round_row(const float* s, c10::BFloat16* p, int64_t n) {
   for (int64_t j = 0; j < n; ++j) p[j] = c10::BFloat16(s[j]);
 }
@@ -97,6 +98,79 @@ template <typename T>
 ASCEND_ATTN_TARGET void scale_row(const float* acc, float inv, T* o, int64_t n) {
   for (int64_t d = 0; d < n; ++d) o[d] = T(acc[d] * inv);
 }
+
+#if ASCEND_ATTN_AMX
+#define ASCEND_ATTN_BF16_T __attribute__((target("avx512f,avx512vl,avx512bw,avx512dq,avx512bf16,avx2,fma")))
+
+// exp(x) of 16 lanes, x <= 0 or NaN (a softmax's shifted scores): exp_reduced's range reduction and polynomial
+// (common.h), the 2^n scale by vscalefps (underflows gradually to 0, as exp_f32); NaN stays NaN.
+ASCEND_ATTN_BF16_T __m512 exp_nonpositive(__m512 x) {
+  x = _mm512_max_ps(_mm512_set1_ps(-104.0f), x);  // vmaxps returns its second operand for a NaN: kept
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// softmax_row's semantics for bf16 (the tile kernel and the vdpbf16ps path), its exp, sum and rounding in one
+// pass: p[0, kvp) = bf16(exp(x - max x)) with x = s * scale (+ the mask row) over the `seen` first columns, 0 after;
+// returns 1 / sum of the fp32 exps (0 for a row the mask hides entirely; NaN or +Inf scores make the row NaN).
+// The exps are not stored back: half the passes over the row of softmax_row and a rounding pass (the tile
+// kernel's softmax was half its time at 1024 tokens; session 17, the bench model's attention, alternated in one
+// process: T=64 0.050-0.055 -> 0.037-0.041 ms, T=256 0.25-0.27 -> 0.19-0.21, T=1024 2.35-2.63 -> 1.97-2.13; the
+// vdpbf16ps path, run on the same Xeon capped to avx512_bf16, where its GEMM is the larger part: 1.17x at T=64,
+// 1.09-1.12x at 256, 1.06-1.07x at 1024). kvp: any (the last store masked).
+// p rounded by vcvtne2ps2bf16 (to nearest even; a denormal probability, below 1.2e-38 of the row's largest,
+// becomes 0).
+ASCEND_ATTN_BF16_T float softmax_round_row(float* s, const float* m, int64_t ms, int64_t seen, int64_t kvp, float scale,
+                                           c10::BFloat16* p) {
+  if (m != nullptr) {
+    if (ms == 1)
+      for (int64_t j = 0; j < seen; ++j) s[j] = s[j] * scale + m[j];
+    else
+      for (int64_t j = 0; j < seen; ++j) s[j] = s[j] * scale + m[j * ms];
+    scale = 1.0f;
+  }
+  const auto lanes = [&](int64_t j) -> __mmask16 {
+    return j + 16 <= seen ? __mmask16(0xffff) : j >= seen ? __mmask16(0) : __mmask16((1u << (seen - j)) - 1);
+  };
+  __m512 pm = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t j = 0; j < seen; j += 16) pm = _mm512_mask_max_ps(pm, lanes(j), pm, _mm512_loadu_ps(s + j));
+  const float mx = _mm512_reduce_max_ps(pm);
+  if (mx == -std::numeric_limits<float>::infinity()) {  // every score -inf (the mask), or NaN
+    bool nan = false;
+    for (int64_t j = 0; j < seen; ++j) nan |= std::isnan(s[j]);
+    for (int64_t j = 0; j < kvp; ++j)
+      p[j] = nan && j < seen ? c10::BFloat16(std::numeric_limits<float>::quiet_NaN()) : c10::BFloat16(0.0f);
+    return nan ? 1.0f : 0.0f;
+  }
+  const __m512 vmx = _mm512_set1_ps(mx), vscale = _mm512_set1_ps(scale);
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t j = 0; j < kvp; j += 32) {
+    __m512 e[2];
+    for (int h = 0; h < 2; ++h) {
+      const __mmask16 k = lanes(j + 16 * h);
+      e[h] = k == 0
+                 ? _mm512_setzero_ps()
+                 : _mm512_maskz_mov_ps(k, exp_nonpositive(_mm512_mul_ps(
+                                              _mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + j + 16 * h), vmx), vscale)));
+      sum = _mm512_add_ps(sum, e[h]);
+    }
+    const __mmask32 out = kvp - j >= 32 ? ~__mmask32(0) : (__mmask32(1) << (kvp - j)) - 1;
+    _mm512_mask_storeu_epi16(p + j, out, (__m512i)_mm512_cvtne2ps_pbh(e[1], e[0]));
+  }
+  return 1.0f / _mm512_reduce_add_ps(sum);
+}
+
+#endif
 
 // The op's output, uninitialised: [B, N, L, Dv] with the flash output's strides ([B, L, N, Dv] in memory), on
 // every path (and in the fake implementation, ascend_passes/ops/attention.py _output).
@@ -176,7 +250,14 @@ void attention_blocks(const at::Tensor& q, const at::Tensor& k, const at::Tensor
         float* s = scores.data() + i * kvp;
         const float* m =
             mp == nullptr ? nullptr : mp + b * mask.stride(0) + n * mask.stride(1) + (r0 + i) * mask.stride(2);
-        inv[i] = softmax_row(s, m, mp == nullptr ? 0 : mask.stride(3), causal ? r0 + i + 1 : kv, kvp, scale);
+        const int64_t ms = mp == nullptr ? 0 : mask.stride(3), seen = causal ? r0 + i + 1 : kv;
+#if ASCEND_ATTN_AMX
+        if constexpr (!std::is_same_v<T, float>) {  // bf16: exp, sum and rounding of p in one pass
+          inv[i] = softmax_round_row(s, m, ms, seen, kvp, scale, probs.data() + i * kvp);
+          continue;
+        }
+#endif
+        inv[i] = softmax_row(s, m, ms, seen, kvp, scale);
         if constexpr (!std::is_same_v<T, float>) round_row(s, probs.data() + i * kvp, kvp);
       }
       if constexpr (std::is_same_v<T, float>)
@@ -246,71 +327,6 @@ ASCEND_ATTN_AMX_T void pack_values(const c10::BFloat16* v, int64_t ldv, int64_t 
             _mm512_or_si512(_mm512_cvtepu16_epi32(lo), _mm512_slli_epi32(_mm512_cvtepu16_epi32(hi), 16));
         _mm512_storeu_si512(vp + ((t * blocks + c) * 16 + p) * 16, pair);
       }
-}
-
-// exp(x) of 16 lanes, x <= 0 or NaN (a softmax's shifted scores): exp_reduced's range reduction and polynomial
-// (common.h), the 2^n scale by vscalefps (underflows gradually to 0, as exp_f32); NaN stays NaN.
-ASCEND_ATTN_AMX_T __m512 exp_nonpositive(__m512 x) {
-  x = _mm512_max_ps(_mm512_set1_ps(-104.0f), x);  // vmaxps returns its second operand for a NaN: kept
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
-
-// softmax_row's semantics for the tile kernel, its exp, sum and rounding in one pass: p[0, kvp) (kvp a multiple
-// of 32) = bf16(exp(x - max x)) with x = s * scale (+ the mask row) over the `seen` first columns, 0 after;
-// returns 1 / sum of the fp32 exps (0 for a row the mask hides entirely; NaN or +Inf scores make the row NaN).
-// The exps are not stored back: half the passes over the row of softmax_row and a rounding pass (the tile
-// kernel's softmax was half its time at 1024 tokens; session 17, the bench model's attention, alternated in one
-// process: T=64 0.050-0.055 -> 0.037-0.041 ms, T=256 0.25-0.27 -> 0.19-0.21, T=1024 2.35-2.63 -> 1.97-2.13).
-// p rounded by vcvtne2ps2bf16 (to nearest even; a denormal probability, below 1.2e-38 of the row's largest,
-// becomes 0).
-ASCEND_ATTN_AMX_T float softmax_round_row(float* s, const float* m, int64_t ms, int64_t seen, int64_t kvp, float scale,
-                                          c10::BFloat16* p) {
-  if (m != nullptr) {
-    if (ms == 1)
-      for (int64_t j = 0; j < seen; ++j) s[j] = s[j] * scale + m[j];
-    else
-      for (int64_t j = 0; j < seen; ++j) s[j] = s[j] * scale + m[j * ms];
-    scale = 1.0f;
-  }
-  const auto lanes = [&](int64_t j) -> __mmask16 {
-    return j + 16 <= seen ? __mmask16(0xffff) : j >= seen ? __mmask16(0) : __mmask16((1u << (seen - j)) - 1);
-  };
-  __m512 pm = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  for (int64_t j = 0; j < seen; j += 16) pm = _mm512_mask_max_ps(pm, lanes(j), pm, _mm512_loadu_ps(s + j));
-  const float mx = _mm512_reduce_max_ps(pm);
-  if (mx == -std::numeric_limits<float>::infinity()) {  // every score -inf (the mask), or NaN
-    bool nan = false;
-    for (int64_t j = 0; j < seen; ++j) nan |= std::isnan(s[j]);
-    for (int64_t j = 0; j < kvp; ++j)
-      p[j] = nan && j < seen ? c10::BFloat16(std::numeric_limits<float>::quiet_NaN()) : c10::BFloat16(0.0f);
-    return nan ? 1.0f : 0.0f;
-  }
-  const __m512 vmx = _mm512_set1_ps(mx), vscale = _mm512_set1_ps(scale);
-  __m512 sum = _mm512_setzero_ps();
-  for (int64_t j = 0; j < kvp; j += 32) {
-    __m512 e[2];
-    for (int h = 0; h < 2; ++h) {
-      const __mmask16 k = lanes(j + 16 * h);
-      e[h] = k == 0
-                 ? _mm512_setzero_ps()
-                 : _mm512_maskz_mov_ps(k, exp_nonpositive(_mm512_mul_ps(
-                                              _mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + j + 16 * h), vmx), vscale)));
-      sum = _mm512_add_ps(sum, e[h]);
-    }
-    _mm512_storeu_si512(p + j, (__m512i)_mm512_cvtne2ps_pbh(e[1], e[0]));
-  }
-  return 1.0f / _mm512_reduce_add_ps(sum);
 }
 
 // scores[i][j] (row stride lds floats) = q[i] · k[j] for rows i < 32 of qb ([32][D] bf16, zero past the real

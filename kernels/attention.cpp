@@ -42,6 +42,17 @@ constexpr int64_t kRows = 64;  // query rows per work item
 #define ASCEND_ATTN_TARGET
 #endif
 
+// With a mask row m (read every ms elements): s[j] = s[j] * scale + m[j] for j < seen, and the scale left to
+// apply becomes 1; without one, scale as given.
+ASCEND_ATTN_TARGET float add_mask_row(float* s, const float* m, int64_t ms, int64_t seen, float scale) {
+  if (m == nullptr) return scale;
+  if (ms == 1)
+    for (int64_t j = 0; j < seen; ++j) s[j] = s[j] * scale + m[j];
+  else
+    for (int64_t j = 0; j < seen; ++j) s[j] = s[j] * scale + m[j * ms];
+  return 1.0f;
+}
+
 // One row of scores s[0, kvp): p = exp(x - max x) with x = s * scale (+ the mask row m, read every ms
 // elements, when there is one) over the `seen` first, 0 after; returns 1 / sum p, or 0 for a row every
 // column of which the mask hides (-inf: the row's output is zeros, as the flash kernel's). A NaN or +Inf
@@ -49,13 +60,7 @@ constexpr int64_t kRows = 64;  // query rows per work item
 // maxima and sums, so that the loops vectorise without reassociating a single reduction.
 ASCEND_ATTN_TARGET float softmax_row(float* s, const float* m, int64_t ms, int64_t seen, int64_t kvp, float scale) {
   constexpr int64_t W = 16;
-  if (m != nullptr) {
-    if (ms == 1)
-      for (int64_t j = 0; j < seen; ++j) s[j] = s[j] * scale + m[j];
-    else
-      for (int64_t j = 0; j < seen; ++j) s[j] = s[j] * scale + m[j * ms];
-    scale = 1.0f;
-  }
+  scale = add_mask_row(s, m, ms, seen, scale);
   float part[W];
   int64_t j = 0;
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
@@ -132,13 +137,7 @@ ASCEND_ATTN_BF16_T __m512 exp_nonpositive(__m512 x) {
 // becomes 0).
 ASCEND_ATTN_BF16_T float softmax_round_row(float* s, const float* m, int64_t ms, int64_t seen, int64_t kvp, float scale,
                                            c10::BFloat16* p) {
-  if (m != nullptr) {
-    if (ms == 1)
-      for (int64_t j = 0; j < seen; ++j) s[j] = s[j] * scale + m[j];
-    else
-      for (int64_t j = 0; j < seen; ++j) s[j] = s[j] * scale + m[j * ms];
-    scale = 1.0f;
-  }
+  scale = add_mask_row(s, m, ms, seen, scale);
   const auto lanes = [&](int64_t j) -> __mmask16 {
     return j + 16 <= seen ? __mmask16(0xffff) : j >= seen ? __mmask16(0) : __mmask16((1u << (seen - j)) - 1);
   };
@@ -192,6 +191,8 @@ at::Tensor empty_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   return attention_output(q, v).copy_(at::matmul(probs, v.to(at::kFloat)));
 }
 
+at::Tensor last_dim_contiguous(const at::Tensor& t) { return t.stride(3) == 1 ? t : t.contiguous(); }
+
 // What the op computed before this kernel: the flash kernel on the inputs padded to one head dim.
 at::Tensor flash_reference(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale, bool causal,
                            const std::optional<at::Tensor>& mask) {
@@ -199,8 +200,7 @@ at::Tensor flash_reference(const at::Tensor& q, const at::Tensor& k, const at::T
   // strided (measured: errors of O(1) against the float64 product, NaN for bf16 / fp16 q); other strides it
   // reads right (the heads-transposed views of the attention pass: no copy)
   const int64_t d = q.size(3), dv = v.size(3);
-  auto last = [](const at::Tensor& t) { return t.stride(3) == 1 ? t : t.contiguous(); };
-  at::Tensor qp = last(q), kp = last(k), vp = last(v);
+  at::Tensor qp = last_dim_contiguous(q), kp = last_dim_contiguous(k), vp = last_dim_contiguous(v);
   if (dv < d) vp = at::constant_pad_nd(vp, {0, d - dv});
   if (d < dv) qp = at::constant_pad_nd(qp, {0, dv - d}), kp = at::constant_pad_nd(kp, {0, dv - d});
   auto out = std::get<0>(at::_scaled_dot_product_flash_attention_for_cpu(qp, kp, vp, 0.0, causal, mask, scale));
@@ -329,63 +329,47 @@ ASCEND_ATTN_AMX_T void pack_values(const c10::BFloat16* v, int64_t ldv, int64_t 
       }
 }
 
+// c[32][32] (row stride ldc floats) = a[32 rows][steps * 32] (bf16, row stride lda) times the B operands b0 (c's
+// columns 0-15) and b1 (16-31), VNNI-2 tiles of 16 pairs x 16 columns, the next step's bstep words on: 2 x 2
+// accumulator tiles over the steps (tiles 0-3 accumulators, 4-5 A, 6-7 B).
+ASCEND_ATTN_AMX_T void tiles_2x2(const c10::BFloat16* a, int64_t lda, const uint32_t* b0, const uint32_t* b1,
+                                 int64_t bstep, int64_t steps, float* c, int64_t ldc) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t s = 0; s < steps; ++s) {
+    _tile_loadd(4, a + s * kKeyStep, lda * 2);
+    _tile_loadd(6, b0 + s * bstep, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_loadd(7, b1 + s * bstep, 64);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_loadd(5, a + 16 * lda + s * kKeyStep, lda * 2);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+  _tile_stored(0, c, ldc * 4);
+  _tile_stored(1, c + 16, ldc * 4);
+  _tile_stored(2, c + 16 * ldc, ldc * 4);
+  _tile_stored(3, c + 16 * ldc + 16, ldc * 4);
+}
+
 // scores[i][j] (row stride lds floats) = q[i] · k[j] for rows i < 32 of qb ([32][D] bf16, zero past the real
-// rows) and keys j < keys (a multiple of 32).
+// rows) and keys j < keys (a multiple of 32): per 32 keys, the two 16-key blocks of kp over D.
 ASCEND_ATTN_AMX_T void amx_scores(const c10::BFloat16* qb, int64_t D, const uint32_t* kp, int64_t keys, float* scores,
                                   int64_t lds) {
-  const int64_t half = D / 2;
-  for (int64_t kb = 0; kb < keys / kKeyStep; ++kb) {
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-    const uint32_t* b0 = kp + 2 * kb * half * 16;
-    const uint32_t* b1 = b0 + half * 16;
-    for (int64_t s = 0; s < D / kKeyStep; ++s) {
-      _tile_loadd(4, qb + s * kKeyStep, D * 2);
-      _tile_loadd(6, b0 + s * 256, 64);
-      _tile_dpbf16ps(0, 4, 6);
-      _tile_loadd(7, b1 + s * 256, 64);
-      _tile_dpbf16ps(1, 4, 7);
-      _tile_loadd(5, qb + 16 * D + s * kKeyStep, D * 2);
-      _tile_dpbf16ps(2, 5, 6);
-      _tile_dpbf16ps(3, 5, 7);
-    }
-    float* c = scores + kb * kKeyStep;
-    _tile_stored(0, c, lds * 4);
-    _tile_stored(1, c + 16, lds * 4);
-    _tile_stored(2, c + 16 * lds, lds * 4);
-    _tile_stored(3, c + 16 * lds + 16, lds * 4);
-  }
+  const int64_t block = D / 2 * 16;  // words of one 16-key block
+  for (int64_t kb = 0; kb < keys / kKeyStep; ++kb)
+    tiles_2x2(qb, D, kp + 2 * kb * block, kp + (2 * kb + 1) * block, 256, D / kKeyStep, scores + kb * kKeyStep, lds);
 }
 
 // acc[i][d] (row stride Dv floats) = sum over keys j < keys (a multiple of 32) of p[i][j] v[j][d], rows i < 32 of
-// p ([32][ldp] bf16).
+// p ([32][ldp] bf16): per 32 dims, the two 16-dim blocks of vp over the keys.
 ASCEND_ATTN_AMX_T void amx_values(const c10::BFloat16* p, int64_t ldp, const uint32_t* vp, int64_t keys, int64_t Dv,
                                   float* acc) {
-  const int64_t blocks = Dv / 16;
-  for (int64_t cb = 0; cb < Dv / kKeyStep; ++cb) {
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-    for (int64_t t = 0; t < keys / kKeyStep; ++t) {
-      const uint32_t* b0 = vp + (t * blocks + 2 * cb) * 256;
-      _tile_loadd(4, p + t * kKeyStep, ldp * 2);
-      _tile_loadd(6, b0, 64);
-      _tile_dpbf16ps(0, 4, 6);
-      _tile_loadd(7, b0 + 256, 64);
-      _tile_dpbf16ps(1, 4, 7);
-      _tile_loadd(5, p + 16 * ldp + t * kKeyStep, ldp * 2);
-      _tile_dpbf16ps(2, 5, 6);
-      _tile_dpbf16ps(3, 5, 7);
-    }
-    float* c = acc + cb * kKeyStep;
-    _tile_stored(0, c, Dv * 4);
-    _tile_stored(1, c + 16, Dv * 4);
-    _tile_stored(2, c + 16 * Dv, Dv * 4);
-    _tile_stored(3, c + 16 * Dv + 16, Dv * 4);
-  }
+  const int64_t step = Dv / 16 * 256;  // words of one 32-key step
+  for (int64_t cb = 0; cb < Dv / kKeyStep; ++cb)
+    tiles_2x2(p, ldp, vp + 2 * cb * 256, vp + (2 * cb + 1) * 256, step, keys / kKeyStep, acc + cb * kKeyStep, Dv);
 }
 
 // The work items [lo, hi) of amx_attention_blocks on one thread (the AMX target for the tile calls).
@@ -495,8 +479,7 @@ at::Tensor attention(const at::Tensor& query, const at::Tensor& key, const at::T
   }
   if (B * N * L == 0 || S == 0 || query.size(3) == 0 || value.size(3) == 0)
     return empty_attention(query, key, value, scale, is_causal, attn_mask);
-  auto last = [](const at::Tensor& t) { return t.stride(3) == 1 ? t : t.contiguous(); };
-  const auto q = last(query), k = last(key), v = last(value);
+  const auto q = last_dim_contiguous(query), k = last_dim_contiguous(key), v = last_dim_contiguous(value);
   // bf16 pairs: an even head dim and key row stride (the p.v product's K and row stride are padded to even)
   // bf16 on a CPU with AMX: the tile kernel (amx_attention_blocks) for 16 or more query rows and head dims that
   // are multiples of 32, else the flash kernel, whose bf16 products reach the tile units through oneDNN's

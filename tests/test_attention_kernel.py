@@ -162,9 +162,12 @@ def test_odd_bf16_head_dim_takes_the_reference():
     assert torch.equal(A.attention(q, k, v, 0.4, True), reference(q, k, v, 0.4, True))
 
 
+def _amx_cpu() -> bool:
+    return {"amx_bf16", "amx_tile", "avx512_bf16"} <= cpu_flags()
+
+
 def _amx_uncapped() -> bool:
-    amx = {"amx_bf16", "amx_tile", "avx512_bf16"} <= cpu_flags()
-    return amx and os.environ.get("ASCEND_PASSES_ISA", "amx") == "amx"
+    return _amx_cpu() and os.environ.get("ASCEND_PASSES_ISA", "amx") == "amx"
 
 
 @pytest.mark.parametrize(
@@ -182,7 +185,10 @@ def test_bf16_routes_on_an_amx_cpu(length, d, dv, route):
     q, k = (torch.randn(1, length, 4, d).bfloat16().transpose(1, 2) for _ in range(2))
     v = torch.randn(1, length, 4, dv).bfloat16().transpose(1, 2)
     width = max(d, dv)
-    pad = (lambda t: F.pad(t, (0, width - t.shape[-1]))) if d != dv else (lambda t: t)
+
+    def pad(t):
+        return F.pad(t, (0, width - t.shape[-1]))
+
     flash = F.scaled_dot_product_attention(pad(q), pad(k), pad(v), is_causal=True, scale=0.3)[..., :dv]
     out = A.attention(q, k, v, 0.3, True)
     assert _rel(out, _exact(q, k, v, 0.3, True)) <= TOL[torch.bfloat16]
@@ -192,7 +198,7 @@ def test_bf16_routes_on_an_amx_cpu(length, d, dv, route):
 def test_bf16_capped_below_amx():
     """On a CPU with AMX, the bf16 tests again in a fresh process capped to avx512_bf16: the own kernel's bf16
     path, which such a CPU runs only when capped, stays tested there."""
-    if not {"amx_bf16", "amx_tile", "avx512_bf16"} <= cpu_flags():
+    if not _amx_cpu():
         pytest.skip("this CPU lacks AMX: the uncapped run already ran the vdpbf16ps kernel")
     if os.environ.get("ASCEND_PASSES_ISA"):
         pytest.skip("already capped")

@@ -1,6 +1,6 @@
 """The C++ CPU kernel of ``ascend.mla_prolog`` (kernels/mla.cpp) against the Python reference
 (``ascend_passes.ops.reference.mla_prolog``, which the kernel replaces on the CPU): every form
-(q_lora, absorbed query, interleaved RoPE), odd sizes (odd heads, D=0, one token, Dr=2), 2-D and
+(q_lora, absorbed query, interleaved RoPE), odd sizes (odd heads, D=0, one token, Dr=2, Dr/2 past one RoPE chunk), 2-D and
 strided tokens, tables broadcast over the batch, fp32 / bf16 / fp16; the same error messages; no
 per-call ATen elementwise calls; and the same results with the instruction set capped to AVX2."""
 
@@ -28,6 +28,7 @@ SIZES = [
     (2, 7, 3, 5, 6, 9, 17, 11),
     (1, 1, 1, 0, 2, 1, 4, 3),
     (1, 33, 8, 16, 8, 32, 64, 48),
+    (1, 5, 2, 4, 134, 8, 16, 12),  # Dr/2 = 67: the kernel's RoPE runs in chunks of 64 pairs, then a tail of 3
 ]
 FORMS = list(itertools.product((True, False), (True, False), (True, False)))  # q_lora, absorb, interleave
 

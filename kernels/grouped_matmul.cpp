@@ -347,6 +347,36 @@ void matmul_piece(const at::Tensor& x, const at::Tensor& w, const T* bias, int64
   }
 }
 
+// One prefill piece y = x @ W^T (+ bias, activation) on raw pointers, where its kernel takes them: x and y
+// rows k and n apart, W's rows (the weight's K contiguous) ldw apart, m > 0, n > 0, k > 0. bf16 on an AMX
+// CPU: the swapped kernel where the rule takes it; fp32 without bias or activation: the own GEMMs where
+// mm_f32's rules take them (same kernels, same order, so the same bits). Returns false where matmul_piece
+// must run it (other kernels, BLAS, the streaming kernel's few rows). A prefill call has ~70 pieces; their
+// narrow/select views and matmul_piece's guard cost 2-4 us each (measured: K=256 at 24 rows per expert,
+// 2.28 -> 2.00 ms per call).
+template <typename T>
+bool raw_piece(const T* x, const T* w, int64_t ldw, const T* bias, int64_t act_type, T* y, int64_t m, int64_t n,
+               int64_t k, GemmRoute route, Bf16Kernel forced, const NextWeight& next) {
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (!amx_swap_available() || bf16_piece_kernel(route, forced, m, k, n) != Bf16Kernel::kSwap) return false;
+    amx_swap_nt(x, k, w, ldw, bias, act_type, y, n, m, n, k, &store, next);
+    return true;
+  } else if constexpr (std::is_same_v<T, float>) {
+    if (m <= kSkinnyRows || bias != nullptr || act_type != 0 || !gemm_nt_available()) return false;
+    if (fp32_piece_takes_swap_gemm(route, m, k, n))
+      swap_gemm_nt(x, k, w, ldw, y, n, m, n, k, next);
+    else if (fp32_piece_takes_stream_gemm(route, m, k, n))
+      stream_gemm_nt(x, k, w, ldw, y, n, m, n, k, next);
+    else if (fp32_piece_takes_own_gemm(route, k))
+      gemm_nt(x, k, w, ldw, y, n, m, n, k, next);
+    else
+      return false;
+    return true;
+  } else {
+    return false;
+  }
+}
+
 // The decimal digits of a 128-bit integer (a total of int64 counts, which may not fit in int64).
 std::string int128_str(__int128 v) {
   if (v == 0) return "0";
@@ -543,10 +573,8 @@ std::vector<at::Tensor> grouped_matmul(at::TensorList x, at::TensorList weight, 
         for (int64_t r0 = begin[g]; r0 < begin[g + 1]; r0 += piece_rows)
           items.push_back({g, r0, std::min(begin[g + 1], r0 + piece_rows)});
       const int64_t num_items = static_cast<int64_t>(items.size());
-      // bf16 with the weight's K contiguous on an AMX CPU: the swapped kernel's pieces on raw pointers (no
-      // tensor views per item: ~5 view ops of ~1 us each per piece, ~70 pieces per call)
-      const bool raw_swap = std::is_same_v<scalar_t, c10::BFloat16> && w.stride(1) == 1 && k > 0 && n > 0 &&
-                            amx_swap_available();
+      // the weight's K contiguous: pieces whose kernel takes raw pointers run without per-item views
+      const bool raw = w.stride(1) == 1 && k > 0 && n > 0;
       std::atomic<int64_t> next_item{0};
       at::parallel_for(0, std::min(threads, num_items), 1, [&](int64_t, int64_t) {
         int64_t i = next_item++;
@@ -554,15 +582,13 @@ std::vector<at::Tensor> grouped_matmul(at::TensorList x, at::TensorList weight, 
           const int64_t after = next_item++;
           const Item& it = items[i];
           const bool other = after < num_items && items[after].g != it.g;  // same group: its weight is hot
-          if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
-            const int64_t rows = it.r1 - it.r0;
-            if (raw_swap && bf16_piece_kernel(route, forced, rows, k, n) == Bf16Kernel::kSwap) {
-              const scalar_t* wp = w.const_data_ptr<scalar_t>();
-              const NextWeight next =
-                  other ? NextWeight{wp + items[after].g * w.stride(0), 2, w.stride(2), n, k} : NextWeight{};
-              amx_swap_nt(x0.const_data_ptr<scalar_t>() + it.r0 * k, k, wp + it.g * w.stride(0), w.stride(2),
-                          bp ? bp + it.g * n : nullptr, act_type, y.data_ptr<scalar_t>() + it.r0 * n, n, rows, n, k,
-                          &store, next);
+          if (raw) {
+            const scalar_t* wp = w.const_data_ptr<scalar_t>();
+            const NextWeight next_raw =
+                other ? NextWeight{wp + items[after].g * w.stride(0), sizeof(scalar_t), w.stride(2), n, k} : NextWeight{};
+            if (raw_piece(x0.const_data_ptr<scalar_t>() + it.r0 * k, wp + it.g * w.stride(0), w.stride(2),
+                          bp ? bp + it.g * n : nullptr, act_type, y.data_ptr<scalar_t>() + it.r0 * n, it.r1 - it.r0, n,
+                          k, route, forced, next_raw)) {
               i = after;
               continue;
             }

@@ -1,7 +1,7 @@
 """The C++ CPU kernel of ``ascend.mla_prolog`` (kernels/mla.cpp) against the Python reference
 (``ascend_passes.ops.reference.mla_prolog``, which the kernel replaces on the CPU): every form
-(q_lora, absorbed query, interleaved RoPE), odd sizes (odd heads, D=0, one token, Dr=2, Dr/2 past one RoPE chunk), 2-D and
-strided tokens, tables broadcast over the batch, fp32 / bf16 / fp16; the same error messages; no
+(q_lora, absorbed query, interleaved RoPE), odd sizes (odd heads, D=0, one token, Dr=2, Dr/2 past one
+RoPE chunk), 2-D and strided tokens, tables broadcast over the batch, fp32 / bf16 / fp16; the same error messages; no
 per-call ATen elementwise calls; and the same results with the instruction set capped to AVX2."""
 
 from __future__ import annotations

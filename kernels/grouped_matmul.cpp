@@ -585,7 +585,8 @@ std::vector<at::Tensor> grouped_matmul(at::TensorList x, at::TensorList weight, 
           if (raw) {
             const scalar_t* wp = w.const_data_ptr<scalar_t>();
             const NextWeight next_raw =
-                other ? NextWeight{wp + items[after].g * w.stride(0), sizeof(scalar_t), w.stride(2), n, k} : NextWeight{};
+                other ? NextWeight{wp + items[after].g * w.stride(0), sizeof(scalar_t), w.stride(2), n, k}
+                      : NextWeight{};
             if (raw_piece(x0.const_data_ptr<scalar_t>() + it.r0 * k, wp + it.g * w.stride(0), w.stride(2),
                           bp ? bp + it.g * n : nullptr, act_type, y.data_ptr<scalar_t>() + it.r0 * n, it.r1 - it.r0, n,
                           k, route, forced, next_raw)) {

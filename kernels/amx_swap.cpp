@@ -385,10 +385,18 @@ void amx_swap_nt_parallel(const bf16* x, int64_t ldx, const bf16* w, int64_t ldw
     return;
   }
   const bool v8 = swap_v8();
-  std::vector<uint32_t> packed(elems + 16);
-  uint32_t* xp = packed.data() + ((16 - (reinterpret_cast<uintptr_t>(packed.data()) & 63) / 4) & 15);
-  at::parallel_for(0, blocks, std::max<int64_t>(1, blocks / threads),
-                   [&](int64_t lo, int64_t hi) { pack_x(x, ldx, m, k, kp, xp, lo, hi); });
+  // the calling thread's buffer, reused from call to call (cache-hot; a fresh zeroed vector per call cost a
+  // memset and cold stores); pack_x writes every element of the blocks it packs (zeros past m and k)
+  thread_local Scratch x_mem;
+  uint32_t* xp = x_mem.get<uint32_t>(elems);
+  // the blocks the kernel reads (up to 16 rows: the first only); a few of them (decode's rows) packed here, more
+  // over the threads
+  const int64_t used = m <= 16 ? 1 : blocks;
+  if (used <= 2)
+    pack_x(x, ldx, m, k, kp, xp, 0, used);
+  else
+    at::parallel_for(0, used, std::max<int64_t>(1, used / threads),
+                     [&](int64_t lo, int64_t hi) { pack_x(x, ldx, m, k, kp, xp, lo, hi); });
   // column blocks of the kernel's block (64 columns up to 16 rows, 32 above), a few per thread so that a slow one
   // does not idle the rest. (Blocks of 64 at every m split a [160, K] weight 128:32 over two threads: session 17,
   // the 2-core Xeon, alternated in one process, [m,1024]x[160,1024]^T 1.11-1.22x faster with 32, the model's

@@ -16,6 +16,16 @@ the peak-memory reordering may move the writer after the reader, which then read
 memory: random router scores, wrong tokens or NaN (issue 17, vLLM's post-grad route with the
 ``norm`` rewrite, whose different buffer sizes changed that reordering).  The fix re-applies the
 node's mutation renames after every recompute, as ``refresh_dependencies`` already does.
+
+One-element list results under ``cpp_wrapper`` (torch 2.13): with ``torch._inductor.config.cpp_wrapper
+= True`` an op Inductor cannot call through the stable C shim (``ascend.grouped_matmul``: a
+``Tensor[]`` argument) is called back in Python (``generate_fallback_kernel_with_runtime_lookup_python``).
+The Python side returns a list of tensor handles for a list result, but the generated C++ reads a
+result with one output as a single handle (``PyCapsule_GetPointer`` on the list: NULL), and the next
+``assert_size_stride`` dereferences it: a segmentation fault on the first call of any MoE model
+compiled with ``compiler="inductor"`` (measured: the bundled DeepSeek-V3, session 18).  The fix hands
+the generator one more (unused) output slot for an op whose only return is a list, so it reads the
+handle as element 0 of the list, as it does for several outputs.
 """
 
 from __future__ import annotations
@@ -41,10 +51,38 @@ def _keep_mutation_renames(recompute: Any) -> Any:
     return recompute_size_and_body
 
 
+def _list_result_read_as_list(generate: Any) -> Any:
+    @functools.wraps(generate)
+    def generate_fallback_kernel_with_runtime_lookup_python(
+        self: Any,
+        buf_name: str,
+        python_kernel_name: str,
+        op_overload: Any,
+        raw_args: Any,
+        output_args: Any,
+        raw_outputs: Any,
+    ) -> None:
+        import torch
+
+        returns = op_overload._schema.returns
+        if len(output_args) == 1 and len(returns) == 1 and isinstance(returns[0].real_type, torch.ListType):
+            output_args = [*output_args, None]  # the call returns a list: read the handle as its element 0
+        generate(self, buf_name, python_kernel_name, op_overload, raw_args, output_args, raw_outputs)
+
+    setattr(generate_fallback_kernel_with_runtime_lookup_python, _MARK, True)
+    return generate_fallback_kernel_with_runtime_lookup_python
+
+
 def install() -> None:
-    """Apply the fixes (idempotent, process-wide: they only restore dependencies Inductor meant
-    to keep)."""
+    """Apply the fixes (idempotent, process-wide: they only restore what Inductor meant to do:
+    the dependencies it meant to keep, the list result it meant to read)."""
+    from torch._inductor.codegen.cpp_wrapper_cpu import CppWrapperCpu
     from torch._inductor.scheduler import SchedulerNode
+
+    generate = CppWrapperCpu.generate_fallback_kernel_with_runtime_lookup_python
+    if not getattr(generate, _MARK, False):
+        CppWrapperCpu.generate_fallback_kernel_with_runtime_lookup_python = _list_result_read_as_list(generate)
+        log.debug("Inductor fix installed: cpp_wrapper reads a one-element list result of a Python fallback as a list")
 
     current = SchedulerNode.recompute_size_and_body
     if not getattr(current, _MARK, False):

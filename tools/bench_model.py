@@ -5,12 +5,13 @@ Config (issue "MoE, RMSNorm and SwiGLU rewrites"): H=1024, moe_intermediate=256,
 top-6, 4 layers (1 dense), n_group=8, topk_group=4, q_lora_rank=256, kv_lora_rank=128, one shared
 expert; experts via Hugging Face ``grouped_mm``.  Shapes: prefill 1×256 and 1×1024 tokens, decode
 8×1; float32 and bfloat16.  Peers (what a CPU user would pick): eager, ``torch.compile``
-(Inductor), Inductor with ``freezing=True`` (weights folded as constants, oneDNN-prepacked), and the
-Hugging Face ``batched_mm`` experts under Inductor; then ascend_passes with ``compiler="eager"`` and
-``compiler="inductor"`` — median time per forward, the ratio against eager and against the best of
-all peers of that shape and dtype, and the compile time (first call).  Each (dtype, shape) cell runs
-in a process of its own (``--in-process``: all in this one), so that a full run fits 24 GiB; this
-process prints the one table.  Below the table, the limits measured
+(Inductor), Inductor with ``freezing=True`` (weights folded as constants, oneDNN-prepacked), the same
+with ``cpp_wrapper=True`` (``inductor_freezing_cpp``: a C++ wrapper calls the kernels, no Python per op),
+and the Hugging Face ``batched_mm`` experts under Inductor; then ascend_passes with ``compiler="eager"``,
+``compiler="inductor"`` and the latter under ``cpp_wrapper`` (``ascend_inductor_cpp``) — median time
+per forward, the ratio against eager and against the best of all peers of that shape and dtype, and the
+compile time (first call).  Each (dtype, shape) cell runs in a process of its own (``--in-process``: all
+in this one), so that a full run fits 24 GiB; this process prints the one table.  Below the table, the limits measured
 in the same run: the model's matmul FLOPs (the sum of ``matmul_census``: FlopCounterMode's formulas, an
 expert's product per routed row), a dense [2048,1024]x[1024,4096] product in each dtype (the faster of ``torch.mm``
 and ``ascend.linear``: the best GEMM of the machine) and the fraction of that roofline each prefill
@@ -55,6 +56,7 @@ from typing import Any
 
 import _allocator  # tools/_allocator.py: this script's folder is on sys.path
 import torch
+import torch._inductor.config
 from _machine import cpu_features_line
 
 import ascend_passes as ap
@@ -119,7 +121,16 @@ MODELS = {
     ),
 }
 SHAPES = {"prefill256": (1, 256), "prefill1024": (1, 1024), "decode": (8, 1)}
-VARIANTS = ("eager", "inductor", "inductor_freezing", "inductor_batched_mm", "ascend_eager", "ascend_inductor")
+VARIANTS = (
+    "eager",
+    "inductor",
+    "inductor_freezing",
+    "inductor_freezing_cpp",
+    "inductor_batched_mm",
+    "ascend_eager",
+    "ascend_inductor",
+    "ascend_inductor_cpp",
+)
 
 
 @dataclass
@@ -139,6 +150,16 @@ def _compiled(model: torch.nn.Module, variant: str) -> Callable[..., Any]:
         return torch.compile(model)
     if variant == "inductor_freezing":
         return torch.compile(model, options={"freezing": True})
+    if variant == "inductor_freezing_cpp":  # the C++ wrapper: no Python per op call
+        return torch.compile(model, options={"freezing": True, "cpp_wrapper": True})
+    if variant == "ascend_inductor_cpp":  # Inductor reads cpp_wrapper from its config when it compiles
+        compiled = torch.compile(model, backend="ascend_passes", options={"compiler": "inductor"})
+
+        def call(*args: Any) -> Any:
+            with torch._inductor.config.patch(cpp_wrapper=True):
+                return compiled(*args)
+
+        return call
     compiler = variant.split("_", 1)[1]
     return torch.compile(model, backend="ascend_passes", options={"compiler": compiler})
 

@@ -10,6 +10,8 @@ from collections.abc import Iterable
 
 import torch
 import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import FakeTensor
 
 aten = torch.ops.aten
 
@@ -157,8 +159,10 @@ def not_constant(what: str, value: object) -> str:
 # (what that dispatch returns) for the plain dtypes; complex, float8 and float8_e8m0fnu values
 # (answers that depend on the node or on Triton) are asked of torch's functions as before.
 import contextlib  # noqa: E402
+import functools  # noqa: E402
 import threading  # noqa: E402
 from collections.abc import Iterator  # noqa: E402
+from typing import Any  # noqa: E402
 
 _CHECK = threading.local()  # .active: inside matcher_node_check() on this thread
 _INSTALLED: list[object] = []  # torch's function, while the delegating one is (or was last) in place
@@ -173,18 +177,25 @@ _ASK_TORCH = frozenset(
 )
 
 
+@functools.cache
+def _inductor() -> Any:
+    """Inductor's modules ``_unsupported`` reads, imported on first use (a function-level import
+    costs microseconds per call: ~3,000 calls per compile)."""
+    from torch._inductor import config, lowering
+
+    return config, lowering
+
+
 def _unsupported(t: torch.Tensor, node: fx.Node, is_output: bool) -> bool:
     """``unsupported_output_tensor`` / ``unsupported_input_tensor`` of a fake tensor (same answer)."""
-    from torch._inductor import config as inductor_config
-    from torch._inductor.lowering import unsupported_input_tensor, unsupported_output_tensor
-
     dtype = t.dtype
     if dtype.is_complex or dtype in _ASK_TORCH:
-        return unsupported_output_tensor(t, node) if is_output else unsupported_input_tensor(t, node)
+        lowering = _inductor()[1]
+        return lowering.unsupported_output_tensor(t, node) if is_output else lowering.unsupported_input_tensor(t, node)
     kind = t.device.type  # what t.is_meta / t.is_cpu dispatch to on a fake tensor
     if kind == "meta" or t.is_sparse:
         return True
-    return is_output and kind == "cpu" and bool(inductor_config.disable_cpp_codegen)
+    return is_output and kind == "cpu" and bool(_inductor()[0].disable_cpp_codegen)
 
 
 def _fallback_node(node: fx.Node, allow_cpu_inputs: bool = True) -> bool:
@@ -192,9 +203,6 @@ def _fallback_node(node: fx.Node, allow_cpu_inputs: bool = True) -> bool:
     original = _INSTALLED[0]
     if not getattr(_CHECK, "active", False):
         return original(node, allow_cpu_inputs=allow_cpu_inputs)  # type: ignore[operator]
-    import torch.utils._pytree as pytree
-    from torch._subclasses.fake_tensor import FakeTensor
-
     aten_ = torch.ops.aten
     if node.target is aten_.view_as_complex.default or node.op == "placeholder":
         return False

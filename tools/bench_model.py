@@ -164,14 +164,46 @@ def _compiled(model: torch.nn.Module, variant: str) -> Callable[..., Any]:
     return torch.compile(model, backend="ascend_passes", options={"compiler": compiler})
 
 
-def _time(fn: Callable[[], Any], reps: int, budget_s: float) -> float:
+def _time(fn: Callable[[], Any], reps: int, budget_s: float, before: Callable[[], Any] | None = None) -> float:
+    """Median ms of ``fn()``; ``before()`` runs ahead of each timed call, outside the timing."""
     times = []
     start = time.perf_counter()
     while len(times) < reps or (time.perf_counter() - start < budget_s and len(times) < 4 * reps):
+        if before is not None:
+            before()
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
     return statistics.median(times) * 1e3
+
+
+def last_level_cache_bytes() -> int:
+    """The largest CPU cache's size (Linux sysfs), or 0 where it cannot be read."""
+    best = 0
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            text = (index / "size").read_text().strip()
+        except OSError:
+            continue
+        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        digits = text.rstrip("KMG")
+        if digits.isdigit():
+            best = max(best, int(digits) * scale)
+    return best
+
+
+def cache_evictor() -> Callable[[], None]:
+    """A function that writes a buffer of twice the last-level cache (at least 256 MiB): afterwards no
+    weight is left in any cache, as in a real model's decode step, whose weights (GBs) never fit.  The
+    bench model's weights (175 MB in bf16) can fit a large L3 (480 MB on the Xeon of sessions 17-19), where
+    timing forwards back to back would read part of them from L3 and overstate the fraction of copy
+    bandwidth."""
+    buf = torch.zeros(max(2 * last_level_cache_bytes(), 256 << 20) // 4)
+
+    def evict() -> None:
+        buf.add_(1.0)
+
+    return evict
 
 
 def dense_mm_flops(dtype: torch.dtype, budget_s: float = 0.5) -> float:
@@ -320,10 +352,12 @@ def bench(
     budget_s: float,
     model_name: str = "deepseek_v3",
     on_row: Callable[[Row], None] | None = None,
+    cold_cache: bool = False,
 ) -> tuple[list[Row], dict[tuple[str, str], Facts]]:
     factory, config, _ = MODELS[model_name]
     rows: list[Row] = []
     facts: dict[tuple[str, str], Facts] = {}
+    evict = cache_evictor() if cold_cache else None
     for dtype_name in dtypes:
         dtype = getattr(torch, dtype_name)
         for shape in shapes:
@@ -355,7 +389,7 @@ def bench(
                     if reference is None:
                         reference = out
                     err = ((out.float() - reference.float()).abs().max() / reference.float().abs().max()).item()
-                    ms = _time(lambda: fn(ids), reps, budget_s)
+                    ms = _time(lambda: fn(ids), reps, budget_s, evict)
                 rewrites = f"rel err {err:.1e}"
                 if reports:
                     ops = reports[0].rewritten_ops()
@@ -498,6 +532,7 @@ def run_cells(
     model_name: str,
     allocator: str,
     huge_pages: str,
+    cold_cache: bool = False,
 ) -> tuple[list[Row], dict[tuple[str, str], Facts]]:
     """Each (dtype, shape) in a process of its own: a model, its ``batched_mm`` twin and the compiled
     variants of one cell fit in memory where those of every cell in one process did not (24 GiB: the
@@ -520,6 +555,7 @@ def run_cells(
                     f"--allocator={allocator}",
                     f"--huge-pages={huge_pages}",
                     f"--cell-output={out}",
+                    *(["--cold-cache"] if cold_cache else []),
                 ]
                 returncode = subprocess.run(cmd, check=False).returncode
                 cell_rows, cell_facts = _read_cell(out)
@@ -558,6 +594,12 @@ def main() -> None:
     parser.add_argument(
         "--in-process", action="store_true", help="measure every cell in this process (default: one process per cell)"
     )
+    parser.add_argument(
+        "--cold-cache",
+        action="store_true",
+        help="evict the CPU caches before every timed forward (a buffer of twice the last-level cache written, "
+        "outside the timing): weights are read from memory, as a real model's are",
+    )
     parser.add_argument("--cell-output", default="", help=argparse.SUPPRESS)  # a cell's process: rows go here
     args = parser.parse_args()
     allocator = _allocator.ensure(args.allocator, args.huge_pages)
@@ -572,7 +614,14 @@ def main() -> None:
     if args.cell_output:  # one cell, in the process the parent started for it
         out = Path(args.cell_output)
         _, facts = bench(
-            shapes, dtypes, variants, reps, args.budget, args.model, on_row=lambda r: _write_cell(out, [r], {})
+            shapes,
+            dtypes,
+            variants,
+            reps,
+            args.budget,
+            args.model,
+            on_row=lambda r: _write_cell(out, [r], {}),
+            cold_cache=args.cold_cache,
         )
         _write_cell(out, [], facts)
         return
@@ -581,11 +630,20 @@ def main() -> None:
         f"{__import__('ascend_passes.kernels', fromlist=['available']).available()}; {allocator}"
     )
     print(cpu_features_line())
+    llc = last_level_cache_bytes()
+    print(
+        f"last-level cache {llc / 2**20:.0f} MiB; "
+        + (
+            "evicted before every timed forward (--cold-cache)"
+            if args.cold_cache
+            else "forwards timed back to back (weights that fit the cache may be read from it; --cold-cache evicts)"
+        )
+    )
     if args.in_process:
-        rows, facts = bench(shapes, dtypes, variants, reps, args.budget, args.model)
+        rows, facts = bench(shapes, dtypes, variants, reps, args.budget, args.model, cold_cache=args.cold_cache)
     else:
         rows, facts = run_cells(
-            shapes, dtypes, variants, reps, args.budget, args.model, args.allocator, args.huge_pages
+            shapes, dtypes, variants, reps, args.budget, args.model, args.allocator, args.huge_pages, args.cold_cache
         )
     print_table(rows, facts, args.model)
 

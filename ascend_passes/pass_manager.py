@@ -418,7 +418,9 @@ class PassManager:
                     log.debug("pass %s: nothing to do for this config/target, skipped", p.name)
                     continue
                 results[p.name] = self._run_one(p, gm, ctx, hooks, reference if cfg.verify_each else None)
-        gm.recompile()  # once for the pipeline (the checks after each pass need only the graph)
+            # once for the pipeline (the checks after each pass need only the graph); inside the frozen heap:
+            # the code of a 61-layer graph allocates enough to start full collections of the whole heap
+            gm.recompile()
         verified = None
         if check_numerics:
             verified = True

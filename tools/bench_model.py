@@ -35,6 +35,10 @@ ATen (sqrtsoftplus is no gating mode), its experts are the fused chain.
     python tools/bench_model.py --quick         # fp32 only, fewer repetitions
     python tools/bench_model.py --shapes decode --dtypes float32 --variants eager,ascend_eager
     python tools/bench_model.py --model deepseek_v4 --quick
+    python tools/bench_model.py --shapes decode --cold-cache   # decode with the weights out of the caches
+
+``--cold-cache`` cycles the timed forwards over copies of the model whose reads exceed the last-level cache
+(``cold_copies``): the bench model's decode weights fit a large L3, a real model's never do.
 """
 
 from __future__ import annotations

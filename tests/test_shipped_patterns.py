@@ -241,3 +241,55 @@ def test_pattern_source_round_trip():
     assert isinstance(rebuilt, pm.CallFunction)
     with pytest.raises(ValueError, match="no source"):
         _shipped.literal(object())
+
+
+def test_machinery_source_is_what_inspect_reads():
+    """The header's digest of the tracing code reads each function's lines without ``inspect``'s tokenizer; the
+    text is the same (the digest the generator wrote stays valid), for functions that end in a multi-line call
+    or a nested function too."""
+    import inspect
+    import textwrap
+
+    for name in _shipped.MACHINERY:
+        fn = getattr(_pattern, name)
+        assert _shipped.function_source(fn) == inspect.getsource(fn)
+    namespace: dict = {}
+    source = textwrap.dedent(
+        """
+        def ends_in_call(a):
+            return max(
+                a,
+                1,
+            )
+
+
+        def ends_in_closure(a):
+            def inner(b):
+                return (
+                    a + b
+                )
+
+            return inner
+        """
+    )
+    path = "<shipped test source>"
+    import linecache
+
+    linecache.cache[path] = (len(source), None, source.splitlines(True), path)
+    try:
+        exec(compile(source, path, "exec"), namespace)
+        for name in ("ends_in_call", "ends_in_closure"):
+            assert _shipped.function_source(namespace[name]) == inspect.getsource(namespace[name])
+    finally:
+        linecache.cache.pop(path, None)
+
+
+def test_package_version_prefers_the_imported_module():
+    import transformers
+
+    _shipped.package_version.cache_clear()
+    try:
+        assert _shipped.package_version("transformers") == transformers.__version__
+        assert _shipped.package_version("no_such_package_ascend") is None
+    finally:
+        _shipped.package_version.cache_clear()

@@ -179,10 +179,10 @@ def _time(fn: Callable[[], Any], reps: int, budget_s: float) -> float:
     return statistics.median(times) * 1e3
 
 
-def last_level_cache_bytes() -> int:
-    """The largest CPU cache's size (Linux sysfs), or 0 where it cannot be read."""
+def last_level_cache_bytes(caches: Path = Path("/sys/devices/system/cpu/cpu0/cache")) -> int:
+    """The largest CPU cache's size (Linux sysfs: ``index*/size``), or 0 where it cannot be read."""
     best = 0
-    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+    for index in caches.glob("index*"):
         try:
             text = (index / "size").read_text().strip()
         except OSError:

@@ -1,0 +1,62 @@
+"""The benchmark scripts' measuring conditions (tools/): the last-level cache size read from sysfs and the number
+of model copies ``bench_model.py --cold-cache`` cycles so that each forward reads its weights from memory; the
+package byte-compiled before ``bench_passes.py``'s runs, as ``pip install`` does."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+TOOLS = Path(__file__).resolve().parents[1] / "tools"
+
+
+@pytest.fixture(scope="module")
+def tools():
+    sys.path.insert(0, str(TOOLS))
+    try:
+        import bench_model
+        import bench_passes
+
+        yield bench_model, bench_passes
+    finally:
+        sys.path.remove(str(TOOLS))
+
+
+def _cache(root: Path, index: int, size: str) -> None:
+    (root / f"index{index}").mkdir(parents=True)
+    (root / f"index{index}" / "size").write_text(size + "\n")
+
+
+def test_last_level_cache_is_the_largest(tools, tmp_path):
+    bench_model, _ = tools
+    _cache(tmp_path, 0, "48K")
+    _cache(tmp_path, 2, "2048K")
+    _cache(tmp_path, 3, "491520K")
+    assert bench_model.last_level_cache_bytes(tmp_path) == 491520 * 1024
+    assert bench_model.last_level_cache_bytes(tmp_path / "absent") == 0
+
+
+@pytest.mark.parametrize(
+    "llc,read", [(480 << 20, 175_000_000), (480 << 20, 350_000_000), (32 << 20, 175_000_000), (0, 1)]
+)
+def test_cold_copies_read_more_than_the_cache_in_between(tools, tmp_path, monkeypatch, llc, read):
+    bench_model, _ = tools
+    monkeypatch.setattr(bench_model, "last_level_cache_bytes", lambda *a: llc)
+    n = bench_model.cold_copies(read)
+    assert n >= 2
+    assert (n - 1) * read > llc  # the other copies' reads between two forwards of one copy exceed the cache
+    assert (n - 2) * read <= llc  # and no copy more than that needs
+
+
+def test_precompile_writes_the_package_bytecode(tools):
+    _, bench_passes = tools
+    from ascend_passes.passes import _pattern
+
+    cached = Path(importlib.util.cache_from_source(_pattern.__file__))
+    cached.unlink(missing_ok=True)
+    line = bench_passes.precompile()
+    assert cached.exists()
+    assert line.startswith("bytecode: the package's modules byte-compiled before the runs")

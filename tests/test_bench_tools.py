@@ -42,7 +42,7 @@ def test_last_level_cache_is_the_largest(tools, tmp_path):
 @pytest.mark.parametrize(
     "llc,read", [(480 << 20, 175_000_000), (480 << 20, 350_000_000), (32 << 20, 175_000_000), (0, 1)]
 )
-def test_cold_copies_read_more_than_the_cache_in_between(tools, tmp_path, monkeypatch, llc, read):
+def test_cold_copies_read_more_than_the_cache_in_between(tools, monkeypatch, llc, read):
     bench_model, _ = tools
     monkeypatch.setattr(bench_model, "last_level_cache_bytes", lambda *a: llc)
     n = bench_model.cold_copies(read)

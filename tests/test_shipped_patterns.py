@@ -284,12 +284,15 @@ def test_machinery_source_is_what_inspect_reads():
         linecache.cache.pop(path, None)
 
 
-def test_package_version_prefers_the_imported_module():
+def test_package_version_prefers_the_imported_module(monkeypatch):
+    """The imported module's ``__version__`` is read before the installed distribution's metadata (a marker
+    version no metadata holds), and a package that is neither imported nor installed has none."""
     import transformers
 
+    monkeypatch.setattr(transformers, "__version__", "0.0.ascend-test")
     _shipped.package_version.cache_clear()
     try:
-        assert _shipped.package_version("transformers") == transformers.__version__
+        assert _shipped.package_version("transformers") == "0.0.ascend-test"
         assert _shipped.package_version("no_such_package_ascend") is None
     finally:
         _shipped.package_version.cache_clear()

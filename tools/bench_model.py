@@ -201,7 +201,9 @@ def cold_copies(read_bytes: int) -> int:
     on the Xeon of sessions 17-19): forwards timed back to back read part of them from it, unlike a real
     model's decode step (GBs of weights).  Cycling copies leaves the code and the small activations in the
     caches, as between the steps of a real decode; evicting the caches before each forward instead (a 1 GB
-    read) also evicted the code and cost ~0.5 ms more per forward than this (bf16 decode 8.6 vs 8.0 ms)."""
+    read) also evicted the code and cost ~0.5 ms more per forward than this (bf16 decode 8.6 vs 8.0 ms).
+    Dynamo compiles the first copy and reuses that graph for the others (their parameters are its inputs):
+    each copy reads its own weights, under freezing too (checked by scaling one copy's weights)."""
     return 2 + last_level_cache_bytes() // max(read_bytes, 1)
 
 
@@ -655,7 +657,7 @@ def main() -> None:
     print(
         f"last-level cache {llc / 2**20:.0f} MiB; "
         + (
-            "weights out of it: forwards cycle over copies of the model whose weights exceed it (--cold-cache)"
+            "weights out of it: forwards cycle over copies of the model whose reads exceed it (--cold-cache)"
             if args.cold_cache
             else "forwards timed back to back (weights that fit in it may be read from it; see --cold-cache)"
         )

@@ -37,9 +37,9 @@ TORCH_LIBRARY(ascend_kernels, m) {
       "float routed_scaling_factor=1.0, float eps=1e-20) -> (Tensor, Tensor, Tensor)");
   m.def(
       "moe_init_routing_v2(Tensor x, Tensor expert_idx, *, Tensor? scale=None, Tensor? offset=None, "
-      "int active_num=-1, int expert_capacity=-1, int expert_num=-1, int drop_pad_mode=0, "
+      "int active_num=-1, int expert_capacity=-1, SymInt expert_num=-1, int drop_pad_mode=0, "
       "int expert_tokens_num_type=0, bool expert_tokens_num_flag=False, int quant_mode=-1, "
-      "int[2] active_expert_range=[], int row_idx_type=0) -> (Tensor, Tensor, Tensor, Tensor)");
+      "SymInt[2] active_expert_range=[], int row_idx_type=0) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def(
       "grouped_matmul(Tensor[] x, Tensor[] weight, *, Tensor[]? bias=None, Tensor? group_list=None, "
       "int split_item=0, int? group_type=None, int group_list_type=0, int act_type=0, "
@@ -47,7 +47,7 @@ TORCH_LIBRARY(ascend_kernels, m) {
   m.def(
       "moe_finalize_routing(Tensor expanded_permuted_rows, Tensor? skip1, Tensor? skip2, Tensor? bias, "
       "Tensor? scales, Tensor expanded_src_to_dst_row, Tensor? export_for_source_row, "
-      "int? drop_pad_mode=0, int? k=1) -> Tensor");
+      "int? drop_pad_mode=0, SymInt? k=1) -> Tensor");
   m.def("linear(Tensor input, Tensor weight, Tensor? bias=None) -> Tensor");
   m.def(
       "attention(Tensor query, Tensor key, Tensor value, float scale, bool is_causal=False, Tensor? attn_mask=None) -> "

@@ -1,10 +1,11 @@
 """Size-generic re-traces and replacement graphs (``_pattern._generic``, shipped by ``_shipped``): a
 match's re-check pattern and replacement graph come from one trace per *form* (dtypes, ranks, 0/1
-sizes) on symbolic sizes, shared across sizes only where that trace reads no size and fixed no size
-to a number; what it assumed of the sizes (equalities, other relations) becomes its conditions; they
-equal a trace on any sizes of the form that meet them, a match that breaks a condition or does not
-match the shared pattern is traced on its own sizes, and a first compile of a DeepSeek-V3 graph
-re-traces no linear, RMSNorm, SwiGLU or router."""
+sizes) on symbolic sizes, shared across sizes only where that trace fixed no size to a number and
+reads sizes only as numbers in its nodes' arguments (a view's shape, a pad width, an op's expert
+count: ``fold_sizes`` writes each match's numbers in); what it assumed of the sizes (equalities,
+other relations) becomes its conditions; they equal a trace on any sizes of the form that meet them,
+a match that breaks a condition or does not match the shared pattern is traced on its own sizes,
+and a first compile of a DeepSeek-V3 graph traces nothing."""
 
 from __future__ import annotations
 
@@ -90,14 +91,14 @@ def test_a_branch_on_a_relation_of_sizes_is_shared_under_its_condition():
 def test_a_replacement_whose_sizes_are_numbers_of_the_match_is_shared_and_folded():
     """A replacement that computes numbers from its inputs' sizes (the attention's pad of v to q's head dim
     and the slice back) is shared when those numbers are only arguments of its nodes: ``fold_sizes`` gives
-    each match the graph a trace on its own sizes gives; a search (whose sizes must match the graph's
-    literally) is not shared so, nor is a replacement that returns a size or branches on one's value."""
+    each match the graph a trace on its own sizes gives (a search's re-check is shared so too, folded
+    before it becomes a pattern); a graph that returns a size or branches on one's value is not."""
 
     def pad_to_q(q, v):
         return torch.nn.functional.pad(v, (0, q.shape[-1] - v.shape[-1])) * 2
 
     values = fakes((3, 40), (3, 24))
-    assert _pattern.generic_trace(values, trace(pad_to_q)) is None  # not foldable: a search's re-check
+    assert _pattern.generic_trace(values, trace(pad_to_q)) is None  # not asked to fold: size-free only
     gm, conditions = _pattern.generic_trace(values, trace(pad_to_q), foldable=True)
     size_ops = [t for t in ops(gm) if t is torch.ops.aten.sym_size.int or t is operator.sub]
     assert len(size_ops) == 3, ops(gm)
@@ -197,9 +198,10 @@ def test_first_compile_retraces_no_linear_norm_or_swiglu(fresh, monkeypatch, dyn
     # nor the MLA norms (a slice of the kv projection: shared by their strides' form), nor the fused
     # router (its trace assumed the expert count divisible by the groups)
     assert not [t for t in traced if any(k in t for k in ("linear", "swiglu", "rms_norm", "_as_fn"))], traced
-    if not dynamic:  # nor the attention and MLA replacements (their pad widths, slice bounds and rope halves are
-        # sizes: folded into this match's numbers)
-        assert not [t for t in traced if t.startswith(("_flash.", "replacement_fn."))], traced
+    if not dynamic:  # nor anything else: the attention and MLA replacements and the attention's re-check (their
+        # pad widths, slice bounds, rope halves and views are sizes: folded into this match's numbers), the experts
+        # replacement (the expert count and top-k enter the ascend ops as SymInt: sizes, not fixed numbers)
+        assert not traced, traced
     if dynamic:  # the re-checks on symbolic sizes: the attention's (views of its sizes)
         assert len([t for t in traced if "with_symbols" in t]) <= 1, traced
         # once per compile, not once per layer: both layers' norms and attentions have the same sizes
@@ -211,6 +213,12 @@ def test_first_compile_retraces_no_linear_norm_or_swiglu(fresh, monkeypatch, dyn
 
 
 # ------------------------------------------------------------------------------ shipped = traced
+def _size_of(expr, dims):
+    """The value of a condition's expression of sizes (``v<i>_<j>`` at ``dims[(i, j)]``)."""
+    code, names = _pattern._compiled_condition(expr)
+    return int(eval(code, {"__builtins__": {}, **_pattern._CONDITION_NAMES}, {n: dims[p] for n, p in names}))
+
+
 def _sizes_of(form, conditions, rng):
     """Values of ``form`` with random sizes (2-64, or multiples of the numbers a condition names)
     that meet ``conditions``."""
@@ -225,6 +233,15 @@ def _sizes_of(form, conditions, rng):
     for a, b in (c for c in conditions if not isinstance(c, str)):
         parent[find(a)] = find(b)
     numbers = sorted({int(n) for t in texts for n in re.findall(r"(?<![\w])\d+", t)} - {0, 1})
+    solved = []  # (position, expression) of the conditions Eq(v<i>_<j>, expression of other sizes)
+    for t in texts:
+        m = re.fullmatch(r"Eq\(([vw])(\d+)_(\d+), (.+)\)", t)
+        depth = [0]
+        for c in m.group(4) if m else "":  # the expression is the whole right side (not "a) | Eq(b")
+            depth.append(depth[-1] + (c == "(") - (c == ")"))
+        if m and min(depth) == 0 == depth[-1] and f"{m.group(1)}{m.group(2)}_{m.group(3)}" not in m.group(4):
+            j = int(m.group(3))
+            solved.append(((int(m.group(2)), j if m.group(1) == "v" else -1 - j), m.group(4)))
     for _ in range(2000):
         chosen: dict = {}
         pick = lambda: rng.choice(numbers) * rng.randint(1, 4) if numbers and rng.random() < 0.5 else rng.randint(2, 64)  # noqa: E731
@@ -236,7 +253,10 @@ def _sizes_of(form, conditions, rng):
             for j, d in enumerate(part[k])
             if d == "s"
         }
-        if all(_pattern.holds(t, dims.__getitem__) for t in texts):
+        for target, expr in solved:  # a size another condition computes from the others (v4_0 = v5_0 + 2*(v7_2//2))
+            if target in dims:
+                dims[target] = _size_of(expr, dims)
+        if all(d >= 2 for d in dims.values()) and all(_pattern.holds(t, dims.__getitem__) for t in texts):
             break
     else:
         raise AssertionError(f"no sizes of {form} meet {texts}")
@@ -272,7 +292,7 @@ def test_shipped_generic_traces_are_current_and_equal_traces_on_sizes(fresh):
         finally:
             _shipped.RECORDER = None
     rng = random.Random(0)
-    checked = 0
+    checked = folded_checks = 0
     for (kind, form), (found, _) in recorder.generic.items():
         if found is None:
             continue
@@ -280,7 +300,7 @@ def test_shipped_generic_traces_are_current_and_equal_traces_on_sizes(fresh):
         assert shipped is not None, f"{kind} {form} is not shipped: {REGENERATE}"
         value, conditions = found
         assert shipped[1] == conditions, f"{kind} {form}: other conditions now: {REGENERATE}"
-        if kind == "specific":
+        if isinstance(value, pm.PatternExpr):
             assert shipped[0].pattern_eq(value), f"{kind} {form} traces differently now: {REGENERATE}"
         else:
             assert str(shipped[0].graph) == str(value.graph), f"{kind} {form} traces differently now: {REGENERATE}"
@@ -292,9 +312,15 @@ def test_shipped_generic_traces_are_current_and_equal_traces_on_sizes(fresh):
                 fn, argnames, scalars = key
                 gm = pm.fwd_only(fn, values, get_decomp_fn=get_decomp_fn)
                 on_sizes = pm.fx_to_pattern(gm, argnames=list(argnames), scalar_workaround=dict(scalars))
-                assert on_sizes.pattern_eq(value), (form, [tuple(v.shape) for v in values if hasattr(v, "shape")])
+                shared = value
+                if not isinstance(value, pm.PatternExpr):  # a re-check that computes sizes: folded per match
+                    folded = _pattern.fold_sizes(value, values)
+                    shared = pm.fx_to_pattern(folded, argnames=list(argnames), scalar_workaround=dict(scalars))
+                    folded_checks += 1
+                assert on_sizes.pattern_eq(shared), (form, [tuple(v.shape) for v in values if hasattr(v, "shape")])
             elif callable(key):  # a replacement: its size nodes (a pad width) become this match's numbers
                 gm = pm.fwd_only(key, values, get_decomp_fn=get_decomp_fn)
                 assert str(gm.graph) == str(_pattern.fold_sizes(value, values).graph), form
             checked += 1
     assert checked >= 16, checked
+    assert folded_checks >= 2, folded_checks  # the attention's re-check (its views' sizes)

@@ -232,6 +232,41 @@ def test_every_row_passes_only_schema_keywords():
             assert lim.doc
 
 
+def test_ascend_argument_types_are_torch_npus_with_sizes_as_symint():
+    """An argument both schemas have has torch_npu's type; ours says ``SymInt`` where torch_npu says
+    ``int`` only for sizes of the inputs (the expert count, active range and top-k), so that a trace on
+    symbolic sizes records them as sizes instead of fixing them to numbers (one shipped experts
+    replacement for every expert count); the NPU graph receives the numbers."""
+    symint, other_types = set(), {}
+    for name in npu.NPU_OPS:
+        npu_args = {a.name: a for a in npu.npu_overload(name)._schema.arguments}
+        for arg in getattr(A, name).default._schema.arguments:
+            other = npu_args.get(arg.name)
+            ours, theirs = arg.real_type.str(), other.real_type.str() if other is not None else None
+            if other is None or ours == theirs:
+                continue
+            if ours.replace("SymInt", "int") == theirs:
+                symint.add(f"{name}.{arg.name}")
+            else:
+                other_types[f"{name}.{arg.name}"] = (ours, theirs)
+    assert symint == {
+        "moe_init_routing_v2.expert_num",
+        "moe_init_routing_v2.active_expert_range",
+        "moe_finalize_routing.k",
+    }
+    # the other differences: arguments ours requires where torch_npu's yaml makes them optional (the
+    # values our adapters always pass), ours optional where the MLA prolog variants need None
+    assert other_types == {
+        "grouped_matmul.split_item": ("int", "int?"),
+        "grouped_matmul.group_list_type": ("int", "int?"),
+        "grouped_matmul.act_type": ("int", "int?"),
+        "grouped_matmul.output_dtype": ("ScalarType?", "int?"),
+        "mla_prolog.weight_dq": ("Tensor?", "Tensor"),
+        "mla_prolog.weight_uk": ("Tensor?", "Tensor"),
+        "mla_prolog.rmsnorm_gamma_cq": ("Tensor?", "Tensor"),
+    }
+
+
 # ------------------------------------------------------------------------------ limits
 def _lower(fn, *inputs):
     gm = make_fx(fn, tracing_mode="fake")(*inputs)

@@ -21,7 +21,10 @@ NAMESPACE = "ascend"
 class Op:
     """One ``torch.ops.ascend`` op: the single place that says what it is.
 
-    ``schema`` mirrors the torch_npu operator's (names, order, defaults); ``reference`` is its
+    ``schema`` mirrors the torch_npu operator's (names, order, defaults; ``SymInt`` where torch_npu
+    says ``int`` for a size of the inputs, such as the expert count, so that a trace on symbolic sizes
+    records the size instead of fixing it to a number; tests/test_lower.py lists every type that
+    differs); ``reference`` is its
     plain-PyTorch implementation (the semantics; the CPU path without the C++ kernels) and ``fake``
     its shape/dtype implementation, both running the op's argument checks; ``decomposable`` says
     the reference is functional ATen a tracer can inline (Inductor may receive it as its

@@ -150,7 +150,7 @@ def check_init_routing(
         return 0, expert_num if expert_num > 0 else -1
     if len(active_expert_range) != 2:
         fail(op, f"active_expert_range must be [start, end], got {list(active_expert_range)}")
-    start, end = int(active_expert_range[0]), int(active_expert_range[1])
+    start, end = active_expert_range  # ints, or sizes of a symbolic trace (SymInt: no guard)
     if not 0 <= start < end <= expert_num:
         fail(op, f"active_expert_range={[start, end]} must satisfy 0 <= start < end <= expert_num={expert_num}")
     return start, end
@@ -255,9 +255,9 @@ def check_finalize_routing(
         check_dim(op, "scales", scales, (2,))
         if scales.dtype not in (rows.dtype, torch.float32):
             fail(op, f"scales dtype {scales.dtype} must be float32 or match expanded_permuted_rows ({rows.dtype})")
-        num_rows, top_k = scales.shape[0], int(scales.shape[1])
+        num_rows, top_k = scales.shape[0], scales.shape[1]
     else:
-        top_k = 1 if k is None else int(k)
+        top_k = 1 if k is None else k
         if top_k < 1:
             fail(op, f"k={top_k} must be >= 1")
         num_rows = src_to_dst.shape[0] // top_k
@@ -785,11 +785,14 @@ OPS = (
             ),
         ),
     ),
+    # expert_num, active_expert_range (here) and moe_finalize_routing's k are SymInt where torch_npu's
+    # schemas say int: they are sizes of the inputs (the experts' count, top-k), and a SymInt keeps them
+    # sizes in a trace on symbolic sizes, so one shipped experts replacement fits every expert count
     Op(
         schema="moe_init_routing_v2(Tensor x, Tensor expert_idx, *, Tensor? scale=None, Tensor? offset=None, "
-        "int active_num=-1, int expert_capacity=-1, int expert_num=-1, int drop_pad_mode=0, "
+        "int active_num=-1, int expert_capacity=-1, SymInt expert_num=-1, int drop_pad_mode=0, "
         "int expert_tokens_num_type=0, bool expert_tokens_num_flag=False, int quant_mode=-1, "
-        "int[2] active_expert_range=[], int row_idx_type=0) -> (Tensor, Tensor, Tensor, Tensor)",
+        "SymInt[2] active_expert_range=[], int row_idx_type=0) -> (Tensor, Tensor, Tensor, Tensor)",
         reference=moe_init_routing_v2,
         fake=moe_init_routing_v2_fake,
         cpp_kernel=True,
@@ -826,7 +829,7 @@ OPS = (
     Op(
         schema="moe_finalize_routing(Tensor expanded_permuted_rows, Tensor? skip1, Tensor? skip2, Tensor? bias, "
         "Tensor? scales, Tensor expanded_src_to_dst_row, Tensor? export_for_source_row, "
-        "int? drop_pad_mode=0, int? k=1) -> Tensor",
+        "int? drop_pad_mode=0, SymInt? k=1) -> Tensor",
         reference=moe_finalize_routing,
         fake=moe_finalize_routing_fake,
         cpp_kernel=True,

@@ -902,11 +902,12 @@ def _strip_values(gm: fx.GraphModule) -> fx.GraphModule:
 # by ``tools/gen_patterns.py`` (the recorder: never during a compile, where a symbolic trace costs
 # 2-4x a trace on numbers) on symbolic sizes, every size of 2 or more its own symbol, and shipped
 # with the package (``_shipped``) when (1) no node of it reads or computes a size (no ``sym_size``,
-# no symbolic value: its graph is the same for every size) or, for a replacement, the only such nodes
-# are integers the sizes fix, read as arguments of other nodes (a pad width, a slice bound: ``_foldable``;
-# ``fold_sizes`` writes them as a static match's numbers, cached per shape like a trace on the sizes,
-# and a symbolic match is traced on its symbols as before), and (2) no guard of the trace fixes a
-# size to a number.  Its guards become the trace's conditions: equalities between sizes (an mm's
+# no symbolic value: its graph is the same for every size) or the only such nodes are integers the
+# sizes fix, read as arguments of other nodes (a pad width, a slice bound, a re-check's view shape, an
+# ascend op's expert count or top-k, ``SymInt`` in its schema for this: ``_foldable``; ``fold_sizes``
+# writes them as a static match's numbers, before a re-check becomes a pattern, cached per shape like
+# a trace on the sizes, and a symbolic match is traced on its symbols as before), and (2) no guard
+# of the trace fixes a size to a number.  Its guards become the trace's conditions: equalities between sizes (an mm's
 # inner sizes, a norm's width and its weight's) and any other relation between them (a router's
 # expert count divisible by its groups, a bound), kept as text a restricted ``eval`` checks.  By
 # the guarantee of symbolic tracing the graph is then what a trace on any sizes of the form that
@@ -1189,8 +1190,8 @@ def generic_trace(
 ) -> tuple[fx.GraphModule, list[Condition]] | None:
     """``trace(inputs)`` on symbolic inputs of ``values``' form, with the size conditions it
     assumed, or None when its graph depends on the sizes (see above) or it fails.  ``foldable``: a
-    graph whose size nodes are only integers the sizes fix (``_foldable``: a replacement's pad width)
-    is shared too; ``fold_sizes`` makes a match's graph of it."""
+    graph whose size nodes are only integers the sizes fix (``_foldable``: a replacement's pad width,
+    a re-check's view shape) is shared too; ``fold_sizes`` makes a match's graph of it."""
     env, mode, inputs, positions = _symbolic(values)
     try:
         with torch._guards.tracing(torch._guards.TracingContext(mode)), unset_fake_temporarily(), mode:
@@ -1223,11 +1224,7 @@ def _generic(
     def traced(decompositions: str) -> tuple[Any, list[Condition]] | None:
         STATS[f"generic_{kind}_traced"] += 1
         get_decomp_fn = _decomp_fn(decompositions)
-        made = generic_trace(
-            values,
-            lambda inputs: pm.fwd_only(fn, inputs, get_decomp_fn=get_decomp_fn),
-            foldable=kind == "replacement",
-        )
+        made = generic_trace(values, lambda inputs: pm.fwd_only(fn, inputs, get_decomp_fn=get_decomp_fn), foldable=True)
         return None if made is None else (finish(made[0]), made[1])
 
     def find() -> tuple[Any, list[Condition]] | None:
@@ -1368,19 +1365,25 @@ def _specific_patterns(
     decompositions: str,
 ) -> Iterator[pm.PatternExpr]:
     """The patterns a match is re-checked with, in order: the shared trace of the values' form
-    (``_generic``), when shipped, then ``_specific_pattern``'s re-trace on the match's sizes (made
-    only when the first does not match)."""
+    (``_generic``), when shipped (one that computes sizes, such as a view's shape, folded on static
+    sizes; a symbolic match skips it), then ``_specific_pattern``'s re-trace on the match's sizes
+    (made only when the first does not match)."""
     key = (fn, tuple(argnames), tuple(sorted(scalars.items())))
-    generic = _generic(
-        "specific",
-        key,
-        values,
-        decompositions,
-        fn,
-        lambda gm: pm.fx_to_pattern(gm, argnames=list(argnames), scalar_workaround=dict(scalars)),
-    )
-    if generic is not None:
+
+    def to_pattern(gm: fx.GraphModule) -> pm.PatternExpr:
+        return pm.fx_to_pattern(gm, argnames=list(argnames), scalar_workaround=dict(scalars))
+
+    def finish(gm: fx.GraphModule) -> pm.PatternExpr | fx.GraphModule:
+        # a trace that computes sizes (a view's shape from the inputs') stays a graph, folded per match
+        return to_pattern(gm) if not _size_nodes(gm.graph) else _strip_values(gm)
+
+    generic = _generic("specific", key, values, decompositions, fn, finish)
+    if isinstance(generic, pm.PatternExpr):
         yield generic
+    elif generic is not None:
+        signature, env = _signature(key, values, decompositions)
+        if signature is not None and env is None:  # static sizes: the shared trace on their numbers
+            yield _SPECIFIC.get(("folded", signature), lambda: to_pattern(fold_sizes(generic, values)))
     specific = _specific_pattern(fn, values, argnames, scalars, decompositions)
     if specific is not None:
         yield specific

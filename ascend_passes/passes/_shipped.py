@@ -49,10 +49,10 @@ SHIPPED_ENV = "ASCEND_PASSES_SHIPPED_PATTERNS"
 on-disk cache, as before)."""
 MODULE = "ascend_passes.passes._shipped_patterns"
 """The generated module (``tools/gen_patterns.py`` writes it)."""
-FORMAT = 3
+FORMAT = 4
 """Bump when the generated module's layout or the key's description changes (2: ``REQUIRES``;
 3: ``GRAPHS`` and ``GENERIC``, the size-generic traces; a nested function's line counted from its
-outer function's)."""
+outer function's; 4: a re-check's size-generic trace that computes sizes is a ``GRAPHS`` entry)."""
 MACHINERY = ("_trace_graph", "_trace_initial", "_decomp_fn", "required_ops", "traced_pattern")
 """Functions of ``_pattern`` that make a trace and whose source enters the file's header key."""
 _PATTERN_LIBRARY = ("ascend_passes.patterns", "ascend_passes.ops")
@@ -233,9 +233,9 @@ def lookup_generic(kind: str, form: Any) -> tuple[Any, list[Any]] | None:
         )
         return None
     try:
-        if kind == "specific":
+        if entry[1] in module.PATTERNS:  # a re-check's pattern
             value: Any = rebuild(module.PATTERNS[entry[1]].splitlines())
-        else:
+        else:  # a replacement graph, or a re-check's graph that computes sizes (folded per match)
             from . import _pattern
 
             value = _pattern._graph_from_data([(*row, {}) for row in _run(module.GRAPHS[entry[1]])])
@@ -788,7 +788,7 @@ def generate(models: bool = True) -> str:
         value, conditions = found
         text = f"{kind} {label((), form[0][0] if kind == 'specific' else form[0], form[1])} {form[2:]}"
         try:
-            if kind == "specific":
+            if isinstance(value, pm.PatternExpr):
                 lines = pattern_source(value)
                 if not value.pattern_eq(rebuild(lines)):
                     raise ValueError("the rebuilt pattern differs")
@@ -807,7 +807,7 @@ def generate(models: bool = True) -> str:
         name = body_name(lines, table, store, prefix, text)
         if name is None:
             continue
-        if kind == "specific" and len(table) > new:
+        if table is bodies and len(table) > new:
             required = requires_source(_pattern.required_ops(value))
             requires_of.append(f"    {name!r}: {requires.setdefault(required, len(requires))},")
         pairs = [c if isinstance(c, str) else list(map(list, c)) for c in conditions]
@@ -848,7 +848,8 @@ def generate(models: bool = True) -> str:
         "# sha256 of the trace's description: (PATTERNS key, identity, DEPENDS index)",
         "ENTRIES = {",
         "".join(rows) + "}",
-        "# replacement graphs traced on symbolic sizes: bodies returning (op, name, target, args, kwargs) rows",
+        "# replacement graphs, and re-check graphs that compute sizes (folded per match), traced on symbolic sizes:",
+        "# bodies returning (op, name, target, args, kwargs) rows",
         "GRAPHS = {",
         *graph_functions,
         "}",

@@ -906,8 +906,9 @@ def _strip_values(gm: fx.GraphModule) -> fx.GraphModule:
 # sizes fix, read as arguments of other nodes (a pad width, a slice bound, a re-check's view shape, an
 # ascend op's expert count or top-k, ``SymInt`` in its schema for this: ``_foldable``; ``fold_sizes``
 # writes them as a static match's numbers, before a re-check becomes a pattern, cached per shape like
-# a trace on the sizes, and a symbolic match is traced on its symbols as before), and (2) no guard
-# of the trace fixes a size to a number.  Its guards become the trace's conditions: equalities between sizes (an mm's
+# a trace on the sizes; a symbolic match's replacement is folded too where its size nodes read only
+# static sizes, else it is traced on its symbols as before), and (2) no guard of the trace fixes a
+# size to a number.  Its guards become the trace's conditions: equalities between sizes (an mm's
 # inner sizes, a norm's width and its weight's) and any other relation between them (a router's
 # expert count divisible by its groups, a bound), kept as text a restricted ``eval`` checks.  By
 # the guarantee of symbolic tracing the graph is then what a trace on any sizes of the form that
@@ -1163,6 +1164,18 @@ def _size_nodes(graph: fx.Graph) -> list[fx.Node]:
     ]
 
 
+def _reads_static_sizes(graph: fx.Graph, values: Sequence[Any]) -> bool:
+    """Whether every size the size nodes of ``graph`` read is a number in ``values`` (its inputs, in
+    order), not a symbol: ``fold_sizes`` then adds no guard, whatever the other sizes are (the experts
+    replacement reads the expert count and top-k, static where the token count is symbolic)."""
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    return all(
+        not isinstance(values[placeholders.index(node.args[0])].shape[node.args[1]], torch.SymInt)
+        for node in _size_nodes(graph)
+        if node.target is torch.ops.aten.sym_size.int
+    )
+
+
 def fold_sizes(gm: fx.GraphModule, values: Sequence[Any]) -> fx.GraphModule:
     """A copy of ``gm`` (a shared trace on symbolic sizes that ``_foldable`` accepted, its inputs in the
     order of ``values``) whose size nodes are replaced by the numbers they compute on ``values``' static
@@ -1272,6 +1285,8 @@ def replacement_graph(
     if signature is None:
         return trace()
     if env is not None:  # symbolic sizes: their symbols belong to this compile
+        if generic is not None and _reads_static_sizes(generic.graph, values):  # e.g. an expert count, top-k
+            return _per_compile(env, ("folded", signature), lambda: fold_sizes(generic, values))
         return _per_compile(env, ("replacement", signature), trace)
     if generic is not None:  # the shared trace's sizes, numbers of this match's static sizes
         return _REPLACEMENTS.get(("folded", signature), lambda: fold_sizes(generic, values))

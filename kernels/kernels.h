@@ -31,9 +31,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_gating_top_k(
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_init_routing_v2(
     const at::Tensor& x, const at::Tensor& expert_idx, const std::optional<at::Tensor>& scale,
-    const std::optional<at::Tensor>& offset, int64_t active_num, int64_t expert_capacity, int64_t expert_num,
+    const std::optional<at::Tensor>& offset, int64_t active_num, int64_t expert_capacity, c10::SymInt expert_num,
     int64_t drop_pad_mode, int64_t expert_tokens_num_type, bool expert_tokens_num_flag, int64_t quant_mode,
-    at::IntArrayRef active_expert_range, int64_t row_idx_type);
+    c10::SymIntArrayRef active_expert_range, int64_t row_idx_type);
 
 std::vector<at::Tensor> grouped_matmul(at::TensorList x, at::TensorList weight, std::optional<at::TensorList> bias,
                                        const std::optional<at::Tensor>& group_list, int64_t split_item,

@@ -60,9 +60,14 @@ ASCEND_FINAL_ENTRIES(c10::Half)
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_init_routing_v2(
     const at::Tensor& x_, const at::Tensor& expert_idx_, const std::optional<at::Tensor>& scale,
-    const std::optional<at::Tensor>& offset, int64_t active_num, int64_t expert_capacity, int64_t expert_num,
+    const std::optional<at::Tensor>& offset, int64_t active_num, int64_t expert_capacity, c10::SymInt expert_num_sym,
     int64_t drop_pad_mode, int64_t expert_tokens_num_type, bool expert_tokens_num_flag, int64_t quant_mode,
-    at::IntArrayRef active_expert_range, int64_t row_idx_type) {
+    c10::SymIntArrayRef active_expert_range_sym, int64_t row_idx_type) {
+  // SymInt in the schema (sizes of the inputs): Inductor's C++ wrapper boxes SymInt[2] as a SymInt list, which
+  // an IntArrayRef parameter cannot unbox, and a kernel with one SymInt parameter takes every SymInt as one. The
+  // values are concrete numbers whenever a kernel runs.
+  const int64_t expert_num = expert_num_sym.expect_int();
+  const at::IntArrayRef active_expert_range = C10_AS_INTARRAYREF_SLOW(active_expert_range_sym);
   // below autograd: the ATen calls inside (mm_out, …) must not see requires_grad
   at::AutoDispatchBelowADInplaceOrView below_autograd;
   (void)expert_capacity;  // unused in dropless mode, as on NPU

@@ -15,7 +15,7 @@ SOURCES = {
     'ascend_passes.ops.mla': '3229a978e4dbc355804df1697c634f9c64c3be4477732f277ded1e72f8f23dff',
     'ascend_passes.ops.moe': 'd74fe9966bfc3e71bfa67fd3b9f7d5f039eca681a1630e5ae4ec1f1e3b21a29a',
     'ascend_passes.ops.norm': '78aa9ce87eaf1617d65da23cbc024b2eb07dbf52e2db2059d6398f3e0f58a5ae',
-    'ascend_passes.passes.mla': '82329327046cb087aaf8b03f0cb1245d4475057416a266e403618868fcbdb714',
+    'ascend_passes.passes.mla': '1d08555f7cb7ab0ef5dfaf5975072c2681d68c5b1a16ef5508352e2323a72257',
     'ascend_passes.passes.moe': '2342a5b35beddc7169f3b12b246d831b5970e0cf9480616b86286c1c6dee49d7',
     'ascend_passes.patterns._layout': '4f6c03157c3896e538a8b424d68552b0ff515dd18d33047599e9e2f55e950e21',
     'ascend_passes.patterns.activation': 'be48199f4c7dabbfc1532a33956ee1d9faad46e0fcffd618709b5bce47ecd2ca',

@@ -23,7 +23,7 @@ from torch._inductor import pattern_matcher as pm
 from ..pass_manager import Pass, PassContext, PassResult
 from ..patterns import mla as patterns
 from ._nodes import const_float, const_int, const_ints, eliminate_dead_code, not_constant
-from ._pattern import TracedPattern, replace, traced_pattern
+from ._pattern import FLOAT_DTYPES, TracedPattern, replace, traced_pattern
 from .layers import layer_of, where
 
 log = logging.getLogger("ascend_passes.passes.mla")
@@ -56,10 +56,12 @@ def _forms_for(gm: fx.GraphModule) -> list[tuple[patterns.Form, torch.dtype]]:
     dtypes = {torch.float32}
     if gm.graph.find_nodes(op="call_function", target=aten.rsqrt.default):
         norms.add("hf")
+        # the dtypes mla_prolog takes (float64 values, e.g. dynamic=True's 0-d attribute inputs, never
+        # form a prolog: tracing the search in them cost 4 unshipped traces per dynamic compile)
         dtypes = {
             v.dtype
             for n in gm.graph.nodes
-            if isinstance(v := n.meta.get("val"), torch.Tensor) and v.is_floating_point()
+            if isinstance(v := n.meta.get("val"), torch.Tensor) and v.dtype in FLOAT_DTYPES
         } or dtypes
     out = []
     for form in patterns.FORMS:

@@ -65,6 +65,24 @@ def _keep_mutation_renames(recompute: Any) -> Any:
     return recompute_size_and_body
 
 
+def _list_result(op_overload: Any) -> Any:
+    """The list type of an op whose only result is a list, else None."""
+    import torch
+
+    returns = op_overload._schema.returns
+    if len(returns) == 1 and isinstance(returns[0].real_type, torch.ListType):
+        return returns[0].real_type
+    return None
+
+
+def _only_list_result(op_overload: Any) -> bool:
+    """Whether the op's only result is ``Tensor[]``."""
+    import torch
+
+    found = _list_result(op_overload)
+    return found is not None and isinstance(found.getElementType(), torch.TensorType)
+
+
 def _list_result_read_as_list(generate: Any) -> Any:
     @functools.wraps(generate)
     def generate_fallback_kernel_with_runtime_lookup_python(
@@ -76,10 +94,7 @@ def _list_result_read_as_list(generate: Any) -> Any:
         output_args: Any,
         raw_outputs: Any,
     ) -> None:
-        import torch
-
-        returns = op_overload._schema.returns
-        if len(output_args) == 1 and len(returns) == 1 and isinstance(returns[0].real_type, torch.ListType):
+        if len(output_args) == 1 and _list_result(op_overload) is not None:
             output_args = [*output_args, None]  # the call returns a list: read the handle as its element 0
         generate(self, buf_name, python_kernel_name, op_overload, raw_args, output_args, raw_outputs)
 
@@ -91,17 +106,6 @@ _UNPACK = re.compile(
     r"^(?P<lead>\s*)(?P<out>\w+) = torch::aot_inductor::new_tensor_handle\("
     r"std::move\((?P<stack>dispatch_stack_\d+)\[(?P<i>\d+)\]\)\.toTensor\(\)\);$"
 )
-
-
-def _only_list_result(op_overload: Any) -> bool:
-    import torch
-
-    returns = op_overload._schema.returns
-    return (
-        len(returns) == 1
-        and isinstance(returns[0].real_type, torch.ListType)
-        and isinstance(returns[0].real_type.getElementType(), torch.TensorType)
-    )
 
 
 def _list_result_boxed(compatible: Any) -> Any:

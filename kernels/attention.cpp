@@ -272,6 +272,102 @@ void attention_blocks(const at::Tensor& q, const at::Tensor& k, const at::Tensor
 }
 
 #if ASCEND_ATTN_AMX
+// Few query rows (decode: a new token per sequence against its cached keys, or a short draft): per (batch, head)
+// each key row is read once, straight from k, for the dot products of all the head's query rows (fp32 sums of
+// fp32 or exact bf16 products, 16 lanes at a time); one softmax per row (bf16: p rounded to bf16, as the flash
+// kernel and the other paths do); then each value row once, p·v summed in fp32. No packing: attention_blocks packs
+// the head's keys and values into GEMM panels, which one query row uses once (its cost was the call's: one row
+// against 256 keys, 8 x 8 heads, fp32, 0.34 ms; the flash kernel, bf16's route on an AMX CPU, 0.24 ms and ~25 us
+// for a single key, most of it fixed cost per call). A problem this small runs on the calling thread (no fork).
+constexpr int64_t kFewRows = 8;
+
+ASCEND_ATTN_TARGET inline __m512 lanes_f32(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+ASCEND_ATTN_TARGET inline __m512 lanes_f32(const c10::BFloat16* p, __mmask16 m) {  // exact: bf16 is a float's top half
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
+ASCEND_ATTN_TARGET inline __mmask16 tail_mask(int64_t left) {
+  return left >= 16 ? __mmask16(0xffff) : __mmask16((1u << left) - 1);
+}
+
+template <typename T>
+ASCEND_ATTN_TARGET void few_rows_items(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                       const at::Tensor& mask, at::Tensor& out, float scale, bool causal, int64_t lo,
+                                       int64_t hi) {
+  const int64_t N = q.size(1), L = q.size(2), D = q.size(3), S = k.size(2), Dv = v.size(3);
+  const int64_t dp = (D + 15) / 16 * 16, vp16 = (Dv + 15) / 16 * 16;
+  const T* qp = q.const_data_ptr<T>();
+  const T* kp = k.const_data_ptr<T>();
+  const T* vp = v.const_data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const float* mp = mask.defined() ? mask.const_data_ptr<float>() : nullptr;
+  constexpr bool kBf16 = std::is_same_v<T, c10::BFloat16>;
+  const bool round_fused = kBf16 && avx512_bf16_usable();  // softmax_round_row's vcvtne2ps2bf16
+  std::vector<float> qf(L * dp), scores(L * S), acc(L * vp16);
+  std::vector<c10::BFloat16> probs(kBf16 ? L * S : 0);
+  float inv[kFewRows];
+  for (int64_t bn = lo; bn < hi; ++bn) {
+    const int64_t b = bn / N, n = bn % N;
+    for (int64_t i = 0; i < L; ++i) {  // the query rows in fp32, zero past D
+      const T* qr = qp + b * q.stride(0) + n * q.stride(1) + i * q.stride(2);
+      float* dst = qf.data() + i * dp;
+      for (int64_t d = 0; d < dp; d += 16) _mm512_storeu_ps(dst + d, lanes_f32(qr + d, tail_mask(D - d)));
+    }
+    const T* kh = kp + b * k.stride(0) + n * k.stride(1);
+    for (int64_t s = 0; s < S; ++s) {
+      const T* kr = kh + s * k.stride(2);
+      for (int64_t i = causal ? s : 0; i < L; ++i) {  // causal (L == S): row i sees keys 0..i
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t d = 0; d < D; d += 16)
+          sum = _mm512_fmadd_ps(_mm512_loadu_ps(qf.data() + i * dp + d), lanes_f32(kr + d, tail_mask(D - d)), sum);
+        scores[i * S + s] = _mm512_reduce_add_ps(sum);
+      }
+    }
+    for (int64_t i = 0; i < L; ++i) {
+      float* row = scores.data() + i * S;
+      const float* m =
+          mp == nullptr ? nullptr : mp + b * mask.stride(0) + n * mask.stride(1) + i * mask.stride(2);
+      const int64_t ms = mp == nullptr ? 0 : mask.stride(3), seen = causal ? i + 1 : S;
+      if constexpr (kBf16) {
+        if (round_fused) {
+          inv[i] = softmax_round_row(row, m, ms, seen, seen, scale, probs.data() + i * S);
+          continue;
+        }
+        inv[i] = softmax_row(row, m, ms, seen, seen, scale);
+        round_row(row, probs.data() + i * S, seen);
+      } else {
+        inv[i] = softmax_row(row, m, ms, seen, seen, scale);
+      }
+    }
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    const T* vh = vp + b * v.stride(0) + n * v.stride(1);
+    for (int64_t s = 0; s < S; ++s) {
+      const T* vr = vh + s * v.stride(2);
+      for (int64_t i = causal ? s : 0; i < L; ++i) {
+        const __m512 p = _mm512_set1_ps(kBf16 ? static_cast<float>(probs[i * S + s]) : scores[i * S + s]);
+        float* a = acc.data() + i * vp16;
+        for (int64_t d = 0; d < Dv; d += 16)
+          _mm512_storeu_ps(a + d, _mm512_fmadd_ps(p, lanes_f32(vr + d, tail_mask(Dv - d)), _mm512_loadu_ps(a + d)));
+      }
+    }
+    for (int64_t i = 0; i < L; ++i)
+      scale_row(acc.data() + i * vp16, inv[i], op + b * out.stride(0) + n * out.stride(1) + i * out.stride(2), Dv);
+  }
+}
+
+// few_rows_items over the (batch, head) pairs: on the calling thread while the whole call is below ~32K
+// multiply-adds (a fork and join costs more than that), else split over the threads.
+template <typename T>
+void few_rows_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,
+                        at::Tensor& out, float scale, bool causal) {
+  const int64_t per_item = std::max<int64_t>(1, q.size(2) * k.size(2) * (q.size(3) + v.size(3)));
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 15) / per_item);
+  at::parallel_for(0, q.size(0) * q.size(1), grain, [&](int64_t lo, int64_t hi) {
+    few_rows_items<T>(q, k, v, mask, out, scale, causal, lo, hi);
+  });
+}
+#endif
+
+#if ASCEND_ATTN_AMX
 // bf16 on the AMX tile units (a CPU with AMX; 16 or more query rows; q/k and v head dims multiples of 32, any
 // strides): per thread and head, k packed once as the B operand of q·kᵀ (VNNI-2: [16-key block][D/2
 // pairs][16 keys], pack_keys) and v as the B operand of p·v ([32-key step][16-dim block][16 key pairs][16
@@ -491,6 +587,16 @@ at::Tensor attention(const at::Tensor& query, const at::Tensor& key, const at::T
   // against flash at T=256, 6.2 / 8.9 at T=1024).
   const bool amx_bf16 = dtype == at::kBFloat16 && isa_level() == Isa::kAmx;
 #if ASCEND_ATTN_AMX
+  // kFewRows query rows or fewer (decode), fp32 or bf16 with AVX-512: keys and values read in place
+  // (few_rows_attention), whatever the CPU's bf16 units
+  if (L <= kFewRows && gemm_nt_available() && (dtype == at::kFloat || dtype == at::kBFloat16)) {
+    auto out = attention_output(query, value);
+    if (dtype == at::kFloat)
+      few_rows_attention<float>(q, k, v, mask, out, static_cast<float>(scale), is_causal);
+    else
+      few_rows_attention<c10::BFloat16>(q, k, v, mask, out, static_cast<float>(scale), is_causal);
+    return out;
+  }
   if (amx_bf16 && amx_attention_supported(q, v)) {
     auto out = attention_output(query, value);
     amx_attention_blocks(q, k, v, mask, out, static_cast<float>(scale), is_causal);

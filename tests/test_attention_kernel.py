@@ -131,6 +131,47 @@ def test_a_nan_or_inf_score_makes_its_row_nan(dtype, d, dv):
     assert out2[0, 0, 5].isnan().all() and out2[0, 0, :5].isfinite().all() and out2[0, 0, 6:].isfinite().all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("length,kv", [(1, 1), (1, 9), (1, 300), (2, 33), (8, 8), (8, 130)])
+@pytest.mark.parametrize("d,dv", [(96, 64), (7, 5), (24, 40)])
+def test_few_query_rows_against_a_longer_cache(dtype, length, kv, d, dv):
+    """Up to 8 query rows (decode: new tokens against their cached keys) read the keys and values in place, odd
+    head dims included: the exact product within the tolerance, no worse than the flash kernel's (the reference);
+    the causal mask where there are as many keys as queries."""
+    torch.manual_seed(length * 31 + kv + d)
+    b, n = 2, 3
+    q = torch.randn(b, length, n, d).transpose(1, 2).to(dtype)
+    k = torch.randn(b, kv, n, d + 3)[..., :d].transpose(1, 2).to(dtype)  # a cache's strided rows
+    v = torch.randn(b, n, kv, dv).to(dtype)
+    causal = length == kv
+    scale = d**-0.5
+    out = A.attention(q, k, v, scale, causal)
+    exact = _exact(q, k, v, scale, causal)
+    assert out.shape == (b, n, length, dv) and out.stride() == (length * n * dv, dv, n * dv, 1)
+    assert _rel(out, exact) <= TOL[dtype]
+    assert _rel(out, exact) <= max(2 * _rel(reference(q, k, v, scale, causal), exact), TOL[dtype] / 4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_few_query_rows_with_masks_and_special_scores(dtype):
+    """The few-rows path keeps the kernel's semantics: an additive mask (a row it hides entirely gives zeros),
+    a NaN or +Inf score makes its row NaN and nothing else."""
+    torch.manual_seed(6)
+    b, n, length, kv = 2, 2, 3, 40
+    q, k = torch.randn(b, n, length, 16).to(dtype), torch.randn(b, n, kv, 16).to(dtype)
+    v = torch.randn(b, n, kv, 8).to(dtype)
+    mask = torch.randn(b, 1, length, kv)
+    mask[1, :, 2, :] = float("-inf")  # batch 1, query row 2: every key hidden
+    mask[0, :, 1, :30] = float("-inf")
+    out = A.attention(q, k, v, 0.3, False, mask)
+    assert _rel(out, _exact_masked(q, k, v, 0.3, False, mask)) <= TOL[dtype]
+    assert torch.equal(out[1, :, 2], torch.zeros_like(out[1, :, 2]))
+    special = torch.zeros(length, kv)
+    special[0, 5], special[2, 39] = float("nan"), float("inf")
+    out = A.attention(q, k, v, 0.3, False, special)
+    assert out[:, :, [0, 2]].isnan().all() and out[:, :, 1].isfinite().all()
+
+
 def _exact_masked(q, k, v, scale, causal, mask):
     s = (q.double() @ k.double().transpose(-1, -2)) * scale + mask.double()
     if causal:

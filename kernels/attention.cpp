@@ -324,8 +324,7 @@ ASCEND_ATTN_TARGET void few_rows_items(const at::Tensor& q, const at::Tensor& k,
     }
     for (int64_t i = 0; i < L; ++i) {
       float* row = scores.data() + i * S;
-      const float* m =
-          mp == nullptr ? nullptr : mp + b * mask.stride(0) + n * mask.stride(1) + i * mask.stride(2);
+      const float* m = mp == nullptr ? nullptr : mp + b * mask.stride(0) + n * mask.stride(1) + i * mask.stride(2);
       const int64_t ms = mp == nullptr ? 0 : mask.stride(3), seen = causal ? i + 1 : S;
       if constexpr (kBf16) {
         if (round_fused) {
@@ -361,9 +360,8 @@ void few_rows_attention(const at::Tensor& q, const at::Tensor& k, const at::Tens
                         at::Tensor& out, float scale, bool causal) {
   const int64_t per_item = std::max<int64_t>(1, q.size(2) * k.size(2) * (q.size(3) + v.size(3)));
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 15) / per_item);
-  at::parallel_for(0, q.size(0) * q.size(1), grain, [&](int64_t lo, int64_t hi) {
-    few_rows_items<T>(q, k, v, mask, out, scale, causal, lo, hi);
-  });
+  at::parallel_for(0, q.size(0) * q.size(1), grain,
+                   [&](int64_t lo, int64_t hi) { few_rows_items<T>(q, k, v, mask, out, scale, causal, lo, hi); });
 }
 #endif
 

@@ -385,6 +385,28 @@ void amx_swap_nt_parallel(const bf16* x, int64_t ldx, const bf16* w, int64_t ldw
     return;
   }
   const bool v8 = swap_v8();
+  // column blocks of the kernel's block (64 columns up to 16 rows, 32 above), a few per thread so that a slow one
+  // does not idle the rest. (Blocks of 64 at every m split a [160, K] weight 128:32 over two threads: session 17,
+  // the 2-core Xeon, alternated in one process, [m,1024]x[160,1024]^T 1.11-1.22x faster with 32, the model's
+  // other shapes 0.99-1.04x; the same blocks, so the same bits.)
+  const int64_t cb = m > 16 ? 32 : 64;
+  const int64_t col_blocks = (n + cb - 1) / cb;
+  const int64_t grain = std::max<int64_t>(1, col_blocks / (threads * 2));
+  if (m <= 16 && !v8) {
+    // up to 16 rows (decode): every thread packs x itself (one block, 2 KB per 32 of K) in the parallel region. A
+    // block packed by the calling thread reached the other core's tile loads as cross-core transfers, which the
+    // tile loads wait on: session 21, the 2-core Xeon, [8, K] x [N, K]^T, both threads, median of 3,000 calls, the
+    // weight in L2, us, shared packing -> own: K=1024 N=128 11.1 -> 5.6, N=256 13.9 -> 7.2, N=512 16.9 -> 10.4,
+    // N=1024 21.8 -> 17.9; the weights rotated past the cache (the bench model's decode linears): [256, 1024]
+    // 27.2 -> 23.9, [160, 1024] 28.1 -> 23.4, [1024, 512] 48.0 -> 46.0, the other shapes within +-1. Same bits.
+    at::parallel_for(0, col_blocks, grain, [&](int64_t lo, int64_t hi) {
+      thread_local Scratch own;
+      uint32_t* xo = own.get<uint32_t>(elems);
+      pack_x(x, ldx, m, k, kp, xo, 0, 1);
+      run_packed(xo, m, k, kp, w, ldw, bias, act, y, ldy, lo * cb, std::min(n, hi * cb), epilogue, {}, v8);
+    });
+    return;
+  }
   // the calling thread's buffer, reused from call to call (cache-hot; a fresh zeroed vector per call cost a
   // memset and cold stores); pack_x writes every element of the blocks it packs (zeros past m and k)
   thread_local Scratch x_mem;
@@ -397,13 +419,6 @@ void amx_swap_nt_parallel(const bf16* x, int64_t ldx, const bf16* w, int64_t ldw
   else
     at::parallel_for(0, used, std::max<int64_t>(1, used / threads),
                      [&](int64_t lo, int64_t hi) { pack_x(x, ldx, m, k, kp, xp, lo, hi); });
-  // column blocks of the kernel's block (64 columns up to 16 rows, 32 above), a few per thread so that a slow one
-  // does not idle the rest. (Blocks of 64 at every m split a [160, K] weight 128:32 over two threads: session 17,
-  // the 2-core Xeon, alternated in one process, [m,1024]x[160,1024]^T 1.11-1.22x faster with 32, the model's
-  // other shapes 0.99-1.04x; the same blocks, so the same bits.)
-  const int64_t cb = m > 16 ? 32 : 64;
-  const int64_t col_blocks = (n + cb - 1) / cb;
-  const int64_t grain = std::max<int64_t>(1, col_blocks / (threads * 2));
   at::parallel_for(0, col_blocks, grain, [&](int64_t lo, int64_t hi) {
     run_packed(xp, m, k, kp, w, ldw, bias, act, y, ldy, lo * cb, std::min(n, hi * cb), epilogue, {}, v8);
   });

@@ -172,6 +172,16 @@ def test_few_query_rows_with_masks_and_special_scores(dtype):
     assert out[:, :, [0, 2]].isnan().all() and out[:, :, 1].isfinite().all()
 
 
+def test_few_query_rows_capped_to_avx512():
+    """On a CPU with avx512_bf16, the few-rows tests again capped to avx512: bf16 then rounds p without
+    vcvtne2ps2bf16 (softmax_row + round_row), the path of an AVX-512 CPU without bf16 instructions."""
+    if "avx512_bf16" not in cpu_flags():
+        pytest.skip("this CPU lacks avx512_bf16: the uncapped run already took the avx512 path")
+    if os.environ.get("ASCEND_PASSES_ISA"):
+        pytest.skip("already capped")
+    rerun_capped(__file__, "few_query_rows and not capped", "avx512")
+
+
 def _exact_masked(q, k, v, scale, causal, mask):
     s = (q.double() @ k.double().transpose(-1, -2)) * scale + mask.double()
     if causal:

@@ -13,7 +13,7 @@
 // and v of one head dim: the pass padded v to q's and sliced the output). Measured in
 // tools/bench_kernels.py (attention rows). Without AVX-512 (or bf16 without avx512_bf16, or an odd head
 // dim in bf16), bf16 on a CPU with AMX (where the flash kernel's bf16 products run on the tile units), and
-// for anything else, the flash kernel on the padded inputs, as the reference. Up to kFewRows (8) query rows
+// for anything else, the flash kernel on the padded inputs, as the reference. Up to kFewRows (4) query rows
 // (decode) with AVX-512, fp32 or bf16 on any of these CPUs: few_rows_attention, which reads each key and value
 // row once in place.
 #include "amx_swap.h"  // amx_swap_available
@@ -281,7 +281,12 @@ void attention_blocks(const at::Tensor& q, const at::Tensor& k, const at::Tensor
 // the head's keys and values into GEMM panels, which one query row uses once (its cost was the call's: one row
 // against 256 keys, 8 x 8 heads, fp32, 0.34 ms; the flash kernel, bf16's route on an AMX CPU, 0.24 ms and ~25 us
 // for a single key, most of it fixed cost per call). A problem this small runs on the calling thread (no fork).
-constexpr int64_t kFewRows = 8;
+// Up to this many query rows. Session 21, the 2-core Xeon with AMX, 8 heads, q/k 96, v 64, us per call, this path /
+// the route before (bf16: the flash kernel; fp32: attention_blocks), B=1 and S=16 / 256 / 2048 keys: one row bf16
+// 5 / 18 / 136 against 15 / 28 / 247, fp32 5 / 17 / 219 against 10 / 44 / 458; 2 rows bf16 7 / 28 / 196 against
+// 19 / 45 / 377; 4 rows bf16 8 / 48 / 366 against 20 / 48 / 386, fp32 8 / 46 / 365 against 10 / 48 / 499; 8 rows
+// bf16 12 / 95 / 772 against 22 / 51 / 405 (B=8 alike): from 8 rows on, the packed panels pay for themselves.
+constexpr int64_t kFewRows = 4;
 
 ASCEND_ATTN_TARGET inline __m512 lanes_f32(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
 ASCEND_ATTN_TARGET inline __m512 lanes_f32(const c10::BFloat16* p, __mmask16 m) {  // exact: bf16 is a float's top half

@@ -223,13 +223,21 @@ def _amx_uncapped() -> bool:
 
 @pytest.mark.parametrize(
     "length,d,dv,route",
-    [(70, 96, 64, "tiles"), (16, 32, 32, "tiles"), (15, 96, 64, "flash"), (70, 48, 64, "flash"), (70, 96, 40, "flash")],
+    [
+        (70, 96, 64, "tiles"),
+        (16, 32, 32, "tiles"),
+        (15, 96, 64, "flash"),
+        (5, 96, 64, "flash"),
+        (70, 48, 64, "flash"),
+        (70, 96, 40, "flash"),
+    ],
 )
 def test_bf16_routes_on_an_amx_cpu(length, d, dv, route):
     """On a CPU with AMX (uncapped) bf16 attention runs on the tile units: the own tile kernel for 16 or more query
     rows and head dims that are multiples of 32 (within the tolerance; its sums in another order than the flash
-    kernel's, so other bits), else the flash kernel on v padded to q's head dim, bit for bit. (Capped to
-    avx512_bf16 the vdpbf16ps kernel runs: test_bf16_capped_below_amx.)"""
+    kernel's, so other bits), up to 4 rows the few-rows kernel (at these sizes its bits can equal the flash
+    kernel's: not asserted), else the flash kernel on v padded to q's head dim, bit for bit (5 rows: just past the
+    few-rows kernel). (Capped to avx512_bf16 the vdpbf16ps kernel runs: test_bf16_capped_below_amx.)"""
     if not _amx_uncapped():
         pytest.skip("this CPU lacks AMX (amx_bf16/amx_tile in /proc/cpuinfo) or the level is capped: no AMX route")
     torch.manual_seed(length + d + dv)

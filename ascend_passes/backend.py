@@ -16,6 +16,7 @@ import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from . import inductor_fixes
+from .allocator import warn_if_glibc
 from .config import AscendPassConfig
 from .errors import ConfigError
 from .inspect.trace import trace_pass_graphs
@@ -185,6 +186,10 @@ def run_pipeline(
         report.seconds * 1e3,
         compiler,
     )
+    if target == "cpu" and any(
+        n.op == "call_function" and getattr(n.target, "namespace", None) == "ascend" for n in gm.graph.nodes
+    ):
+        warn_if_glibc()  # once per process: the fused kernels' large outputs fault in again under glibc
     publish(report)
     return report
 

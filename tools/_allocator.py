@@ -43,14 +43,10 @@ def find_tcmalloc() -> str | None:
 
 
 def current() -> str:
-    """The allocator this process runs with: 'tcmalloc' or 'system (glibc)'."""
-    try:
-        with open("/proc/self/maps") as maps:
-            if "tcmalloc" in maps.read():
-                return "tcmalloc"
-    except OSError:
-        pass
-    return "system (glibc)"
+    """The allocator this process runs with: 'tcmalloc' or 'system (glibc)' (the package's detection)."""
+    from ascend_passes.allocator import current_allocator
+
+    return "tcmalloc" if current_allocator() == "tcmalloc" else "system (glibc)"
 
 
 HUGE_PAGES = ("on", "off")

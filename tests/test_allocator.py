@@ -83,7 +83,9 @@ def test_a_cpu_compile_under_glibc_warns_once(fresh_warning, caplog):
             assert reports[-1].count("ascend.rms_norm") == 1
     messages = _warnings(caplog)
     assert len(messages) == 1
-    assert "glibc malloc" in messages[0] and allocator.TCMALLOC_HINT in messages[0]
+    assert (
+        "glibc malloc" in messages[0] and allocator.TCMALLOC_HINT in messages[0] and allocator.GLIBC_HINT in messages[0]
+    )
 
 
 @pytest.mark.parametrize("name", allocator.REUSING)

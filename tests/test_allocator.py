@@ -4,6 +4,7 @@ system, so the fused kernels' outputs fault in again on every forward)."""
 
 from __future__ import annotations
 
+import glob
 import logging
 import os
 import subprocess
@@ -38,9 +39,10 @@ def test_this_process_is_told_apart_from_one_under_tcmalloc():
     """The real map: this test process's allocator, and a child with TCMalloc preloaded where the machine has it
     (tools/setup.sh installs it)."""
     assert allocator.current_allocator() in ("glibc", *allocator.REUSING)
-    lib = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
-    if not os.path.exists(lib):
-        pytest.skip(f"{lib} is not installed here: no TCMalloc child to compare")
+    libs = sorted(glob.glob("/usr/lib/*/libtcmalloc_minimal.so.4"))
+    if not libs:
+        pytest.skip("libtcmalloc_minimal.so.4 is not installed here (tools/setup.sh installs it where apt-get works)")
+    lib = libs[0]
     code = "from ascend_passes.allocator import current_allocator; print(current_allocator())"
     child = subprocess.run(
         [sys.executable, "-c", code], env={**os.environ, "LD_PRELOAD": lib}, capture_output=True, text=True, timeout=120

@@ -596,7 +596,7 @@ at::Tensor attention(const at::Tensor& query, const at::Tensor& key, const at::T
   // (few_rows_attention), whatever the CPU's bf16 units. Session 21, the 2-core Xeon with AMX, 8 heads, q/k 96,
   // v 64, us per call from Python, median of 2,000, before (bf16: the flash kernel; fp32: attention_blocks) ->
   // after: B=8, one row, S=1: bf16 24.2 -> 7.1, fp32 25.7 -> 7.5; S=256: bf16 241 -> 131, fp32 337 -> 211;
-  // B=1, one row, S=1024: bf16 87 -> 57, fp32 189 -> 92; B=4, 8 rows, S=8 causal: bf16 57 -> 15, fp32 36 -> 18.
+  // B=1, one row, S=1024: bf16 87 -> 57, fp32 189 -> 92 (kFewRows has the grid over rows and keys).
   if (L <= kFewRows && gemm_nt_available() && (dtype == at::kFloat || dtype == at::kBFloat16)) {
     auto out = attention_output(query, value);
     if (dtype == at::kFloat)

@@ -20,6 +20,7 @@
 #include "common.h"
 #include "gemm.h"
 #include "kernels.h"
+#include "lane_sums.h"
 
 #include <vector>
 
@@ -275,18 +276,21 @@ void attention_blocks(const at::Tensor& q, const at::Tensor& k, const at::Tensor
 
 #if ASCEND_ATTN_AMX
 // Few query rows (decode: a new token per sequence against its cached keys, or a short draft): per (batch, head)
-// each key row is read once, straight from k, for the dot products of all the head's query rows (fp32 sums of
-// fp32 or exact bf16 products, 16 lanes at a time); one softmax per row (bf16: p rounded to bf16, as the flash
-// kernel and the other paths do); then each value row once, p·v summed in fp32. No packing: attention_blocks packs
+// the keys are read in place, 16 at a time for each query row (fp32 sums of fp32 or exact bf16 products, 16 lanes of
+// the head dim at a time, the 16 keys' sums folded into one vector: lanes::lane_sums); one softmax per row (bf16: p
+// rounded to bf16, as the flash kernel and the other paths do); then p·v per row, summed in fp32 in registers over
+// the row's keys (the head's keys and values stay in L1/L2 between its few rows). No packing: attention_blocks packs
 // the head's keys and values into GEMM panels, which one query row uses once (its cost was the call's: one row
 // against 256 keys, 8 x 8 heads, fp32, 0.34 ms; the flash kernel, bf16's route on an AMX CPU, 0.24 ms and ~25 us
 // for a single key, most of it fixed cost per call). A problem this small runs on the calling thread (no fork).
 // Up to this many query rows. Session 21, the 2-core Xeon with AMX, 8 heads, q/k 96, v 64, us per call, this path /
 // the route before (bf16: the flash kernel; fp32: attention_blocks), B=1 and S=16 / 256 / 2048 keys: one row bf16
-// 5 / 18 / 136 against 15 / 28 / 247, fp32 5 / 17 / 219 against 10 / 44 / 458; 2 rows bf16 7 / 28 / 196 against
-// 19 / 45 / 377; 4 rows bf16 8 / 48 / 366 against 20 / 48 / 386, fp32 8 / 46 / 365 against 10 / 48 / 499; 8 rows
-// bf16 12 / 95 / 772 against 22 / 51 / 405 (B=8 alike): from 8 rows on, the packed panels pay for themselves.
+// 4 / 13 / 96 against 15 / 28 / 247, fp32 4 / 13 / 193 against 10 / 44 / 458; 2 rows bf16 6 / 20 / 159 against
+// 19 / 45 / 377; 4 rows bf16 7 / 36 / 284 against 20 / 48 / 386, fp32 7 / 32 / 336 against 10 / 48 / 499; 8 rows
+// bf16 10 / 67 / 544 against 22 / 51 / 405 (B=8 alike): from 8 rows on, the packed panels pay for themselves. (The
+// first version, one reduction per score and p·v through memory: one row bf16 5 / 18 / 136, 4 rows 8 / 48 / 366.)
 constexpr int64_t kFewRows = 4;
+static_assert(kFewRows < 16, "few_rows_items takes keys 16 at a time only where the mask is not causal");
 
 ASCEND_ATTN_TARGET inline __m512 lanes_f32(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
 ASCEND_ATTN_TARGET inline __m512 lanes_f32(const c10::BFloat16* p, __mmask16 m) {  // exact: bf16 is a float's top half
@@ -320,8 +324,25 @@ ASCEND_ATTN_TARGET void few_rows_items(const at::Tensor& q, const at::Tensor& k,
       for (int64_t d = 0; d < dp; d += 16) _mm512_storeu_ps(dst + d, lanes_f32(qr + d, tail_mask(D - d)));
     }
     const T* kh = kp + b * k.stride(0) + n * k.stride(1);
-    for (int64_t s = 0; s < S; ++s) {
-      const T* kr = kh + s * k.stride(2);
+    const int64_t ks = k.stride(2);
+    // 16 keys at a time for every row (not causal: causal means L == S <= kFewRows < 16): 16 accumulators, their
+    // sums folded into one vector (lanes::lane_sums, ~3 operations per score instead of a reduction each)
+    int64_t s0 = 0;
+    for (; s0 + 16 <= S; s0 += 16) {
+      for (int64_t i = 0; i < L; ++i) {
+        const float* qi = qf.data() + i * dp;
+        __m512 part[16];
+        for (int j = 0; j < 16; ++j) part[j] = _mm512_setzero_ps();
+        for (int64_t d = 0; d < D; d += 16) {
+          const __m512 qv = _mm512_loadu_ps(qi + d);
+          const __mmask16 dm = tail_mask(D - d);
+          for (int j = 0; j < 16; ++j) part[j] = _mm512_fmadd_ps(qv, lanes_f32(kh + (s0 + j) * ks + d, dm), part[j]);
+        }
+        lanes::lane_sums<16, 16>(reinterpret_cast<const lanes::Vec<16>::f*>(part), scores.data() + i * S + s0);
+      }
+    }
+    for (int64_t s = s0; s < S; ++s) {  // the last keys (all of them below 16): one reduction per score
+      const T* kr = kh + s * ks;
       for (int64_t i = causal ? s : 0; i < L; ++i) {  // causal (L == S): row i sees keys 0..i
         __m512 sum = _mm512_setzero_ps();
         for (int64_t d = 0; d < D; d += 16)
@@ -344,15 +365,23 @@ ASCEND_ATTN_TARGET void few_rows_items(const at::Tensor& q, const at::Tensor& k,
         inv[i] = softmax_row(row, m, ms, seen, seen, scale);
       }
     }
-    std::fill(acc.begin(), acc.end(), 0.0f);
+    // p·v per row, 128 value dims at a time in registers over the row's keys (the head's values stay in L1/L2
+    // between rows)
     const T* vh = vp + b * v.stride(0) + n * v.stride(1);
-    for (int64_t s = 0; s < S; ++s) {
-      const T* vr = vh + s * v.stride(2);
-      for (int64_t i = causal ? s : 0; i < L; ++i) {
-        const __m512 p = _mm512_set1_ps(kBf16 ? static_cast<float>(probs[i * S + s]) : scores[i * S + s]);
-        float* a = acc.data() + i * vp16;
-        for (int64_t d = 0; d < Dv; d += 16)
-          _mm512_storeu_ps(a + d, _mm512_fmadd_ps(p, lanes_f32(vr + d, tail_mask(Dv - d)), _mm512_loadu_ps(a + d)));
+    const int64_t vs = v.stride(2);
+    for (int64_t i = 0; i < L; ++i) {
+      const int64_t seen = causal ? i + 1 : S;
+      for (int64_t d0 = 0; d0 < Dv; d0 += 128) {
+        const int nv = static_cast<int>(std::min<int64_t>(8, (Dv - d0 + 15) / 16));
+        __m512 a[8];
+        __mmask16 dm[8];
+        for (int t = 0; t < 8; ++t) a[t] = _mm512_setzero_ps(), dm[t] = t < nv ? tail_mask(Dv - d0 - 16 * t) : 0;
+        for (int64_t s = 0; s < seen; ++s) {
+          const __m512 p = _mm512_set1_ps(kBf16 ? static_cast<float>(probs[i * S + s]) : scores[i * S + s]);
+          const T* vr = vh + s * vs + d0;
+          for (int t = 0; t < nv; ++t) a[t] = _mm512_fmadd_ps(p, lanes_f32(vr + 16 * t, dm[t]), a[t]);
+        }
+        for (int t = 0; t < nv; ++t) _mm512_storeu_ps(acc.data() + i * vp16 + d0 + 16 * t, a[t]);
       }
     }
     for (int64_t i = 0; i < L; ++i)
@@ -595,8 +624,8 @@ at::Tensor attention(const at::Tensor& query, const at::Tensor& key, const at::T
   // kFewRows query rows or fewer (decode), fp32 or bf16 with AVX-512: keys and values read in place
   // (few_rows_attention), whatever the CPU's bf16 units. Session 21, the 2-core Xeon with AMX, 8 heads, q/k 96,
   // v 64, us per call from Python, median of 2,000, before (bf16: the flash kernel; fp32: attention_blocks) ->
-  // after: B=8, one row, S=1: bf16 24.2 -> 7.1, fp32 25.7 -> 7.5; S=256: bf16 241 -> 131, fp32 337 -> 211;
-  // B=1, one row, S=1024: bf16 87 -> 57, fp32 189 -> 92 (kFewRows has the grid over rows and keys).
+  // after: B=8, one row, S=1: bf16 24.2 -> 8.1, fp32 25.7 -> 8.3; S=256: bf16 241 -> 100, fp32 337 -> 196;
+  // B=1, one row, S=1024: bf16 87 -> 39, fp32 189 -> 78 (kFewRows has the grid over rows and keys).
   if (L <= kFewRows && gemm_nt_available() && (dtype == at::kFloat || dtype == at::kBFloat16)) {
     auto out = attention_output(query, value);
     if (dtype == at::kFloat)

@@ -186,9 +186,7 @@ def run_pipeline(
         report.seconds * 1e3,
         compiler,
     )
-    if target == "cpu" and any(
-        n.op == "call_function" and getattr(n.target, "namespace", None) == "ascend" for n in gm.graph.nodes
-    ):
+    if target == "cpu" and report.rewritten_ops():
         warn_if_glibc()  # once per process: the fused kernels' large outputs fault in again under glibc
     publish(report)
     return report

@@ -196,6 +196,18 @@ at::Tensor empty_attention(const at::Tensor& q, const at::Tensor& k, const at::T
 
 at::Tensor last_dim_contiguous(const at::Tensor& t) { return t.stride(3) == 1 ? t : t.contiguous(); }
 
+// The op's output (attention_output), filled by run(tag, out) with tag a float or a c10::BFloat16 (the query's
+// dtype, one of the two): the typed kernels of attention() below.
+template <typename Run>
+at::Tensor float_or_bf16(const at::Tensor& query, const at::Tensor& value, const Run& run) {
+  auto out = attention_output(query, value);
+  if (query.scalar_type() == at::kFloat)
+    run(float{}, out);
+  else
+    run(c10::BFloat16{}, out);
+  return out;
+}
+
 // What the op computed before this kernel: the flash kernel on the inputs padded to one head dim.
 at::Tensor flash_reference(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale, bool causal,
                            const std::optional<at::Tensor>& mask) {
@@ -627,12 +639,9 @@ at::Tensor attention(const at::Tensor& query, const at::Tensor& key, const at::T
   // after: B=8, one row, S=1: bf16 24.2 -> 8.1, fp32 25.7 -> 8.3; S=256: bf16 241 -> 100, fp32 337 -> 196;
   // B=1, one row, S=1024: bf16 87 -> 39, fp32 189 -> 78 (kFewRows has the grid over rows and keys).
   if (L <= kFewRows && gemm_nt_available() && (dtype == at::kFloat || dtype == at::kBFloat16)) {
-    auto out = attention_output(query, value);
-    if (dtype == at::kFloat)
-      few_rows_attention<float>(q, k, v, mask, out, static_cast<float>(scale), is_causal);
-    else
-      few_rows_attention<c10::BFloat16>(q, k, v, mask, out, static_cast<float>(scale), is_causal);
-    return out;
+    return float_or_bf16(query, value, [&](auto tag, at::Tensor& out) {
+      few_rows_attention<decltype(tag)>(q, k, v, mask, out, static_cast<float>(scale), is_causal);
+    });
   }
   if (amx_bf16 && amx_attention_supported(q, v)) {
     auto out = attention_output(query, value);
@@ -643,12 +652,9 @@ at::Tensor attention(const at::Tensor& query, const at::Tensor& key, const at::T
   const bool fast = gemm_nt_available() && !amx_bf16 &&
                     (dtype == at::kFloat || (dtype == at::kBFloat16 && gemm_dp_nt_supported(q.size(3), k.stride(2))));
   if (!fast) return flash_reference(query, key, value, scale, is_causal, attn_mask);
-  auto out = attention_output(query, value);
-  if (dtype == at::kFloat)
-    attention_blocks<float>(q, k, v, mask, out, static_cast<float>(scale), is_causal);
-  else
-    attention_blocks<c10::BFloat16>(q, k, v, mask, out, static_cast<float>(scale), is_causal);
-  return out;
+  return float_or_bf16(query, value, [&](auto tag, at::Tensor& out) {
+    attention_blocks<decltype(tag)>(q, k, v, mask, out, static_cast<float>(scale), is_causal);
+  });
 }
 
 }  // namespace ascend_kernels

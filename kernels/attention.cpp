@@ -532,6 +532,53 @@ ASCEND_ATTN_AMX_T void amx_values(const c10::BFloat16* p, int64_t ldp, const uin
     tiles_2x2(p, ldp, vp + 2 * cb * 256, vp + (2 * cb + 1) * 256, step, keys / kKeyStep, acc + cb * kKeyStep, Dv);
 }
 
+// The largest |x| of rows x cols bf16 (rows ld apart) as its bit pattern (bf16 orders like its bits once the
+// sign is dropped); a NaN or an infinity gives >= kBf16Inf.
+constexpr uint16_t kBf16Inf = 0x7f80;
+ASCEND_ATTN_AMX_T uint16_t max_abs_bits(const c10::BFloat16* x, int64_t ld, int64_t rows, int64_t cols) {
+  const __m512i magnitude = _mm512_set1_epi16(0x7fff);
+  __m512i most = _mm512_setzero_si512();
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; c += 32) {
+      const __mmask32 lanes = cols - c >= 32 ? ~__mmask32(0) : (__mmask32(1) << (cols - c)) - 1;
+      most = _mm512_max_epu16(most, _mm512_and_si512(_mm512_maskz_loadu_epi16(lanes, x + r * ld + c), magnitude));
+    }
+  alignas(64) uint16_t lanes16[32];
+  _mm512_store_si512(lanes16, most);
+  return *std::max_element(lanes16, lanes16 + 32);
+}
+
+// 1 + the last column j < S of a mask row (fp32, read every ms elements) that is not -inf (a NaN is not), or 0.
+ASCEND_ATTN_AMX_T int64_t visible_end(const float* m, int64_t ms, int64_t S) {
+  const float hidden = -std::numeric_limits<float>::infinity();
+  int64_t j = S;
+  if (ms == 1) {
+    const __m512 vh = _mm512_set1_ps(hidden);
+    for (; j >= 16; j -= 16) {
+      const __mmask16 seen = _mm512_cmp_ps_mask(_mm512_loadu_ps(m + j - 16), vh, _CMP_NEQ_UQ);
+      if (seen != 0) return j - 16 + (31 - __builtin_clz(static_cast<unsigned>(seen))) + 1;
+    }
+  }
+  for (; j > 0; --j)
+    if (!(m[(j - 1) * ms] == hidden)) return j;
+  return 0;
+}
+
+// Whether an explicit mask's -inf blocks may be left out for these rows: every score they hide is then -inf
+// exactly (q, k and v finite, and |q . k| * scale provably below FLT_MAX), so its p is 0 and v's rows there add
+// 0 (a NaN or an infinity in any of them, which the full product turns into NaN rows, keeps the full product).
+ASCEND_ATTN_AMX_T bool masked_keys_exact(uint16_t q_bits, uint16_t k_bits, uint16_t v_bits, int64_t D, float scale) {
+  if (q_bits >= kBf16Inf || k_bits >= kBf16Inf || v_bits >= kBf16Inf) return false;
+  const auto value = [](uint16_t bits) {
+    const uint32_t word = static_cast<uint32_t>(bits) << 16;
+    float f;
+    std::memcpy(&f, &word, sizeof(f));
+    return static_cast<double>(f);
+  };
+  const double bound = value(q_bits) * value(k_bits) * static_cast<double>(D) * std::abs(static_cast<double>(scale));
+  return bound < 1e37;  // false for a NaN scale
+}
+
 // The work items [lo, hi) of amx_attention_blocks on one thread (the AMX target for the tile calls).
 ASCEND_ATTN_AMX_T void amx_attention_items(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                            const at::Tensor& mask, at::Tensor& out, float scale, bool causal,
@@ -550,21 +597,46 @@ ASCEND_ATTN_AMX_T void amx_attention_items(const at::Tensor& q, const at::Tensor
   std::vector<uint32_t> kpan(static_cast<size_t>(sp * D / 2)), vpan(static_cast<size_t>(sp * Dv / 2));
   configure_amx_tiles();
   int64_t packed = -1;
+  uint16_t k_bits = 0, v_bits = 0;  // the packed head's largest |k| and |v| (with a mask only)
+  int64_t row_end[kRows];
   for (int64_t item = lo; item < hi; ++item) {
     const int64_t bn = item / blocks, b = bn / N, n = bn % N, r0 = (item % blocks) * kRows;
     if (bn != packed) {
-      pack_keys(kp + b * k.stride(0) + n * k.stride(1), k.stride(2), S, D, sp, kpan.data());
-      pack_values(vp + b * v.stride(0) + n * v.stride(1), v.stride(2), S, Dv, sp, vpan.data());
+      const bf16* kh = kp + b * k.stride(0) + n * k.stride(1);
+      const bf16* vh = vp + b * v.stride(0) + n * v.stride(1);
+      if (mp != nullptr) {
+        k_bits = max_abs_bits(kh, k.stride(2), S, D);
+        v_bits = max_abs_bits(vh, v.stride(2), S, Dv);
+      }
+      pack_keys(kh, k.stride(2), S, D, sp, kpan.data());
+      pack_values(vh, v.stride(2), S, Dv, sp, vpan.data());
       packed = bn;
     }
     const int64_t rows = std::min(kRows, L - r0);
-    const int64_t kv = causal ? std::min(S, r0 + rows) : S;  // keys any of these rows sees
-    const int64_t kvp = (kv + kKeyStep - 1) / kKeyStep * kKeyStep;
-    // the keys a half of 32 rows sees: up to its last row's (causal), all kv otherwise
-    const auto half_keys = [&](int64_t h) {
-      return causal ? std::min(kvp, (std::min(S, r0 + h + 32) + kKeyStep - 1) / kKeyStep * kKeyStep) : kvp;
-    };
     const bf16* qb = qp + b * q.stride(0) + n * q.stride(1) + r0 * q.stride(2);
+    const auto mask_row = [&](int64_t i) {
+      return mp + b * mask.stride(0) + n * mask.stride(1) + (r0 + i) * mask.stride(2);
+    };
+    // an explicit mask: each row's keys end after its last column that is not -inf, where leaving the rest out is
+    // exact (masked_keys_exact): a causal mask handed in as a tensor (Hugging Face's under dynamic shapes) then
+    // costs what is_causal does, and so do padding and sliding windows at their ends
+    const bool trim =
+        mp != nullptr && masked_keys_exact(max_abs_bits(qb, q.stride(2), rows, D), k_bits, v_bits, D, scale);
+    int64_t kv = causal ? std::min(S, r0 + rows) : S;  // keys any of these rows sees
+    if (trim) {
+      kv = 0;
+      for (int64_t i = 0; i < rows; ++i) kv = std::max(kv, row_end[i] = visible_end(mask_row(i), mask.stride(3), S));
+    }
+    const int64_t kvp = (kv + kKeyStep - 1) / kKeyStep * kKeyStep;
+    const auto round_keys = [&](int64_t keys) { return (keys + kKeyStep - 1) / kKeyStep * kKeyStep; };
+    // the keys a half of 32 rows sees: up to its last row's (causal), its rows' ends (trim), all kv otherwise
+    const auto half_keys = [&](int64_t h) {
+      if (causal) return std::min(kvp, round_keys(std::min(S, r0 + h + 32)));
+      if (!trim) return kvp;
+      int64_t keys = 0;
+      for (int64_t i = h; i < std::min(rows, h + 32); ++i) keys = std::max(keys, row_end[i]);
+      return round_keys(keys);
+    };
     const int64_t padded_rows = (rows + 31) / 32 * 32;
     for (int64_t i = 0; i < padded_rows; ++i) {
       if (i < rows)
@@ -578,8 +650,11 @@ ASCEND_ATTN_AMX_T void amx_attention_items(const at::Tensor& q, const at::Tensor
       float* s = scores.data() + i * kvp;
       const float* m =
           mp == nullptr ? nullptr : mp + b * mask.stride(0) + n * mask.stride(1) + (r0 + i) * mask.stride(2);
-      inv[i] = softmax_round_row(s, m, mp == nullptr ? 0 : mask.stride(3), causal ? r0 + i + 1 : kv, kvp, scale,
-                                 probs.data() + i * kvp);
+      inv[i] = softmax_round_row(s, m, mp == nullptr ? 0 : mask.stride(3),
+                                 causal ? r0 + i + 1
+                                 : trim ? row_end[i]
+                                        : kv,
+                                 kvp, scale, probs.data() + i * kvp);
     }
     for (int64_t i = rows; i < padded_rows; ++i)  // the last half's rows past L: zeros, not stale values
       std::memset(static_cast<void*>(probs.data() + i * kvp), 0, kvp * sizeof(bf16));

@@ -295,3 +295,67 @@ def test_a_mask_of_another_dtype_raises():
     for fn in (A.attention, reference):
         with pytest.raises(ValueError, match="attn_mask dtype torch.float16 is neither float32 nor the query's"):
             fn(q, q, q, 0.5, False, torch.zeros(4, 4, dtype=torch.float16))
+
+
+def _untrimmable(mask: torch.Tensor) -> torch.Tensor:
+    """The same mask with each row's last hidden column -1e30 instead of -inf where the row shows another column:
+    the same probabilities (exp(-1e30) is 0), but no row of it ends in -inf columns, so the kernel computes every
+    key."""
+    out = mask.clone()
+    last = out[..., -1]
+    shown = (out != float("-inf")).any(-1)
+    out[..., -1] = torch.where(torch.isinf(last) & shown, torch.tensor(-1e30), last)
+    return out
+
+
+@pytest.mark.parametrize("form", ["causal", "window", "padding", "hidden_row", "offset"])
+@pytest.mark.parametrize("length", [70, 130, 256])
+def test_bf16_tiles_leave_out_the_keys_an_inf_mask_hides(form, length):
+    """bf16 on an AMX CPU with an explicit mask: each row's keys end after its last column that is not -inf (a causal
+    mask handed in as a tensor, as Hugging Face's under dynamic shapes, costs what is_causal does), with the bits of
+    the full product (the same mask, made untrimmable), the rows' probabilities unchanged."""
+    if not _amx_uncapped():
+        pytest.skip("this CPU lacks AMX (amx_bf16/amx_tile in /proc/cpuinfo) or the level is capped: no tile kernel")
+    torch.manual_seed(length)
+    kv = length + (9 if form == "offset" else 0)
+    q = torch.randn(2, 3, length, 96).bfloat16()
+    k, v = torch.randn(2, 3, kv, 96).bfloat16(), torch.randn(2, 3, kv, 64).bfloat16()
+    hide = torch.full((length, kv), float("-inf"))
+    causal = hide.triu(1 + kv - length)
+    mask = {
+        "causal": causal,
+        "offset": causal,
+        "window": causal + hide.tril(-40 - (kv - length)),
+        "padding": torch.zeros(2, 1, 1, kv).masked_fill(torch.arange(kv) >= kv - 13, float("-inf")),
+        "hidden_row": causal.index_fill(0, torch.tensor([3, length - 1]), float("-inf")),
+    }[form]
+    out = A.attention(q, k, v, 96**-0.5, False, mask)
+    assert torch.equal(out, A.attention(q, k, v, 96**-0.5, False, _untrimmable(mask)))
+    assert _rel(out, _exact_masked(q, k, v, 96**-0.5, False, mask)) <= TOL[torch.bfloat16]
+    if form == "hidden_row":
+        assert torch.equal(out[:, :, [3, length - 1]], torch.zeros_like(out[:, :, [3, length - 1]]))
+
+
+@pytest.mark.parametrize("special", ["nan_key", "inf_value", "overflow"])
+def test_bf16_tiles_keep_the_full_product_where_hidden_scores_are_not_inf(special):
+    """Keys are left out only where that is exact: a NaN key, an infinite value or scores that overflow under the
+    mask poison the rows as the full product does (the same mask made untrimmable; torch's flash kernel, the
+    reference, agrees on the NaN key and the infinite value)."""
+    if not _amx_uncapped():
+        pytest.skip("this CPU lacks AMX (amx_bf16/amx_tile in /proc/cpuinfo) or the level is capped: no tile kernel")
+    torch.manual_seed(5)
+    q, k, v = (torch.randn(1, 2, 64, w).bfloat16() for w in (96, 96, 64))
+    if special == "nan_key":
+        k[0, 0, 63, 5] = float("nan")  # the last key: hidden from every row but the last
+    elif special == "inf_value":
+        v[0, 0, 63, 5] = float("inf")
+    else:  # |q . k| past FLT_MAX: inf + -inf is NaN
+        q[0, 0, :, 0], k[0, 0, 63, 0] = 1e20, 1e20
+    mask = torch.full((64, 64), float("-inf")).triu(1)
+    out = A.attention(q, k, v, 96**-0.5, False, mask)
+    full = A.attention(q, k, v, 96**-0.5, False, _untrimmable(mask))
+    torch.testing.assert_close(out, full, rtol=0, atol=0, equal_nan=True)
+    assert out[0, 0, :63].isnan().any(-1).all()  # the rows it is hidden from: a NaN score, or 0 * inf
+    assert out[0, 1].isfinite().all()
+    if special != "overflow":  # (an overflowing score: torch's flash kernel leaves the row that sees it finite)
+        assert torch.equal(out.isnan(), reference(q, k, v, 96**-0.5, False, mask).isnan())

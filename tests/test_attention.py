@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from _helpers import compile_and_run, rel_diff
 
+import ascend_passes as ap
 import ascend_passes.ops  # noqa: F401 - torch.ops.ascend
 from ascend_passes import models
 from ascend_passes.report import count_ops
@@ -274,3 +275,25 @@ def test_count_ops_sees_the_attention():
     model, inputs = models.deepseek_v3("grouped_mm", num_layers=1, first_k_dense_replace=1)
     _, reports = compile_and_run(model, inputs, compiler="eager")
     assert count_ops(reports[0].graph, OWN) == 1 and count_ops(reports[0].graph, FLASH) == 0
+
+
+def test_dynamic_lengths_keep_the_key_assembly_folded():
+    """Under dynamic shapes (a second prompt length: Dynamo recompiles with a symbolic token count; vLLM always
+    compiles so) the key written piece by piece into a fresh buffer still becomes one ``cat``: only the
+    concatenated dim (the head dim) must be static. The mask stays an input of the attention there (no constant
+    to prove causal), with the values of the uncompiled model."""
+    model, (ids,) = models.deepseek_v3("grouped_mm")
+    longer = torch.randint(0, 256, (ids.shape[0], ids.shape[1] + 5))
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="ascend_passes", options={"compiler": "eager"})
+    with torch.no_grad(), ap.capture() as reports:
+        compiled(ids)
+        out = compiled(longer)
+        want = model(longer)
+    static, dynamic = reports
+    inputs = [n.meta.get("val") for n in dynamic.graph.graph.find_nodes(op="placeholder")]
+    assert any(isinstance(v, torch.SymInt) for v in inputs)  # the token count
+    for report in (static, dynamic):
+        assert report.count("aten.slice_scatter") == 0
+        assert report.count("ascend.attention") == NUM_LAYERS
+    assert rel_diff(out, want) < 1e-4

@@ -190,8 +190,6 @@ def assemble_by_cat(node: fx.Node) -> bool:
     out = _val(node)
     if node.target is not aten.slice_scatter.default or not isinstance(out, torch.Tensor):
         return False
-    if not all(isinstance(d, int) for d in out.shape):  # the pieces' sizes become graph constants
-        return False
     rank = out.dim()
     pieces: list[tuple[int, int, fx.Node]] = []
     dim = None
@@ -218,13 +216,21 @@ def assemble_by_cat(node: fx.Node) -> bool:
         v = _val(value)
         if not isinstance(v, torch.Tensor) or v.dtype != out.dtype:
             return False
-        written.append((value, [*out.shape[:dim], end - start, *out.shape[dim + 1 :]], list(v.shape)))
+        want = [*out.shape[:dim], end - start, *out.shape[dim + 1 :]]
+        # the expand's sizes: -1 where the piece already has the size (a symbolic one, under dynamic shapes,
+        # included), a constant where it broadcasts (a symbolic size there would need a graph node: refused)
+        same_rank = v.dim() == rank
+        sizes = [-1 if statically_known_true(have == size) else size for have, size in zip(v.shape, want)]
+        sizes = sizes if same_rank else want
+        if not all(isinstance(size, int) for size in sizes):
+            return False
+        written.append((value, sizes if not same_rank or any(size != -1 for size in sizes) else None))
     graph = node.graph
     values = []
     with graph.inserting_before(node):
-        for value, want, shape in written:
-            if shape != want:
-                value = graph.call_function(aten.expand.default, (value, want))
+        for value, sizes in written:
+            if sizes is not None:
+                value = graph.call_function(aten.expand.default, (value, sizes))
                 set_val(value)
                 copy_location(node, value)
             values.append(value)

@@ -240,6 +240,88 @@ at::Tensor flash_reference(const at::Tensor& q, const at::Tensor& k, const at::T
   return attention_output(q, v).copy_(out.slice(3, 0, dv));  // the kernel's strides, not the padded output's
 }
 
+// Explicit masks: each row's keys can end after its last column that is not -inf, where leaving the rest out is
+// exact (masked_keys_exact): a causal mask handed in as a tensor (Hugging Face's under dynamic shapes) then costs
+// what is_causal does, and padding and sliding windows save their ends likewise.
+//
+// The largest |x| over rows x cols elements (rows ld apart) as a float's bit pattern (|x| orders like its bits; a
+// bf16 is a float's top half): kFloatInfBits or more for a NaN or an infinity.
+constexpr uint32_t kFloatInfBits = 0x7f800000u;
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+ASCEND_ATTN_TARGET uint32_t max_abs_bits(const float* x, int64_t ld, int64_t rows, int64_t cols) {
+  const __m512i magnitude = _mm512_set1_epi32(0x7fffffff);
+  __m512i most = _mm512_setzero_si512();
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; c += 16) {
+      const __mmask16 lanes = cols - c >= 16 ? __mmask16(0xffff) : __mmask16((1u << (cols - c)) - 1);
+      most = _mm512_max_epu32(most, _mm512_and_si512(_mm512_maskz_loadu_epi32(lanes, x + r * ld + c), magnitude));
+    }
+  return _mm512_reduce_max_epu32(most);
+}
+ASCEND_ATTN_TARGET uint32_t max_abs_bits(const c10::BFloat16* x, int64_t ld, int64_t rows, int64_t cols) {
+  const __m512i magnitude = _mm512_set1_epi16(0x7fff);
+  __m512i most = _mm512_setzero_si512();
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; c += 32) {
+      const __mmask32 lanes = cols - c >= 32 ? ~__mmask32(0) : (__mmask32(1) << (cols - c)) - 1;
+      most = _mm512_max_epu16(most, _mm512_and_si512(_mm512_maskz_loadu_epi16(lanes, x + r * ld + c), magnitude));
+    }
+  // the 32 16-bit lanes' largest: the larger of each pair of 16-bit lanes, as 32-bit lanes
+  const __m512i pairs =
+      _mm512_max_epu32(_mm512_srli_epi32(most, 16), _mm512_and_si512(most, _mm512_set1_epi32(0xffff)));
+  return _mm512_reduce_max_epu32(pairs) << 16;
+}
+
+// 1 + the last column j < S of a mask row (fp32, read every ms elements) that is not -inf (a NaN is not), or 0.
+ASCEND_ATTN_TARGET int64_t visible_end(const float* m, int64_t ms, int64_t S) {
+  const float hidden = -std::numeric_limits<float>::infinity();
+  int64_t j = S;
+  if (ms == 1) {
+    const __m512 vh = _mm512_set1_ps(hidden);
+    for (; j >= 16; j -= 16) {
+      const __mmask16 seen = _mm512_cmp_ps_mask(_mm512_loadu_ps(m + j - 16), vh, _CMP_NEQ_UQ);
+      if (seen != 0) return j - 16 + (31 - __builtin_clz(static_cast<unsigned>(seen))) + 1;
+    }
+  }
+  for (; j > 0; --j)
+    if (!(m[(j - 1) * ms] == hidden)) return j;
+  return 0;
+}
+#else
+uint32_t abs_bits(float x) {
+  uint32_t b;
+  std::memcpy(&b, &x, sizeof(b));
+  return b & 0x7fffffffu;
+}
+uint32_t abs_bits(c10::BFloat16 x) { return static_cast<uint32_t>(x.x & 0x7fffu) << 16; }
+template <typename T>
+uint32_t max_abs_bits(const T* x, int64_t ld, int64_t rows, int64_t cols) {
+  uint32_t most = 0;
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) most = std::max(most, abs_bits(x[r * ld + c]));
+  return most;
+}
+int64_t visible_end(const float* m, int64_t ms, int64_t S) {
+  for (int64_t j = S; j > 0; --j)
+    if (!(m[(j - 1) * ms] == -std::numeric_limits<float>::infinity())) return j;
+  return 0;
+}
+#endif
+
+// Whether an explicit mask's -inf columns may be left out for these rows: every score they hide is then -inf
+// exactly (q, k and v finite, and |q . k| * scale provably below FLT_MAX), so its p is 0 and v's rows there add
+// 0 (a NaN or an infinity in any of them, which the full product turns into NaN rows, keeps the full product).
+bool masked_keys_exact(uint32_t q_bits, uint32_t k_bits, uint32_t v_bits, int64_t D, float scale) {
+  if (q_bits >= kFloatInfBits || k_bits >= kFloatInfBits || v_bits >= kFloatInfBits) return false;
+  const auto value = [](uint32_t bits) {
+    float f;
+    std::memcpy(&f, &bits, sizeof(f));
+    return static_cast<double>(f);
+  };
+  const double bound = value(q_bits) * value(k_bits) * static_cast<double>(D) * std::abs(static_cast<double>(scale));
+  return bound < 1e37;  // false for a NaN scale
+}
+
 // mask: an fp32 [B, N, L, S] view (broadcast dims of stride 0), or undefined. q, k, v: the last dim contiguous.
 // A thread packs the keys and values of each head it meets once, into gemm.h's panels (gemm_pack), and every
 // block of that head's queries multiplies with them (the same panels and micro-kernels as gemm_nt: equal
@@ -267,23 +349,41 @@ void attention_blocks(const at::Tensor& q, const at::Tensor& k, const at::Tensor
     std::vector<uint32_t> kpan(static_cast<size_t>(gemm_panel_words(S, D, kPairs)));
     std::vector<uint32_t> vpan(static_cast<size_t>(gemm_panel_words(Dv, sp, kPairs)));
     int64_t packed = -1;
+    uint32_t k_bits = 0, v_bits = 0;  // the packed head's largest |k| and |v| (with a mask only)
+    int64_t row_end[kRows];
     for (int64_t item = lo; item < hi; ++item) {
       const int64_t bn = item / blocks, b = bn / N, n = bn % N, r0 = (item % blocks) * kRows;
       if (bn != packed) {
-        gemm_pack(kp + b * k.stride(0) + n * k.stride(1), k.stride(2), S, D, kpan.data());
-        gemm_pack_t(vp + b * v.stride(0) + n * v.stride(1), v.stride(2), Dv, S, sp, vpan.data());
+        const T* kh = kp + b * k.stride(0) + n * k.stride(1);
+        const T* vh = vp + b * v.stride(0) + n * v.stride(1);
+        if (mp != nullptr) {
+          k_bits = max_abs_bits(kh, k.stride(2), S, D);
+          v_bits = max_abs_bits(vh, v.stride(2), S, Dv);
+        }
+        gemm_pack(kh, k.stride(2), S, D, kpan.data());
+        gemm_pack_t(vh, v.stride(2), Dv, S, sp, vpan.data());
         packed = bn;
       }
       const int64_t rows = std::min(kRows, L - r0);
-      const int64_t kv = causal ? std::min(S, r0 + rows) : S;  // columns any of these rows sees
-      const int64_t kvp = (kv + 1) / 2 * 2;
       const T* qb = qp + b * q.stride(0) + n * q.stride(1) + r0 * q.stride(2);
+      // an explicit mask: each row's columns end after its last one that is not -inf, where that is exact
+      const bool trim =
+          mp != nullptr && masked_keys_exact(max_abs_bits(qb, q.stride(2), rows, D), k_bits, v_bits, D, scale);
+      int64_t kv = causal ? std::min(S, r0 + rows) : S;  // columns any of these rows sees
+      if (trim) {
+        kv = 1;  // one column at least: the GEMMs then write every score and output sum (a hidden row: zeros)
+        for (int64_t i = 0; i < rows; ++i) {
+          const float* m = mp + b * mask.stride(0) + n * mask.stride(1) + (r0 + i) * mask.stride(2);
+          kv = std::max(kv, row_end[i] = visible_end(m, mask.stride(3), S));
+        }
+      }
+      const int64_t kvp = (kv + 1) / 2 * 2;
       gemm_nt_packed(qb, q.stride(2), kpan.data(), D, scores.data(), kvp, rows, kv, D);
       for (int64_t i = 0; i < rows; ++i) {
         float* s = scores.data() + i * kvp;
         const float* m =
             mp == nullptr ? nullptr : mp + b * mask.stride(0) + n * mask.stride(1) + (r0 + i) * mask.stride(2);
-        const int64_t ms = mp == nullptr ? 0 : mask.stride(3), seen = causal ? r0 + i + 1 : kv;
+        const int64_t ms = mp == nullptr ? 0 : mask.stride(3), seen = causal ? r0 + i + 1 : trim ? row_end[i] : kv;
 #if ASCEND_ATTN_AMX
         if constexpr (!std::is_same_v<T, float>) {  // bf16: exp, sum and rounding of p in one pass
           inv[i] = softmax_round_row(s, m, ms, seen, kvp, scale, probs.data() + i * kvp);
@@ -532,53 +632,6 @@ ASCEND_ATTN_AMX_T void amx_values(const c10::BFloat16* p, int64_t ldp, const uin
     tiles_2x2(p, ldp, vp + 2 * cb * 256, vp + (2 * cb + 1) * 256, step, keys / kKeyStep, acc + cb * kKeyStep, Dv);
 }
 
-// The largest |x| of rows x cols bf16 (rows ld apart) as its bit pattern (bf16 orders like its bits once the
-// sign is dropped); a NaN or an infinity gives >= kBf16Inf.
-constexpr uint16_t kBf16Inf = 0x7f80;
-ASCEND_ATTN_AMX_T uint16_t max_abs_bits(const c10::BFloat16* x, int64_t ld, int64_t rows, int64_t cols) {
-  const __m512i magnitude = _mm512_set1_epi16(0x7fff);
-  __m512i most = _mm512_setzero_si512();
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t c = 0; c < cols; c += 32) {
-      const __mmask32 lanes = cols - c >= 32 ? ~__mmask32(0) : (__mmask32(1) << (cols - c)) - 1;
-      most = _mm512_max_epu16(most, _mm512_and_si512(_mm512_maskz_loadu_epi16(lanes, x + r * ld + c), magnitude));
-    }
-  alignas(64) uint16_t lanes16[32];
-  _mm512_store_si512(lanes16, most);
-  return *std::max_element(lanes16, lanes16 + 32);
-}
-
-// 1 + the last column j < S of a mask row (fp32, read every ms elements) that is not -inf (a NaN is not), or 0.
-ASCEND_ATTN_AMX_T int64_t visible_end(const float* m, int64_t ms, int64_t S) {
-  const float hidden = -std::numeric_limits<float>::infinity();
-  int64_t j = S;
-  if (ms == 1) {
-    const __m512 vh = _mm512_set1_ps(hidden);
-    for (; j >= 16; j -= 16) {
-      const __mmask16 seen = _mm512_cmp_ps_mask(_mm512_loadu_ps(m + j - 16), vh, _CMP_NEQ_UQ);
-      if (seen != 0) return j - 16 + (31 - __builtin_clz(static_cast<unsigned>(seen))) + 1;
-    }
-  }
-  for (; j > 0; --j)
-    if (!(m[(j - 1) * ms] == hidden)) return j;
-  return 0;
-}
-
-// Whether an explicit mask's -inf blocks may be left out for these rows: every score they hide is then -inf
-// exactly (q, k and v finite, and |q . k| * scale provably below FLT_MAX), so its p is 0 and v's rows there add
-// 0 (a NaN or an infinity in any of them, which the full product turns into NaN rows, keeps the full product).
-ASCEND_ATTN_AMX_T bool masked_keys_exact(uint16_t q_bits, uint16_t k_bits, uint16_t v_bits, int64_t D, float scale) {
-  if (q_bits >= kBf16Inf || k_bits >= kBf16Inf || v_bits >= kBf16Inf) return false;
-  const auto value = [](uint16_t bits) {
-    const uint32_t word = static_cast<uint32_t>(bits) << 16;
-    float f;
-    std::memcpy(&f, &word, sizeof(f));
-    return static_cast<double>(f);
-  };
-  const double bound = value(q_bits) * value(k_bits) * static_cast<double>(D) * std::abs(static_cast<double>(scale));
-  return bound < 1e37;  // false for a NaN scale
-}
-
 // The work items [lo, hi) of amx_attention_blocks on one thread (the AMX target for the tile calls).
 ASCEND_ATTN_AMX_T void amx_attention_items(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                            const at::Tensor& mask, at::Tensor& out, float scale, bool causal,
@@ -597,7 +650,7 @@ ASCEND_ATTN_AMX_T void amx_attention_items(const at::Tensor& q, const at::Tensor
   std::vector<uint32_t> kpan(static_cast<size_t>(sp * D / 2)), vpan(static_cast<size_t>(sp * Dv / 2));
   configure_amx_tiles();
   int64_t packed = -1;
-  uint16_t k_bits = 0, v_bits = 0;  // the packed head's largest |k| and |v| (with a mask only)
+  uint32_t k_bits = 0, v_bits = 0;  // the packed head's largest |k| and |v| (with a mask only)
   int64_t row_end[kRows];
   for (int64_t item = lo; item < hi; ++item) {
     const int64_t bn = item / blocks, b = bn / N, n = bn % N, r0 = (item % blocks) * kRows;
@@ -617,9 +670,7 @@ ASCEND_ATTN_AMX_T void amx_attention_items(const at::Tensor& q, const at::Tensor
     const auto mask_row = [&](int64_t i) {
       return mp + b * mask.stride(0) + n * mask.stride(1) + (r0 + i) * mask.stride(2);
     };
-    // an explicit mask: each row's keys end after its last column that is not -inf, where leaving the rest out is
-    // exact (masked_keys_exact): a causal mask handed in as a tensor (Hugging Face's under dynamic shapes) then
-    // costs what is_causal does, and so do padding and sliding windows at their ends
+    // an explicit mask: each row's keys end after its last column that is not -inf, where that is exact
     const bool trim =
         mp != nullptr && masked_keys_exact(max_abs_bits(qb, q.stride(2), rows, D), k_bits, v_bits, D, scale);
     int64_t kv = causal ? std::min(S, r0 + rows) : S;  // keys any of these rows sees

@@ -308,18 +308,26 @@ def _untrimmable(mask: torch.Tensor) -> torch.Tensor:
     return out
 
 
-@pytest.mark.parametrize("form", ["causal", "window", "padding", "hidden_row", "offset"])
+def _same_as_full(out, full, dtype):
+    """The trimmed product against the full one: the same bits on the tile kernel (its key blocks summed in the
+    same order either way), within rounding on the GEMM paths (p.v's K split otherwise)."""
+    if dtype == torch.bfloat16 and _amx_uncapped():
+        torch.testing.assert_close(out, full, rtol=0, atol=0, equal_nan=True)
+    else:
+        torch.testing.assert_close(out, full, rtol=1e-5, atol=1e-6 if dtype == torch.float32 else 1e-2, equal_nan=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("form", ["causal", "window", "padding", "hidden_row", "offset", "all_hidden"])
 @pytest.mark.parametrize("length", [70, 130, 256])
-def test_bf16_tiles_leave_out_the_keys_an_inf_mask_hides(form, length):
-    """bf16 on an AMX CPU with an explicit mask: each row's keys end after its last column that is not -inf (a causal
-    mask handed in as a tensor, as Hugging Face's under dynamic shapes, costs what is_causal does), with the bits of
-    the full product (the same mask, made untrimmable), the rows' probabilities unchanged."""
-    if not _amx_uncapped():
-        pytest.skip("this CPU lacks AMX (amx_bf16/amx_tile in /proc/cpuinfo) or the level is capped: no tile kernel")
+def test_an_inf_mask_leaves_out_the_keys_it_hides(dtype, form, length):
+    """An explicit mask: each row's keys end after its last column that is not -inf (a causal mask handed in as a
+    tensor, as Hugging Face's under dynamic shapes, costs what is_causal does), with the values of the full product
+    (the same mask, made untrimmable) and of the exact one."""
     torch.manual_seed(length)
     kv = length + (9 if form == "offset" else 0)
-    q = torch.randn(2, 3, length, 96).bfloat16()
-    k, v = torch.randn(2, 3, kv, 96).bfloat16(), torch.randn(2, 3, kv, 64).bfloat16()
+    q = torch.randn(2, 3, length, 96).to(dtype)
+    k, v = torch.randn(2, 3, kv, 96).to(dtype), torch.randn(2, 3, kv, 64).to(dtype)
     hide = torch.full((length, kv), float("-inf"))
     causal = hide.triu(1 + kv - length)
     mask = {
@@ -328,23 +336,26 @@ def test_bf16_tiles_leave_out_the_keys_an_inf_mask_hides(form, length):
         "window": causal + hide.tril(-40 - (kv - length)),
         "padding": torch.zeros(2, 1, 1, kv).masked_fill(torch.arange(kv) >= kv - 13, float("-inf")),
         "hidden_row": causal.index_fill(0, torch.tensor([3, length - 1]), float("-inf")),
+        "all_hidden": hide,
     }[form]
     out = A.attention(q, k, v, 96**-0.5, False, mask)
-    assert torch.equal(out, A.attention(q, k, v, 96**-0.5, False, _untrimmable(mask)))
-    assert _rel(out, _exact_masked(q, k, v, 96**-0.5, False, mask)) <= TOL[torch.bfloat16]
+    _same_as_full(out, A.attention(q, k, v, 96**-0.5, False, _untrimmable(mask)), dtype)
+    if form == "all_hidden":
+        assert torch.equal(out, torch.zeros_like(out))
+        return
+    assert _rel(out, _exact_masked(q, k, v, 96**-0.5, False, mask)) <= TOL[dtype]
     if form == "hidden_row":
         assert torch.equal(out[:, :, [3, length - 1]], torch.zeros_like(out[:, :, [3, length - 1]]))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("special", ["nan_key", "inf_value", "overflow"])
-def test_bf16_tiles_keep_the_full_product_where_hidden_scores_are_not_inf(special):
+def test_hidden_keys_stay_in_where_their_scores_are_not_inf(dtype, special):
     """Keys are left out only where that is exact: a NaN key, an infinite value or scores that overflow under the
     mask poison the rows as the full product does (the same mask made untrimmable; torch's flash kernel, the
     reference, agrees on the NaN key and the infinite value)."""
-    if not _amx_uncapped():
-        pytest.skip("this CPU lacks AMX (amx_bf16/amx_tile in /proc/cpuinfo) or the level is capped: no tile kernel")
     torch.manual_seed(5)
-    q, k, v = (torch.randn(1, 2, 64, w).bfloat16() for w in (96, 96, 64))
+    q, k, v = (torch.randn(1, 2, 64, w).to(dtype) for w in (96, 96, 64))
     if special == "nan_key":
         k[0, 0, 63, 5] = float("nan")  # the last key: hidden from every row but the last
     elif special == "inf_value":
@@ -353,8 +364,7 @@ def test_bf16_tiles_keep_the_full_product_where_hidden_scores_are_not_inf(specia
         q[0, 0, :, 0], k[0, 0, 63, 0] = 1e20, 1e20
     mask = torch.full((64, 64), float("-inf")).triu(1)
     out = A.attention(q, k, v, 96**-0.5, False, mask)
-    full = A.attention(q, k, v, 96**-0.5, False, _untrimmable(mask))
-    torch.testing.assert_close(out, full, rtol=0, atol=0, equal_nan=True)
+    _same_as_full(out, A.attention(q, k, v, 96**-0.5, False, _untrimmable(mask)), dtype)
     assert out[0, 0, :63].isnan().any(-1).all()  # the rows it is hidden from: a NaN score, or 0 * inf
     assert out[0, 1].isfinite().all()
     if special != "overflow":  # (an overflowing score: torch's flash kernel leaves the row that sees it finite)

@@ -149,7 +149,7 @@ class Row:
     rewrites: str = ""
 
 
-def _compiled(model: torch.nn.Module, variant: str) -> Callable[..., Any]:
+def _compiled(model: torch.nn.Module, variant: str, compiling_calls: int = 1) -> Callable[..., Any]:
     if variant == "eager":
         return model
     if variant in ("inductor", "inductor_batched_mm"):
@@ -160,17 +160,18 @@ def _compiled(model: torch.nn.Module, variant: str) -> Callable[..., Any]:
         return torch.compile(model, options={"freezing": True, "cpp_wrapper": True})
     if variant == "ascend_inductor_cpp":  # Inductor reads cpp_wrapper from its config when it compiles
         compiled = torch.compile(model, backend="ascend_passes", options={"compiler": "inductor"})
-        compiled_once = False
+        calls = 0
 
         def call(*args: Any) -> Any:
-            # the config patch only around the call that compiles (it costs ~20 us, which the timed
-            # calls of a user's process do not pay); a later call that compiled again would do so
-            # without the C++ wrapper, so it raises instead of timing another program
-            nonlocal compiled_once
-            if not compiled_once:
+            # the config patch only around the calls that compile (it costs ~20 us, which the timed
+            # calls of a user's process do not pay: the first one, and with --dynamic the second, at
+            # the timed length); a later call that compiled again would do so without the C++
+            # wrapper, so it raises instead of timing another program
+            nonlocal calls
+            if calls < compiling_calls:
                 with torch._inductor.config.patch(cpp_wrapper=True):
                     out = compiled(*args)
-                compiled_once = True
+                calls += 1
                 return out
             graphs = counters["stats"]["unique_graphs"]
             out = compiled(*args)
@@ -368,6 +369,7 @@ def bench(
     model_name: str = "deepseek_v3",
     on_row: Callable[[Row], None] | None = None,
     cold_cache: bool = False,
+    dynamic: bool = False,
 ) -> tuple[list[Row], dict[tuple[str, str], Facts]]:
     factory, config, _ = MODELS[model_name]
     rows: list[Row] = []
@@ -413,17 +415,26 @@ def bench(
                     )
                     continue
                 instances = batched_models if variant == "inductor_batched_mm" else models
-                fn = _compiled(instances[0], variant)
+                fn = _compiled(instances[0], variant, compiling_calls=2 if dynamic else 1)
+                # --dynamic: a prompt of another length first, so that the timed length runs the graph Dynamo
+                # recompiles with a symbolic token count (automatic dynamic shapes: what a server's prompts of
+                # many lengths get); its compile time is then the recompile's
+                shorter = ids[:, : max(1, ids.shape[1] // 2)] if dynamic else None
                 with torch.no_grad(), ap.capture() as reports:
+                    if shorter is not None:
+                        fn(shorter)
                     t0 = time.perf_counter()
                     out = fn(ids)
                     compile_s = time.perf_counter() - t0
+                    reports[:] = reports[-1:]  # the timed length's graph
                     if reference is None:
                         reference = out
                     err = ((out.float() - reference.float()).abs().max() / reference.float().abs().max()).item()
-                fns = [fn] + [_compiled(m, variant) for m in instances[1:]]
+                fns = [fn] + [_compiled(m, variant, compiling_calls=2 if dynamic else 1) for m in instances[1:]]
                 with torch.no_grad():
                     for other in fns[1:]:
+                        if shorter is not None:
+                            other(shorter)
                         other(ids)  # compiled (not timed)
                     turn = itertools.count()
                     ms = _time(lambda: fns[next(turn) % len(fns)](ids), reps, budget_s)
@@ -570,6 +581,7 @@ def run_cells(
     allocator: str,
     huge_pages: str,
     cold_cache: bool = False,
+    dynamic: bool = False,
 ) -> tuple[list[Row], dict[tuple[str, str], Facts]]:
     """Each (dtype, shape) in a process of its own: a model, its ``batched_mm`` twin and the compiled
     variants of one cell fit in memory where those of every cell in one process did not (24 GiB: the
@@ -593,6 +605,7 @@ def run_cells(
                     f"--huge-pages={huge_pages}",
                     f"--cell-output={out}",
                     *(["--cold-cache"] if cold_cache else []),
+                    *(["--dynamic"] if dynamic else []),
                 ]
                 returncode = subprocess.run(cmd, check=False).returncode
                 cell_rows, cell_facts = _read_cell(out)
@@ -637,6 +650,12 @@ def main() -> None:
         help="time forwards cycling over copies of the model whose weights together exceed the last-level cache: "
         "each forward reads its weights from memory, as a real model's decode does (weights of GBs)",
     )
+    parser.add_argument(
+        "--dynamic",
+        action="store_true",
+        help="each variant first runs a prompt of half the length, so that the timed length runs the graph Dynamo "
+        "recompiles with a symbolic token count (automatic dynamic shapes: a server's prompts of many lengths)",
+    )
     parser.add_argument("--cell-output", default="", help=argparse.SUPPRESS)  # a cell's process: rows go here
     args = parser.parse_args()
     allocator = _allocator.ensure(args.allocator, args.huge_pages)
@@ -659,6 +678,7 @@ def main() -> None:
             args.model,
             on_row=lambda r: _write_cell(out, [r], {}),
             cold_cache=args.cold_cache,
+            dynamic=args.dynamic,
         )
         _write_cell(out, [], facts)
         return
@@ -676,11 +696,27 @@ def main() -> None:
             else "forwards timed back to back (weights that fit in it may be read from it; see --cold-cache)"
         )
     )
+    if args.dynamic:
+        print(
+            "--dynamic: each variant ran a prompt of half the length first; "
+            "the timed graphs have a symbolic token count"
+        )
     if args.in_process:
-        rows, facts = bench(shapes, dtypes, variants, reps, args.budget, args.model, cold_cache=args.cold_cache)
+        rows, facts = bench(
+            shapes, dtypes, variants, reps, args.budget, args.model, cold_cache=args.cold_cache, dynamic=args.dynamic
+        )
     else:
         rows, facts = run_cells(
-            shapes, dtypes, variants, reps, args.budget, args.model, args.allocator, args.huge_pages, args.cold_cache
+            shapes,
+            dtypes,
+            variants,
+            reps,
+            args.budget,
+            args.model,
+            args.allocator,
+            args.huge_pages,
+            args.cold_cache,
+            args.dynamic,
         )
     print_table(rows, facts, args.model)
 

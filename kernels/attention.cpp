@@ -22,6 +22,7 @@
 #include "kernels.h"
 #include "lane_sums.h"
 
+#include <optional>
 #include <vector>
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
@@ -322,6 +323,26 @@ bool masked_keys_exact(uint32_t q_bits, uint32_t k_bits, uint32_t v_bits, int64_
   return bound < 1e37;  // false for a NaN scale
 }
 
+// visible_end of every distinct row of a mask ([B, N, L, S] view, broadcast dims of stride 0 read once: Hugging
+// Face's causal mask is one [L, S] for every batch row and head), over the threads; ends_at(b, n, i) looks one up.
+struct MaskEnds {
+  std::vector<int64_t> ends;
+  int64_t nb = 0, nn = 0, L = 0;
+  MaskEnds(const at::Tensor& mask, int64_t B, int64_t N, int64_t L_, int64_t S) : L(L_) {
+    nb = mask.stride(0) == 0 ? 1 : B;
+    nn = mask.stride(1) == 0 ? 1 : N;
+    ends.resize(static_cast<size_t>(nb * nn * L));
+    const float* mp = mask.const_data_ptr<float>();
+    at::parallel_for(0, nb * nn * L, 64, [&](int64_t lo, int64_t hi) {
+      for (int64_t r = lo; r < hi; ++r) {
+        const int64_t b = r / (nn * L), n = r / L % nn, i = r % L;
+        ends[r] = visible_end(mp + b * mask.stride(0) + n * mask.stride(1) + i * mask.stride(2), mask.stride(3), S);
+      }
+    });
+  }
+  int64_t at(int64_t b, int64_t n, int64_t i) const { return ends[((b % nb) * nn + n % nn) * L + i]; }
+};
+
 // mask: an fp32 [B, N, L, S] view (broadcast dims of stride 0), or undefined. q, k, v: the last dim contiguous.
 // A thread packs the keys and values of each head it meets once, into gemm.h's panels (gemm_pack), and every
 // block of that head's queries multiplies with them (the same panels and micro-kernels as gemm_nt: equal
@@ -342,6 +363,8 @@ void attention_blocks(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   const T* vp = v.const_data_ptr<T>();
   T* op = out.data_ptr<T>();
   const float* mp = mask.defined() ? mask.const_data_ptr<float>() : nullptr;
+  const std::optional<MaskEnds> ends =
+      mp == nullptr ? std::nullopt : std::optional<MaskEnds>(std::in_place, mask, B, N, L, S);
   at::parallel_for(0, B * N * blocks, 1, [&](int64_t lo, int64_t hi) {
     std::vector<float> scores(static_cast<size_t>(kRows * sp)), acc(static_cast<size_t>(kRows * Dv)), inv(kRows);
     std::vector<T> probs(std::is_same_v<T, float> ? 0 : static_cast<size_t>(kRows * sp));
@@ -372,10 +395,7 @@ void attention_blocks(const at::Tensor& q, const at::Tensor& k, const at::Tensor
       int64_t kv = causal ? std::min(S, r0 + rows) : S;  // columns any of these rows sees
       if (trim) {
         kv = 1;  // one column at least: the GEMMs then write every score and output sum (a hidden row: zeros)
-        for (int64_t i = 0; i < rows; ++i) {
-          const float* m = mp + b * mask.stride(0) + n * mask.stride(1) + (r0 + i) * mask.stride(2);
-          kv = std::max(kv, row_end[i] = visible_end(m, mask.stride(3), S));
-        }
+        for (int64_t i = 0; i < rows; ++i) kv = std::max(kv, row_end[i] = ends->at(b, n, r0 + i));
       }
       const int64_t kvp = (kv + 1) / 2 * 2;
       gemm_nt_packed(qb, q.stride(2), kpan.data(), D, scores.data(), kvp, rows, kv, D);
@@ -634,8 +654,8 @@ ASCEND_ATTN_AMX_T void amx_values(const c10::BFloat16* p, int64_t ldp, const uin
 
 // The work items [lo, hi) of amx_attention_blocks on one thread (the AMX target for the tile calls).
 ASCEND_ATTN_AMX_T void amx_attention_items(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                           const at::Tensor& mask, at::Tensor& out, float scale, bool causal,
-                                           int64_t lo, int64_t hi) {
+                                           const at::Tensor& mask, const MaskEnds* ends, at::Tensor& out, float scale,
+                                           bool causal, int64_t lo, int64_t hi) {
   using bf16 = c10::BFloat16;
   const int64_t N = q.size(1), L = q.size(2), D = q.size(3), S = k.size(2), Dv = v.size(3);
   const int64_t sp = (S + kKeyStep - 1) / kKeyStep * kKeyStep;  // keys padded to the tile step
@@ -667,16 +687,13 @@ ASCEND_ATTN_AMX_T void amx_attention_items(const at::Tensor& q, const at::Tensor
     }
     const int64_t rows = std::min(kRows, L - r0);
     const bf16* qb = qp + b * q.stride(0) + n * q.stride(1) + r0 * q.stride(2);
-    const auto mask_row = [&](int64_t i) {
-      return mp + b * mask.stride(0) + n * mask.stride(1) + (r0 + i) * mask.stride(2);
-    };
     // an explicit mask: each row's keys end after its last column that is not -inf, where that is exact
     const bool trim =
         mp != nullptr && masked_keys_exact(max_abs_bits(qb, q.stride(2), rows, D), k_bits, v_bits, D, scale);
     int64_t kv = causal ? std::min(S, r0 + rows) : S;  // keys any of these rows sees
     if (trim) {
       kv = 0;
-      for (int64_t i = 0; i < rows; ++i) kv = std::max(kv, row_end[i] = visible_end(mask_row(i), mask.stride(3), S));
+      for (int64_t i = 0; i < rows; ++i) kv = std::max(kv, row_end[i] = ends->at(b, n, r0 + i));
     }
     const int64_t kvp = (kv + kKeyStep - 1) / kKeyStep * kKeyStep;
     const auto round_keys = [&](int64_t keys) { return (keys + kKeyStep - 1) / kKeyStep * kKeyStep; };
@@ -720,8 +737,12 @@ ASCEND_ATTN_AMX_T void amx_attention_items(const at::Tensor& q, const at::Tensor
 void amx_attention_blocks(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,
                           at::Tensor& out, float scale, bool causal) {
   const int64_t items = q.size(0) * q.size(1) * ((q.size(2) + kRows - 1) / kRows);
+  const std::optional<MaskEnds> ends =
+      mask.defined() ? std::optional<MaskEnds>(std::in_place, mask, q.size(0), q.size(1), q.size(2), k.size(2))
+                     : std::nullopt;
+  const MaskEnds* ep = ends ? &*ends : nullptr;
   at::parallel_for(0, items, 1,
-                   [&](int64_t lo, int64_t hi) { amx_attention_items(q, k, v, mask, out, scale, causal, lo, hi); });
+                   [&](int64_t lo, int64_t hi) { amx_attention_items(q, k, v, mask, ep, out, scale, causal, lo, hi); });
 }
 #endif
 

@@ -94,7 +94,7 @@ ASCEND_ATTN_TARGET float softmax_row(float* s, const float* m, int64_t ms, int64
     for (j = 0; j < kvp; ++j) s[j] = nan && j < seen ? std::numeric_limits<float>::quiet_NaN() : 0.0f;
     return nan ? 1.0f : 0.0f;
   }
-  // below ln(FLT_MIN) (a masked -inf among them) 0 exactly, never the underflowing product: each denormal or
+  // below kExpFloor (a masked -inf among them) 0 exactly, never the underflowing product: each denormal or
   // underflow result costs a microcode assist (an -inf causal mask ran 15.1 ms against 9.2 for a zero one)
   for (j = 0; j < seen; ++j) {
     const float x = (s[j] - mx) * scale;
@@ -319,12 +319,13 @@ bool masked_keys_exact(uint32_t q_bits, uint32_t k_bits, uint32_t v_bits, int64_
     std::memcpy(&f, &bits, sizeof(f));
     return static_cast<double>(f);
   };
-  const double bound = value(q_bits) * value(k_bits) * static_cast<double>(D) * std::abs(static_cast<double>(scale));
-  return bound < 1e37;  // false for a NaN scale
+  // the scores are summed unscaled, then scaled: both must stay finite
+  const double scaled = std::max(1.0, std::abs(static_cast<double>(scale)));
+  return value(q_bits) * value(k_bits) * static_cast<double>(D) * scaled < 1e37;  // false for a NaN scale
 }
 
 // visible_end of every distinct row of a mask ([B, N, L, S] view, broadcast dims of stride 0 read once: Hugging
-// Face's causal mask is one [L, S] for every batch row and head), over the threads; ends_at(b, n, i) looks one up.
+// Face's causal mask is one [L, S] for every batch row and head), over the threads; at(b, n, i) looks one up.
 struct MaskEnds {
   std::vector<int64_t> ends;
   int64_t nb = 0, nn = 0, L = 0;

@@ -349,7 +349,7 @@ def test_an_inf_mask_leaves_out_the_keys_it_hides(dtype, form, length):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("special", ["nan_key", "inf_value", "overflow"])
+@pytest.mark.parametrize("special", ["nan_key", "inf_value", "overflow", "overflow_unscaled"])
 def test_hidden_keys_stay_in_where_their_scores_are_not_inf(dtype, special):
     """Keys are left out only where that is exact: a NaN key, an infinite value or scores that overflow under the
     mask poison the rows as the full product does (the same mask made untrimmable; torch's flash kernel, the
@@ -360,12 +360,13 @@ def test_hidden_keys_stay_in_where_their_scores_are_not_inf(dtype, special):
         k[0, 0, 63, 5] = float("nan")  # the last key: hidden from every row but the last
     elif special == "inf_value":
         v[0, 0, 63, 5] = float("inf")
-    else:  # |q . k| past FLT_MAX: inf + -inf is NaN
+    else:  # |q . k| past FLT_MAX: inf + -inf is NaN (also where the scale would bring it back: sums are unscaled)
         q[0, 0, :, 0], k[0, 0, 63, 0] = 1e20, 1e20
+    scale = 1e-10 if special == "overflow_unscaled" else 96**-0.5
     mask = torch.full((64, 64), float("-inf")).triu(1)
-    out = A.attention(q, k, v, 96**-0.5, False, mask)
-    _same_as_full(out, A.attention(q, k, v, 96**-0.5, False, _untrimmable(mask)), dtype)
+    out = A.attention(q, k, v, scale, False, mask)
+    _same_as_full(out, A.attention(q, k, v, scale, False, _untrimmable(mask)), dtype)
     assert out[0, 0, :63].isnan().any(-1).all()  # the rows it is hidden from: a NaN score, or 0 * inf
     assert out[0, 1].isfinite().all()
-    if special != "overflow":  # (an overflowing score: torch's flash kernel leaves the row that sees it finite)
-        assert torch.equal(out.isnan(), reference(q, k, v, 96**-0.5, False, mask).isnan())
+    if not special.startswith("overflow"):  # (an overflowing score: torch's flash kernel leaves its row finite)
+        assert torch.equal(out.isnan(), reference(q, k, v, scale, False, mask).isnan())

@@ -310,8 +310,9 @@ int64_t visible_end(const float* m, int64_t ms, int64_t S) {
 #endif
 
 // Whether an explicit mask's -inf columns may be left out for these rows: every score they hide is then -inf
-// exactly (q, k and v finite, and |q . k| * scale provably below FLT_MAX), so its p is 0 and v's rows there add
-// 0 (a NaN or an infinity in any of them, which the full product turns into NaN rows, keeps the full product).
+// exactly (q, k and v finite, and |q . k| and |q . k| * scale provably below FLT_MAX), so its p is 0 and v's
+// rows there add 0 (a NaN or an infinity in any of them, which the full product turns into NaN rows, keeps the
+// full product).
 bool masked_keys_exact(uint32_t q_bits, uint32_t k_bits, uint32_t v_bits, int64_t D, float scale) {
   if (q_bits >= kFloatInfBits || k_bits >= kFloatInfBits || v_bits >= kFloatInfBits) return false;
   const auto value = [](uint32_t bits) {

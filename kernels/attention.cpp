@@ -697,8 +697,8 @@ ASCEND_ATTN_AMX_T void amx_attention_items(const at::Tensor& q, const at::Tensor
       kv = 0;
       for (int64_t i = 0; i < rows; ++i) kv = std::max(kv, row_end[i] = ends->at(b, n, r0 + i));
     }
-    const int64_t kvp = (kv + kKeyStep - 1) / kKeyStep * kKeyStep;
-    const auto round_keys = [&](int64_t keys) { return (keys + kKeyStep - 1) / kKeyStep * kKeyStep; };
+    const auto round_keys = [](int64_t keys) { return (keys + kKeyStep - 1) / kKeyStep * kKeyStep; };
+    const int64_t kvp = round_keys(kv);
     // the keys a half of 32 rows sees: up to its last row's (causal), its rows' ends (trim), all kv otherwise
     const auto half_keys = [&](int64_t h) {
       if (causal) return std::min(kvp, round_keys(std::min(S, r0 + h + 32)));

@@ -414,8 +414,18 @@ def bench(
                         flush=True,
                     )
                     continue
+                if dynamic and variant == "ascend_inductor_cpp":
+                    # measured in session 22: its recompile for the symbolic length dies in AOTAutograd's metadata
+                    # pass (aten::arange(end=None)) under the C++ wrapper's config; inductor_freezing_cpp does not
+                    print(
+                        f"  {shape:12s} {dtype_name:9s} {variant:20s} skipped: its recompile for a symbolic length "
+                        "fails under the C++ wrapper (session 22; see README)",
+                        flush=True,
+                    )
+                    continue
                 instances = batched_models if variant == "inductor_batched_mm" else models
-                fn = _compiled(instances[0], variant, compiling_calls=2 if dynamic else 1)
+                compiling_calls = 2 if dynamic else 1  # --dynamic: the shorter prompt's compile, then the timed one's
+                fn = _compiled(instances[0], variant, compiling_calls)
                 # --dynamic: a prompt of another length first, so that the timed length runs the graph Dynamo
                 # recompiles with a symbolic token count (automatic dynamic shapes: what a server's prompts of
                 # many lengths get); its compile time is then the recompile's
@@ -430,7 +440,7 @@ def bench(
                     if reference is None:
                         reference = out
                     err = ((out.float() - reference.float()).abs().max() / reference.float().abs().max()).item()
-                fns = [fn] + [_compiled(m, variant, compiling_calls=2 if dynamic else 1) for m in instances[1:]]
+                fns = [fn] + [_compiled(m, variant, compiling_calls) for m in instances[1:]]
                 with torch.no_grad():
                     for other in fns[1:]:
                         if shorter is not None:
@@ -667,18 +677,11 @@ def main() -> None:
         if unknown:
             parser.error(f"{name}: unknown {', '.join(unknown)} (known: {', '.join(known)})")
     torch.manual_seed(0)
+    cell = (shapes, dtypes, variants, reps, args.budget, args.model)
     if args.cell_output:  # one cell, in the process the parent started for it
         out = Path(args.cell_output)
         _, facts = bench(
-            shapes,
-            dtypes,
-            variants,
-            reps,
-            args.budget,
-            args.model,
-            on_row=lambda r: _write_cell(out, [r], {}),
-            cold_cache=args.cold_cache,
-            dynamic=args.dynamic,
+            *cell, on_row=lambda r: _write_cell(out, [r], {}), cold_cache=args.cold_cache, dynamic=args.dynamic
         )
         _write_cell(out, [], facts)
         return
@@ -702,22 +705,9 @@ def main() -> None:
             "the timed graphs have a symbolic token count"
         )
     if args.in_process:
-        rows, facts = bench(
-            shapes, dtypes, variants, reps, args.budget, args.model, cold_cache=args.cold_cache, dynamic=args.dynamic
-        )
+        rows, facts = bench(*cell, cold_cache=args.cold_cache, dynamic=args.dynamic)
     else:
-        rows, facts = run_cells(
-            shapes,
-            dtypes,
-            variants,
-            reps,
-            args.budget,
-            args.model,
-            args.allocator,
-            args.huge_pages,
-            args.cold_cache,
-            args.dynamic,
-        )
+        rows, facts = run_cells(*cell, args.allocator, args.huge_pages, args.cold_cache, args.dynamic)
     print_table(rows, facts, args.model)
 
 

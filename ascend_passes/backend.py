@@ -7,8 +7,9 @@ Also the two entry points serving engines import: ``make_backend(config)`` and
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -84,18 +85,8 @@ def compile_downstream(
         from torch._inductor.compile_fx import compile_fx
 
         inductor_fixes.install()
-        if not decompose:
-            return _boxed(compile_fx(gm, list(example_inputs)))
-        from torch._inductor.decomposition import select_decomp_table
-
-        from .ops import decompositions
-
-        table = {**select_decomp_table(), **decompositions(decompose)}
-        # AOTAutograd's cache keys on the graph handed in (ascend ops and all), not on the
-        # decomposition table, so it would hand back a graph compiled with other decompositions;
-        # Inductor's own FX-graph cache keys on the decomposed graph and stays on
-        with torch._functorch.config.patch(enable_autograd_cache=False):
-            return _boxed(compile_fx(gm, list(example_inputs), decompositions=table))
+        with _symbolic_inputs_kept(gm, example_inputs):
+            return _compile_inductor(compile_fx, gm, example_inputs, decompose)
     if compiler in ("torchair", "npugraph_ex"):
         _ensure_lowered(gm)
     if compiler == "torchair":
@@ -112,6 +103,50 @@ def compile_downstream(
 
         return _boxed(torch.npu.npugraph_ex.compile_fx(gm, list(example_inputs)))
     raise ConfigError(f"unknown compiler {compiler!r}")
+
+
+def _compile_inductor(
+    compile_fx: Callable[..., Any], gm: fx.GraphModule, example_inputs: Sequence[Any], decompose: Sequence[str]
+) -> Compiled:
+    if not decompose:
+        return _boxed(compile_fx(gm, list(example_inputs)))
+    from torch._inductor.decomposition import select_decomp_table
+
+    from .ops import decompositions
+
+    table = {**select_decomp_table(), **decompositions(decompose)}
+    # AOTAutograd's cache keys on the graph handed in (ascend ops and all), not on the
+    # decomposition table, so it would hand back a graph compiled with other decompositions;
+    # Inductor's own FX-graph cache keys on the decomposed graph and stays on
+    with torch._functorch.config.patch(enable_autograd_cache=False):
+        return _boxed(compile_fx(gm, list(example_inputs), decompositions=table))
+
+
+@contextlib.contextmanager
+def _symbolic_inputs_kept(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Iterator[None]:
+    """Inductor's ``compile_fx`` under ``cpp_wrapper`` (torch 2.13) takes a graph's example inputs from
+    its placeholders' ``meta["val"]`` when they have one, as it does for an exported graph, and puts
+    ``None`` where that value is not a tensor; Dynamo's graphs carry no ``val`` there, ours (AOT-traced
+    ATen) do. Under dynamic shapes the symbolic token count is such an input: AOTAutograd then traced
+    ``arange(None)`` and the recompile for a second prompt length failed. Hidden while Inductor
+    compiles, the values it reads are the example inputs AOTAutograd handed us, SymInts included."""
+    import torch._inductor.config as inductor_config
+
+    hide = (
+        inductor_config.cpp_wrapper
+        and not inductor_config.fx_wrapper
+        and any(not isinstance(x, torch.Tensor) for x in example_inputs)
+    )
+    hidden = {}
+    if hide:
+        for node in gm.graph.find_nodes(op="placeholder"):
+            if "val" in node.meta:
+                hidden[node] = node.meta.pop("val")
+    try:
+        yield
+    finally:
+        for node, val in hidden.items():
+            node.meta["val"] = val
 
 
 def _ensure_lowered(gm: fx.GraphModule) -> None:

@@ -414,15 +414,6 @@ def bench(
                         flush=True,
                     )
                     continue
-                if dynamic and variant == "ascend_inductor_cpp":
-                    # measured in session 22: its recompile for the symbolic length dies in AOTAutograd's metadata
-                    # pass (aten::arange(end=None)) under the C++ wrapper's config; inductor_freezing_cpp does not
-                    print(
-                        f"  {shape:12s} {dtype_name:9s} {variant:20s} skipped: its recompile for a symbolic length "
-                        "fails under the C++ wrapper (session 22; see README)",
-                        flush=True,
-                    )
-                    continue
                 instances = batched_models if variant == "inductor_batched_mm" else models
                 compiling_calls = 2 if dynamic else 1  # --dynamic: the shorter prompt's compile, then the timed one's
                 fn = _compiled(instances[0], variant, compiling_calls)

@@ -280,8 +280,8 @@ def test_count_ops_sees_the_attention():
 def test_dynamic_lengths_keep_the_key_assembly_folded():
     """Under dynamic shapes (a second prompt length: Dynamo recompiles with a symbolic token count; vLLM always
     compiles so) the key written piece by piece into a fresh buffer still becomes one ``cat``: only the
-    concatenated dim (the head dim) must be static. The mask stays an input of the attention there (no constant
-    to prove causal), with the values of the uncompiled model."""
+    concatenated dim (the head dim) must be static. Hugging Face's mask, built from ``arange``s of the symbolic
+    length (and its packed-sequence check on the position ids), is proven causal symbolically: no mask input."""
     model, (ids,) = models.deepseek_v3("grouped_mm")
     longer = torch.randint(0, 256, (ids.shape[0], ids.shape[1] + 5))
     torch._dynamo.reset()
@@ -296,4 +296,58 @@ def test_dynamic_lengths_keep_the_key_assembly_folded():
     for report in (static, dynamic):
         assert report.count("aten.slice_scatter") == 0
         assert report.count("ascend.attention") == NUM_LAYERS
+        assert all(_is_causal(n) and (len(n.args) < 6 or n.args[5] is None) for n in _own_nodes(report))
     assert rel_diff(out, want) < 1e-4
+
+
+# ------------------------------------------------------------------------------ masks of a symbolic length
+class ArangeMask(torch.nn.Module):
+    """An additive mask built inside the model from ``arange(s)`` of the token count: under ``dynamic=True``
+    its size is a symbol, so the pass can only prove it causal symbolically (``passes/_symbolic_mask.py``)."""
+
+    def __init__(self, mode: str) -> None:
+        super().__init__()
+        self.mode = mode
+        self.qkv = Attention("none")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        a = self.qkv
+        q = a.q(x).view(b, s, 4, 12).transpose(1, 2)
+        k = a.k(x).view(b, s, 4, 12).transpose(1, 2)
+        v = a.v(x).view(b, s, 4, 6).transpose(1, 2)
+        i = torch.arange(s)
+        q_idx, kv_idx = i[:, None], i[None, :]
+        if self.mode == "causal":
+            keep = kv_idx <= q_idx
+        elif self.mode == "window":  # causal while s <= 3, a sliding window beyond
+            keep = (kv_idx <= q_idx) & (q_idx - kv_idx < 3)
+        elif self.mode == "shifted":  # one key past the diagonal
+            keep = kv_idx <= q_idx + 1
+        elif self.mode == "wrapped":  # i[i - 1]: index -1 wraps to the last position (torch's negative indexing)
+            j = i[i - 1]
+            keep = j[None, :] <= j[:, None]
+        else:
+            raise ValueError(self.mode)
+        mask = torch.where(keep, torch.tensor(0.0), torch.tensor(float("-inf")))
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return out.transpose(1, 2).reshape(b, s, 4 * 6)
+
+
+@pytest.mark.parametrize("mode,causal", [("causal", True), ("window", False), ("shifted", False), ("wrapped", False)])
+def test_masks_of_a_symbolic_length(mode, causal):
+    """Only the mask that is causal at every length becomes ``is_causal``: a sliding window (causal at lengths up to
+    its width), a shifted diagonal and a mask read through a wrapping negative index stay masks, and every
+    compiled output equals the model's at lengths past the window."""
+    torch.manual_seed(0)
+    model = ArangeMask(mode).eval()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, dynamic=True, backend="ascend_passes", options={"compiler": "eager"})
+    with torch.no_grad(), ap.capture() as reports:
+        outs = [(compiled(x), model(x)) for x in (torch.randn(1, 8, 16), torch.randn(1, 13, 16))]
+    (report,) = reports  # one graph for both lengths
+    (node,) = _own_nodes(report)
+    assert _is_causal(node) is causal
+    assert (len(node.args) > 5 and node.args[5] is not None) is not causal
+    for out, ref in outs:
+        assert torch.isfinite(out).all() and rel_diff(out, ref) <= 1e-4

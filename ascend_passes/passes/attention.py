@@ -33,6 +33,7 @@ from .. import ops  # noqa: F401 - registers torch.ops.ascend.attention
 from ..pass_manager import PassContext, PassResult
 from ._nodes import copy_location, eliminate_dead_code, set_val
 from ._pattern import PatternPass
+from ._symbolic_mask import symbolic_causal
 from .layers import layer_of
 
 log = logging.getLogger("ascend_passes.passes.attention")
@@ -163,12 +164,16 @@ def to_cpu_attention(flash: fx.Node) -> str | None:
 def is_causal_mask(mask: fx.Node, flash: fx.Node) -> bool:
     """Whether ``mask`` is a constant of the graph equal to the (top-left) causal additive mask of
     ``flash``'s square score matrix.  Evaluates the mask's producers, which must be pure ATen
-    calls on no graph input, with static shapes."""
+    calls on no graph input, with static shapes; under a symbolic length, follows them symbolically
+    (``_symbolic_mask``: a proof for every length, or the mask stays)."""
     q, k = (_val(a) for a in flash.args[:2])
     if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)):
         return False
     length, kv_length = q.shape[-2], k.shape[-2]
-    if not (isinstance(length, int) and isinstance(kv_length, int)) or length != kv_length:
+    if not (isinstance(length, int) and isinstance(kv_length, int)):
+        # a symbolic length (dynamic shapes): the mask is no constant to evaluate; followed symbolically
+        return statically_known_true(length == kv_length) and symbolic_causal(mask, length)
+    if length != kv_length:
         return False
     value = _evaluate_constant(mask)
     if not isinstance(value, torch.Tensor) or not value.is_floating_point() or value.dim() not in (2, 4):

@@ -370,4 +370,3 @@ def symbolic_causal(mask: fx.Node, length: Any) -> bool:
 
 
 __all__ = ["symbolic_causal"]
-

@@ -46,16 +46,17 @@ RUN_TIMEOUT_S = 900  # one LLM: ~2 min on 2 idle cores, past 600 s measured unde
 TIE = 0.05  # eager's top-2 logprobs closer than this: a greedy token may flip on bf16 rounding
 
 
-def _write_checkpoint(path: Path) -> None:
+def _write_checkpoint(path: Path, **overrides: Any) -> None:
     """A tiny random DeepSeek-V3 in bf16 with a peaked LM head (greedy tokens mean something).
 
     vLLM's CPU MLA needs kv_lora_rank=512 and qk_rope_head_dim=64; ``topk_method="noaux_tc"`` and
     ``scoring_func="sigmoid"`` give DeepSeek-V3's router (vLLM falls back to softmax without them).
+    ``overrides``: config fields that replace the tiny ones (``tools/bench_vllm.py --size medium``).
     """
     import torch
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
-    config = DeepseekV3Config(
+    fields = dict(
         vocab_size=256,
         hidden_size=128,
         intermediate_size=192,
@@ -80,6 +81,7 @@ def _write_checkpoint(path: Path) -> None:
         tie_word_embeddings=False,
         num_nextn_predict_layers=0,
     )
+    config = DeepseekV3Config(**{**fields, **overrides})
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         model = DeepseekV3ForCausalLM(config)

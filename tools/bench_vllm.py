@@ -16,6 +16,11 @@ the route's greedy tokens equal vLLM's Inductor route's (``same tokens``); the h
 CPU feature bits.
 
     python tools/bench_vllm.py [--routes eager,inductor,backend,post_grad,piecewise] [--quick]
+    python tools/bench_vllm.py --size medium   # tools/bench_model.py's proportions (hidden 1024, 64 experts)
+
+At ``--size medium`` vLLM's own eager and Inductor routes already pick different greedy tokens (bf16 rounding through
+4 layers of 64 experts: a router near-tie flips an expert); the line under the table says how far they agree,
+which is the scale for the 'same tokens' column there.
 """
 
 from __future__ import annotations
@@ -37,6 +42,29 @@ from _machine import cpu_features_line  # noqa: E402
 ROUTES = ("eager", "inductor", "backend", "post_grad", "piecewise")
 PEERS = ("eager", "inductor")  # vLLM without ascend_passes
 TIE = 0.05  # as tests/test_vllm.py: top-2 logprobs closer than this may flip on bf16 rounding
+# config fields over tests/test_vllm.py's tiny checkpoint; medium: tools/bench_model.py's proportions, with the
+# shapes vLLM's CPU MLA requires (kv_lora_rank 512, qk_rope_head_dim 64)
+SIZES: dict[str, dict] = {
+    "tiny": {},
+    "medium": dict(
+        vocab_size=4096,
+        hidden_size=1024,
+        intermediate_size=2048,
+        moe_intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        n_routed_experts=64,
+        num_experts_per_tok=6,
+        n_group=8,
+        topk_group=4,
+        q_lora_rank=256,
+        qk_nope_head_dim=64,
+        v_head_dim=64,
+        max_position_embeddings=1024,
+    ),
+}
+DESCRIPTIONS = {"tiny": "3 layers, hidden 128, 8 experts top-2", "medium": "4 layers, hidden 1024, 64 experts top-6"}
 TIMEOUT_S = 1800  # one route (start, compile, runs); minutes on a loaded 2-core machine
 
 _CHILD = textwrap.dedent("""
@@ -153,6 +181,13 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="2 prompts x 8 tokens, one timed run (a smoke run)")
+    ap.add_argument(
+        "--size",
+        choices=sorted(SIZES),
+        default="tiny",
+        help="tiny: the tests' model (hidden 128, 8 experts); medium: tools/bench_model.py's proportions "
+        "(hidden 1024, 64 experts top-6, 4 layers) with vLLM's CPU MLA shapes",
+    )
     args = ap.parse_args()
     if args.quick:
         args.prompts, args.max_tokens, args.repeats = 2, 8, 1
@@ -167,14 +202,15 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench_vllm_") as tmp:
         model = Path(tmp) / "model"
         model.mkdir()
-        _write_checkpoint(model)
+        _write_checkpoint(model, **SIZES[args.size])
         for name in routes:
             result, err = _run_route(name, args, model, tmp)
             rows.append((name, result, err))
 
     print(cpu_features_line())
     print(
-        f"tiny DeepSeek-V3 (3 layers, bf16), {args.prompts} prompts x {args.max_tokens} tokens, "
+        f"{args.size} DeepSeek-V3 ({DESCRIPTIONS[args.size]}, bf16), "
+        f"{args.prompts} prompts x {args.max_tokens} tokens, "
         f"best of {args.repeats}; passes {args.passes}"
     )
     done = {n: r for n, r, _ in rows if r}
@@ -198,6 +234,8 @@ def main() -> None:
             f"{name:<10} {r['tok_s']:>9.1f} {vs_eager:>9} {vs_peer:>13} {r['startup_s']:>10.1f} {r['graphs']:>7} "
             f"{r['rewrites']:>9} {same:>20}"
         )
+    if reference is not None and "eager" in done:  # how far vLLM's own two routes agree: the scale for the column
+        print(f"vLLM eager against vLLM's Inductor, the same measure: {_agreement(done['eager'], reference)}")
     print(
         "'vs best peer': against the faster of vLLM eager and vLLM's Inductor (routes without ascend_passes); "
         "'same tokens': prompts whose greedy tokens equal vLLM's Inductor route's; 'tie': the first difference "

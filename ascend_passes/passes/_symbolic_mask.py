@@ -157,8 +157,8 @@ class _Interpreter:
             start, end = (0, args[0]) if t is aten.arange.default else args[:2]
             if kw.get("dtype") not in (None, torch.int64):
                 raise _Unknown("arange of a float dtype")
-            start, end = (self.env[a] if isinstance(a, fx.Node) else a for a in (start, end))
-            return _Sym.make((_size(end) - _size(start),), _size(start) + _index(0), "int")
+            start, end = self.size(start), self.size(end)
+            return _Sym.make((end - start,), start + _index(0), "int")
         if t in (aten.add.Tensor, aten.sub.Tensor, aten.add.Scalar, aten.sub.Scalar):
             if kw.get("alpha", 1) != 1:
                 raise _Unknown("alpha")
@@ -217,7 +217,7 @@ class _Interpreter:
                 value, kind = sympy.Integer(int(one)), "int"
             else:
                 raise _Unknown(f"new_ones of {dtype}")
-            return _Sym.make([_size(s) for s in args[1]], value, kind)
+            return _Sym.make([self.size(s) for s in args[1]], value, kind)
         if t is aten.scalar_tensor.default:
             return _scalar(args[0])
         if t is aten.index.Tensor:
@@ -233,12 +233,16 @@ class _Interpreter:
             sizes = list(args[1])
             rank = len(sizes)
             base = (1,) * (rank - len(a.shape)) + a.shape
-            shape = tuple(b if s == -1 else _size(s) for b, s in zip(base, sizes))
+            shape = tuple(b if s == -1 else self.size(s) for b, s in zip(base, sizes))
             for b, s in zip(base, shape):
                 if b != 1 and not _same(b, s):
                     raise _Unknown("expand of a non-unit dim")
             return _Sym.make(shape, a.shifted(rank), a.kind)
         raise _Unknown(f"no rule for {t}")
+
+    def size(self, value: Any) -> sympy.Expr:
+        """A size argument: a number, or a node whose value is a SymInt (``sym_size``, arithmetic on sizes)."""
+        return _size(self.env[value] if isinstance(value, fx.Node) else value)
 
     def slice(self, x: fx.Node, dim: int = 0, start: Any = None, end: Any = None, step: int = 1) -> _Sym:
         a = self.arg(x)
@@ -246,10 +250,10 @@ class _Interpreter:
         if step != 1:
             raise _Unknown("slice step")
         size = a.shape[d]
-        lo = sympy.Integer(0) if start is None else _size(self.env[start] if isinstance(start, fx.Node) else start)
+        lo = sympy.Integer(0) if start is None else self.size(start)
         # None or torch's "to the end" sentinel (sys.maxsize): the dim's size (no tensor has 2**62 elements)
         sentinel = end is None or (isinstance(end, int) and end >= 2**62)
-        hi = size if sentinel else _size(self.env[end] if isinstance(end, fx.Node) else end)
+        hi = size if sentinel else self.size(end)
         if not (lo.is_nonnegative and hi.is_nonnegative):  # a negative bound counts from the end: not followed
             raise _Unknown("slice bound not provably non-negative")
         hi = sympy.Min(hi, size)

@@ -351,3 +351,38 @@ def test_masks_of_a_symbolic_length(mode, causal):
     assert (len(node.args) > 5 and node.args[5] is not None) is not causal
     for out, ref in outs:
         assert torch.isfinite(out).all() and rel_diff(out, ref) <= 1e-4
+
+
+def test_sliding_window_layers_keep_their_mask_at_every_length():
+    """Hugging Face Qwen3 with a sliding-window layer (window 4) and a full-attention layer, called at lengths 6,
+    11 and 13 (the last two: Dynamo's recompile with a symbolic length): only the full layer's mask becomes
+    ``is_causal``, in the static and the symbolic graph alike; the window's mask, causal at lengths up to 4, stays,
+    and the logits equal the model's."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Qwen3Config(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        use_sliding_window=True,
+        sliding_window=4,
+        layer_types=["sliding_attention", "full_attention"],
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = models.CausalLMLogits(transformers.Qwen3ForCausalLM(config).eval())
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="ascend_passes", options={"compiler": "eager"})
+    with torch.no_grad(), ap.capture() as reports:
+        for tokens in (6, 11, 13):
+            ids = torch.randint(0, 128, (1, tokens))
+            assert rel_diff(compiled(ids), model(ids)) <= 1e-5
+    static, dynamic = reports
+    assert any(isinstance(n.meta.get("val"), torch.SymInt) for n in dynamic.graph.graph.find_nodes(op="placeholder"))
+    for report in (static, dynamic):
+        attentions = _own_nodes(report)
+        assert len(attentions) == 2
+        assert sorted(_is_causal(n) for n in attentions) == [False, True]

@@ -118,3 +118,29 @@ def test_specialize_float_fuses_what_dynamic_refused():
     assert report.count("ascend.mla_prolog") == 1 and report.count("ascend.moe_gating_top_k") == 1
     assert report.count("ascend.add_rms_norm") + report.count("ascend.rms_norm") >= 2
     assert _near_misses(report, "mla") == [] and _near_misses(report, "norm") == []
+
+
+def test_symbolic_batch_attention_is_a_near_miss_and_its_advice_works():
+    """Under dynamic=True a batch of 2 makes the batch dim symbolic too; the flash patterns take a symbolic token
+    count only, so SDPA's math path stays — with a near-miss per attention that says so and what to do, not
+    silently. Following it (only the token dim marked dynamic) gives every attention the flash kernel and, HF's
+    mask proven causal at every length, is_causal."""
+    model, inputs = models.deepseek_v3("grouped_mm", num_layers=2, tokens=6, batch=2)
+    (ids,) = inputs
+    with torch.no_grad():
+        ref = model(ids)
+    _, out, reports = _compile_dynamic(model, inputs, compiler="eager")
+    assert _diff(out, ref) <= 1e-5
+    misses = _near_misses(reports[-1], "attention")
+    assert len(misses) == 2 and all("batch or head count is symbolic" in r and "mark_dynamic" in r for r in misses)
+    assert reports[-1].count("ascend.attention") == 0
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="ascend_passes", options={"compiler": "eager"})
+    marked = ids.clone()
+    torch._dynamo.mark_dynamic(marked, 1)
+    with torch.no_grad(), ap.capture() as marked_reports:
+        out = compiled(marked)
+    (report,) = marked_reports
+    assert _diff(out, ref) <= 1e-5
+    assert report.count("ascend.attention") == 2 and not report.passes["attention"].near_misses
+    assert report.passes["attention"].counts().get("causal_mask") == 2

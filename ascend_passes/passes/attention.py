@@ -53,6 +53,7 @@ class AttentionPass(PatternPass):
 
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         result = super().run(gm, ctx)
+        note_unmatched(gm, result)
         causal = 0
         masks: dict[fx.Node, bool] = {}
         for node in list(gm.graph.find_nodes(op="call_function", target=FLASH)):
@@ -94,6 +95,28 @@ class AttentionPass(PatternPass):
             own,
         )
         return result
+
+
+def note_unmatched(gm: fx.GraphModule, result: PassResult) -> None:
+    """A near-miss for each SDPA math path (its ``_safe_softmax``) that no flash pattern took and no check
+    already explained (a check's near-miss names its layer): the candidate is not left unfused silently."""
+    noted = {nm.layer for nm in result.near_misses}
+    for softmax in gm.graph.find_nodes(op="call_function", target=aten._safe_softmax.default):
+        layer = layer_of(softmax)
+        if layer in noted:
+            continue
+        scores = _val(softmax)
+        shape = tuple(scores.shape) if isinstance(scores, torch.Tensor) else None
+        if shape is not None and len(shape) == 4 and any(not isinstance(d, int) for d in shape[:2]):
+            reason = (
+                f"SDPA's math path over scores {list(shape)} matched no flash pattern: its batch or head count is "
+                "symbolic, and the patterns take a symbolic token count only (torch.compile(dynamic=True) makes "
+                "every dim symbolic); mark only the token dimension dynamic (torch._dynamo.mark_dynamic(input_ids, "
+                "1), or Dynamo's automatic dynamic shapes on a second prompt length) to get the flash attention"
+            )
+        else:
+            reason = f"SDPA's math path over scores {list(shape) if shape else '?'} matched no flash pattern"
+        result.near_miss("sdpa_flash", reason, layer=layer, node=softmax)
 
 
 def to_cpu_attention(flash: fx.Node) -> str | None:

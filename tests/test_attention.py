@@ -358,7 +358,8 @@ def test_sliding_window_layers_keep_their_mask_at_every_length():
     11 and 13 (the last two: Dynamo's recompile with a symbolic length): only the full layer's mask becomes
     ``is_causal``, in the static and the symbolic graph alike; the window's mask, causal at lengths up to 4, stays,
     and the logits equal the model's."""
-    transformers = pytest.importorskip("transformers")
+    import transformers  # a test dependency (pyproject's [test]): not skipped when missing
+
     config = transformers.Qwen3Config(
         vocab_size=128,
         hidden_size=64,

@@ -2,11 +2,12 @@
 new node computed from its inputs' fake values, the one copy of a replaced node's source location
 onto its replacements (``copy_location``), and the one way passes read a constant off a node
 (``const_float`` / ``const_int``: None unless it is a plain Python number, never a default), and
-dead-code elimination sized for large graphs (``eliminate_dead_code``)."""
+dead-code elimination sized for large graphs (``eliminate_dead_code``), and the nodes a value is
+computed from (``producers``)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.fx as fx
@@ -61,6 +62,26 @@ def eliminate_dead_code(graph: fx.Graph) -> int:
             graph.erase_node(node)
             removed += 1
     return removed
+
+
+def producers(out: fx.Node, limit: int, stop: Callable[[fx.Node], bool] | None = None) -> list[fx.Node] | None:
+    """``out`` and every node it is computed from, in graph order, not walking past a node ``stop`` takes
+    (that node itself included); None when there are more than ``limit`` of them."""
+    order: list[fx.Node] = []
+    seen: set[fx.Node] = set()
+    stack = [out]
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        order.append(n)
+        if len(order) > limit:
+            return None
+        if stop is None or not stop(n):
+            stack.extend(n.all_input_nodes)
+    position = {n: i for i, n in enumerate(out.graph.nodes)}
+    return sorted(order, key=position.__getitem__)
 
 
 # ----------------------------------------------------------------------------- location

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import math
+import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +30,8 @@ import sympy
 import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+from ._nodes import producers
 
 log = logging.getLogger("ascend_passes.passes.attention")
 aten = torch.ops.aten
@@ -104,19 +107,31 @@ def _broadcast(*operands: _Sym) -> tuple[tuple[sympy.Expr, ...], list[Any]]:
     return tuple(shape), [o.shifted(rank) for o in operands]
 
 
-_RELATIONS: dict[Any, Callable[[Any, Any], Any]] = {}
-for _name, _rel in (("eq", sympy.Eq), ("ne", sympy.Ne), ("le", sympy.Le), ("lt", sympy.Lt)):
-    _RELATIONS[getattr(aten, _name).Tensor] = _rel
-    _RELATIONS[getattr(aten, _name).Scalar] = _rel
-for _name, _rel in (("ge", sympy.Ge), ("gt", sympy.Gt)):
-    _RELATIONS[getattr(aten, _name).Tensor] = _rel
-    _RELATIONS[getattr(aten, _name).Scalar] = _rel
-
-_LOGIC = {
-    aten.bitwise_and.Tensor: sympy.And,
-    aten.logical_and.default: sympy.And,
-    aten.bitwise_or.Tensor: sympy.Or,
-    aten.logical_or.default: sympy.Or,
+# binary ops: (the kind both operands must be, how the values combine, the result's kind)
+_BINARY: dict[Any, tuple[str, Callable[[Any, Any], Any], str]] = {
+    **{op: ("int", operator.add, "int") for op in (aten.add.Tensor, aten.add.Scalar)},
+    **{op: ("int", operator.sub, "int") for op in (aten.sub.Tensor, aten.sub.Scalar)},
+    **{
+        getattr(getattr(aten, name), o): ("int", rel, "bool")
+        for name, rel in (
+            ("eq", sympy.Eq),
+            ("ne", sympy.Ne),
+            ("le", sympy.Le),
+            ("lt", sympy.Lt),
+            ("ge", sympy.Ge),
+            ("gt", sympy.Gt),
+        )
+        for o in ("Tensor", "Scalar")
+    },
+    **{
+        op: ("bool", logic, "bool")
+        for op, logic in (
+            (aten.bitwise_and.Tensor, sympy.And),
+            (aten.logical_and.default, sympy.And),
+            (aten.bitwise_or.Tensor, sympy.Or),
+            (aten.logical_or.default, sympy.Or),
+        )
+    },
 }
 _INT_DTYPES = (torch.int64, torch.int32)
 
@@ -159,26 +174,15 @@ class _Interpreter:
                 raise _Unknown("arange of a float dtype")
             start, end = self.size(start), self.size(end)
             return _Sym.make((end - start,), start + _index(0), "int")
-        if t in (aten.add.Tensor, aten.sub.Tensor, aten.add.Scalar, aten.sub.Scalar):
+        if t in _BINARY:
             if kw.get("alpha", 1) != 1:
                 raise _Unknown("alpha")
+            kind, combine, result = _BINARY[t]
             a, b = self.arg(args[0]), self.arg(args[1])
-            if a.kind != "int" or b.kind != "int":
-                raise _Unknown("arithmetic on non-integers")
+            if a.kind != kind or b.kind != kind:
+                raise _Unknown(f"{t} of {a.kind} and {b.kind}")
             shape, (x, y) = _broadcast(a, b)
-            return _Sym.make(shape, x + y if t in (aten.add.Tensor, aten.add.Scalar) else x - y, "int")
-        if t in _RELATIONS:
-            a, b = self.arg(args[0]), self.arg(args[1])
-            if a.kind != "int" or b.kind != "int":
-                raise _Unknown("relation of non-integers")
-            shape, (x, y) = _broadcast(a, b)
-            return _Sym.make(shape, _RELATIONS[t](x, y), "bool")
-        if t in _LOGIC:
-            a, b = self.arg(args[0]), self.arg(args[1])
-            if a.kind != "bool" or b.kind != "bool":
-                raise _Unknown("logic on non-booleans")
-            shape, (x, y) = _broadcast(a, b)
-            return _Sym.make(shape, _LOGIC[t](x, y), "bool")
+            return _Sym.make(shape, combine(x, y), result)
         if t in (aten.logical_not.default, aten.bitwise_not.default):
             a = self.arg(args[0])
             if a.kind != "bool":
@@ -322,27 +326,11 @@ def _attribute(node: fx.Node) -> Any:
     return value
 
 
-def _producers(out: fx.Node) -> list[fx.Node] | None:
-    order, seen, stack = [], set(), [out]
-    while stack:
-        n = stack.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        order.append(n)
-        if len(order) > _MAX_NODES:
-            return None
-        if isinstance(n.meta.get("val"), torch.SymInt):
-            continue  # its value comes from the shape environment, not from its inputs
-        stack.extend(n.all_input_nodes)
-    position = {n: i for i, n in enumerate(out.graph.nodes)}
-    return sorted(order, key=position.__getitem__)
-
-
 def symbolic_causal(mask: fx.Node, length: Any) -> bool:
     """Whether ``mask`` is provably, for every value of the shape's symbols, the additive causal mask
     of a square ``[…, length, length]`` score matrix (0 on and below the diagonal, -inf above)."""
-    order = _producers(mask)
+    # a SymInt-valued node's value comes from the shape environment, not from its inputs
+    order = producers(mask, _MAX_NODES, stop=lambda n: isinstance(n.meta.get("val"), torch.SymInt))
     if order is None:
         return False
     interp = _Interpreter()

@@ -31,7 +31,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .. import ops  # noqa: F401 - registers torch.ops.ascend.attention
 from ..pass_manager import PassContext, PassResult
-from ._nodes import copy_location, eliminate_dead_code, set_val
+from ._nodes import copy_location, eliminate_dead_code, producers, set_val
 from ._pattern import PatternPass
 from ._symbolic_mask import symbolic_causal
 from .layers import layer_of
@@ -302,14 +302,10 @@ def _val(node: Any) -> Any:
 def _evaluate_constant(out: fx.Node) -> Any:
     """Run the nodes ``out`` depends on, on real tensors, if they make a constant: pure ATen
     calls only (no placeholder, get_attr, random or in-place op) and static shapes."""
-    order: list[fx.Node] = []
-    seen: set[fx.Node] = set()
-    stack = [out]
-    while stack:
-        n = stack.pop()
-        if n in seen:
-            continue
-        seen.add(n)
+    order = producers(out, _MAX_CONSTANT_NODES)
+    if order is None:
+        return None
+    for n in order:
         if n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload):
             return None
         if n.target.namespace != "aten" or n.target._schema.is_mutable:
@@ -319,15 +315,10 @@ def _evaluate_constant(out: fx.Node) -> Any:
         val = n.meta.get("val")
         if isinstance(val, torch.Tensor) and any(not isinstance(d, int) for d in val.shape):
             return None
-        order.append(n)
-        if len(order) > _MAX_CONSTANT_NODES:
-            return None
-        stack.extend(n.all_input_nodes)
     env: dict[fx.Node, Any] = {}
-    position = {n: i for i, n in enumerate(out.graph.nodes)}
     try:
         with unset_fake_temporarily():  # the pass runs under the compile's fake mode
-            for n in sorted(order, key=position.__getitem__):
+            for n in order:
                 args, kwargs = fx.node.map_arg((n.args, n.kwargs), env.__getitem__)
                 env[n] = n.target(*args, **kwargs)
     except Exception:  # an op that cannot run here: not provably constant

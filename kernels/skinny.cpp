@@ -29,6 +29,11 @@ namespace {
 using lanes::lane_sums;
 using lanes::Vec;
 
+// The PF argument of the kernels below: 0 no software prefetch, 1 the next block's rows, 2 further for short
+// rows (prefetch_blocks), kOneRow one weight row at a time without software prefetch (the weight read front to
+// back: one stream per thread)
+constexpr int kOneRow = -1;
+
 template <int L>
 ASCEND_INLINE typename Vec<L>::f load(const float* p) {
   typename Vec<L>::f v;
@@ -66,7 +71,7 @@ ASCEND_INLINE void block(const float* x, int64_t xs, const T* w, int64_t ws, flo
   for (int64_t kk = 0; kk < k_main; kk += L) {
     V wv[NB];
     for (int j = 0; j < NB; ++j) wv[j] = load<L>(w + j * ws + kk);
-    if constexpr (PF) {
+    if constexpr (PF > 0) {
       if (kk % kLineElems == 0)  // (never faults: prefetches past the weight are dropped)
         for (int j = 0; j < NB; ++j) __builtin_prefetch(w + (ahead + j) * ws + kk, 0, 3);
     }
@@ -102,7 +107,7 @@ constexpr int rows_of_w(int mb) {
 template <int L, int MB, typename T, int PF>
 ASCEND_INLINE void all_cols(const float* x, int64_t xs, const T* w, int64_t ws, float* y, int64_t ys, int64_t k,
                             int64_t n_lo, int64_t n_hi) {
-  constexpr int NB = rows_of_w<L>(MB);
+  constexpr int NB = PF == kOneRow ? 1 : rows_of_w<L>(MB);
   int64_t n = n_lo;
   for (; n + NB <= n_hi; n += NB) block<L, MB, NB, T, PF>(x, xs, w + n * ws, ws, y + n, ys, k);
   for (; n < n_hi; ++n) block<L, MB, 1, T, PF>(x, xs, w + n * ws, ws, y + n, ys, k);
@@ -210,11 +215,11 @@ ASCEND_AVX512BF16 ASCEND_INLINE void block_dot(const c10::BFloat16* x, int64_t x
 
 // every weight row n_lo..n_hi for MB rows of x, in blocks of NB weight rows (register budget: MB * NB
 // accumulators + NB weight vectors + one x vector <= 32)
-#define ASCEND_BF16_COLS(NAME, BLOCK, XT, TARGET)                                                                   \
+#define ASCEND_BF16_COLS(NAME, BLOCK, XT, TARGET, ROWS)                                                             \
   template <int MB>                                                                                                 \
   TARGET ASCEND_INLINE void NAME(const XT* x, int64_t xs, const c10::BFloat16* w, int64_t ws, float* y, int64_t ys, \
                                  int64_t k, int64_t n_lo, int64_t n_hi) {                                           \
-    constexpr int NB = rows_of_w<16>(MB);                                                                           \
+    constexpr int NB = ROWS;                                                                                        \
     int64_t n = n_lo;                                                                                               \
     for (; n + NB <= n_hi; n += NB) BLOCK<MB, NB>(x, xs, w + n * ws, ws, y + n, ys, k);                             \
     for (; n < n_hi; ++n) BLOCK<MB, 1>(x, xs, w + n * ws, ws, y + n, ys, k);                                        \
@@ -253,20 +258,23 @@ ASCEND_AVX512BF16 ASCEND_INLINE void block_dot(const c10::BFloat16* x, int64_t x
       }                                                                                                             \
     }                                                                                                               \
   }
-ASCEND_BF16_COLS(cols_widen, block_widen, float, ASCEND_AVX512)
-ASCEND_BF16_COLS(cols_dot, block_dot, c10::BFloat16, ASCEND_AVX512BF16)
+ASCEND_BF16_COLS(cols_widen, block_widen, float, ASCEND_AVX512, rows_of_w<16>(MB))
+ASCEND_BF16_COLS(cols_widen_one, block_widen, float, ASCEND_AVX512, 1)
+ASCEND_BF16_COLS(cols_dot, block_dot, c10::BFloat16, ASCEND_AVX512BF16, rows_of_w<16>(MB))
+// one weight row at a time, no software prefetch: the weight read front to back as one stream
+ASCEND_BF16_COLS(cols_dot_one, block_dot, c10::BFloat16, ASCEND_AVX512BF16, 1)
 template <int MB, int NB>
 ASCEND_AVX512BF16 ASCEND_INLINE void block_dot_pf(const c10::BFloat16* x, int64_t xs, const c10::BFloat16* w,
                                                   int64_t ws, float* y, int64_t ys, int64_t k) {
   block_dot<MB, NB, 1>(x, xs, w, ws, y, ys, k);
 }
-ASCEND_BF16_COLS(cols_dot_pf, block_dot_pf, c10::BFloat16, ASCEND_AVX512BF16)
+ASCEND_BF16_COLS(cols_dot_pf, block_dot_pf, c10::BFloat16, ASCEND_AVX512BF16, rows_of_w<16>(MB))
 template <int MB, int NB>
 ASCEND_AVX512BF16 ASCEND_INLINE void block_dot_far(const c10::BFloat16* x, int64_t xs, const c10::BFloat16* w,
                                                    int64_t ws, float* y, int64_t ys, int64_t k) {
   block_dot<MB, NB, 2>(x, xs, w, ws, y, ys, k);
 }
-ASCEND_BF16_COLS(cols_dot_far, block_dot_far, c10::BFloat16, ASCEND_AVX512BF16)
+ASCEND_BF16_COLS(cols_dot_far, block_dot_far, c10::BFloat16, ASCEND_AVX512BF16, rows_of_w<16>(MB))
 #undef ASCEND_BF16_COLS
 #endif
 
@@ -292,6 +300,11 @@ __attribute__((target("avx512f,avx512vl,avx512bw,avx512dq,avx2,fma"))) void rows
 }
 
 template <typename T>
+__attribute__((target("avx512f,avx512vl,avx512bw,avx512dq,avx2,fma"))) void rows_avx512_one(ASCEND_SKINNY_ARGS) {
+  rows<16, T, kOneRow>(ASCEND_SKINNY_PASS);
+}
+
+template <typename T>
 __attribute__((target("avx2,fma"))) void rows_avx2(ASCEND_SKINNY_ARGS) {
   rows<8, T>(ASCEND_SKINNY_PASS);
 }
@@ -302,8 +315,13 @@ void dispatch(ASCEND_SKINNY_ARGS) {
     case Isa::kAmx:  // decode is bound by reading the weight: AVX-512 streams it
     case Isa::kAvx512:
       if constexpr (std::is_same_v<T, c10::BFloat16>) {
-        cols_widen_rows(ASCEND_SKINNY_PASS);
-      } else if (!decode_schedule_v9()) {
+        if (m <= kOneRowFma && decode_schedule() == DecodeSchedule::kNow)
+          cols_widen_one_rows(ASCEND_SKINNY_PASS);  // see kOneRowFma
+        else
+          cols_widen_rows(ASCEND_SKINNY_PASS);
+      } else if (m <= kOneRowFma && decode_schedule() == DecodeSchedule::kNow) {
+        rows_avx512_one<T>(ASCEND_SKINNY_PASS);  // see kOneRowFma
+      } else if (decode_schedule() != DecodeSchedule::kV9) {
         // fp32: the weight rows ahead prefetched in software (prefetch_blocks). A row of K = 1024 floats is
         // one 4 KB page, where the hardware prefetcher stops and restarts. Measured (session 10, loaded
         // 2-core AMD EPYC without AMX, one thread's CPU time, weights rotated past the cache, interleaved
@@ -332,9 +350,12 @@ void dispatch(ASCEND_SKINNY_ARGS) {
 
 }  // namespace
 
-bool decode_schedule_v9() {
+DecodeSchedule decode_schedule() {
   const char* e = std::getenv("ASCEND_PASSES_DECODE_SCHEDULE");
-  return e != nullptr && std::strcmp(e, "v9") == 0;
+  if (e == nullptr) return DecodeSchedule::kNow;
+  if (std::strcmp(e, "v9") == 0) return DecodeSchedule::kV9;
+  if (std::strcmp(e, "v23") == 0) return DecodeSchedule::kV23;
+  return DecodeSchedule::kNow;
 }
 
 bool skinny_bf16_dot() {
@@ -365,7 +386,9 @@ void skinny_nt(const c10::BFloat16* x, int64_t xs, const c10::BFloat16* w, int64
     // bf16_piece_kernel); ASCEND_PASSES_BF16_SCHEDULE=v8 without, as in session 8
     if (bf16_schedule_v8())
       cols_dot_rows(x, xs, w, ws, y, ys, m, k, n_lo, n_hi);
-    else if (decode_schedule_v9())  // the next block only
+    else if (m <= kOneRowDot && decode_schedule() == DecodeSchedule::kNow)
+      cols_dot_one_rows(x, xs, w, ws, y, ys, m, k, n_lo, n_hi);
+    else if (decode_schedule() == DecodeSchedule::kV9)  // the next block only
       cols_dot_pf_rows(x, xs, w, ws, y, ys, m, k, n_lo, n_hi);
     else  // rows shorter than 2 KB: up to 4 blocks ahead (session 10, measured as the fp32 note in dispatch:
           // linear [768, 256] 0.69x v9's time, [1024, 512] 0.82x, decode grouped_matmul down 0.88x, K = 1024 1.0x)

@@ -30,9 +30,25 @@ void skinny_nt(const c10::BFloat16* x, int64_t xs, const c10::BFloat16* w, int64
 // whether the bf16 x bf16 kernel uses the AVX512_BF16 dot products (read once: CPU bits + ASCEND_PASSES_ISA)
 bool skinny_bf16_dot();
 
-// ASCEND_PASSES_DECODE_SCHEDULE=v9, read now: session 9's streams, to time both in one process
-// (tools/bench_kernels.py): fp32 without software prefetch of the weight rows ahead, bf16 x bf16 prefetching
-// only the next block (now up to 4 blocks ahead for rows shorter than 2 KB). Same results either way (bitwise).
-bool decode_schedule_v9();
+// At most this many rows of x: one weight row at a time, without software prefetch, so that each thread reads
+// its weight front to back in one stream (kOneRowDot: bf16 x bf16 on AVX512_BF16 dot products; kOneRowFma: the
+// FMA kernels, fp32 weights and bf16 weights widened to fp32); more rows: blocks of 3-4 weight rows per pass (x
+// loaded once per block) prefetching the next rows in software. The hardware prefetcher follows one long
+// stream; on 3-4 interleaved streams of one 2-4 KB row each it barely trains. Measured (session 24, 2-core AMD
+// EPYC Zen 4, no AMX; grouped_matmul decode of 37 of 64 cold experts, each of m rows, both threads, the one-row
+// and the block schedules alternated in one process, medians of 26; GB/s of expert weight): bf16
+// [E, 512, 1024] m = 1..4: 20 -> 31-34, m = 5 equal, m = 6, 8: 19 -> 15-16 (bound by the vdpbf16ps count, not
+// the stream); [E, 1024, 256] m = 1: 17 -> 42, m = 8 equal; fp32 [E, 512, 1024] m = 1..3: 26 -> 33-37, m = 4
+// equal, more rows slower; bf16 widened (ASCEND_PASSES_ISA=avx512) m = 1..3: 12-14 -> 16-27, m = 4 equal.
+// tools/bench_kernels.py times the decode MoE layer and linear under both (its v23 rows).
+constexpr int64_t kOneRowDot = 4;
+constexpr int64_t kOneRowFma = 3;
+
+// ASCEND_PASSES_DECODE_SCHEDULE, read per call, to time the schedules in one process (tools/bench_kernels.py):
+// v9 = session 9's streams (fp32 without software prefetch of the weight rows ahead, bf16 x bf16 prefetching
+// only the next block), v23 = session 23's (blocks of weight rows for every number of rows: no one-row stream). Same
+// results either way (bitwise: every schedule sums each dot product in the same order).
+enum class DecodeSchedule { kNow, kV9, kV23 };
+DecodeSchedule decode_schedule();
 
 }  // namespace ascend_kernels

@@ -4,7 +4,9 @@
   (no fp32 [m][n] copy), runs a block's epilogue under the next block's dot products, prefetches its output
   lines for writing, and prefetches the next weight rows in software only for short rows (K <= 512) or
   several passes; the bf16 stream prefetches its next weight rows. ASCEND_PASSES_BF16_SCHEDULE=v8 runs
-  session 8's schedules: the results must be bitwise the same, and equal fp32 products rounded once, at
+  session 8's schedules and ASCEND_PASSES_DECODE_SCHEDULE=v23 session 23's weight stream (session 24
+  reads few-row pieces one weight row at a time): the results must be bitwise the same, and equal fp32
+  products rounded once, at
   every edge (rows 1, 2, 3, 15, 16, 17, 33; N not a multiple of 16 / 32; odd K; skewed group lists with
   empty groups; bias and activation epilogues; grouped_matmul's decode and prefill schedules; linear).
 * Route: bf16 expert pieces of 1-3 rows take the swapped kernel when K <= 512 (the down projection at
@@ -52,6 +54,12 @@ SCRIPT = textwrap.dedent(
         os.environ["ASCEND_PASSES_BF16_SCHEDULE"] = "v8"
         old = call()
         os.environ.pop("ASCEND_PASSES_BF16_SCHEDULE")
+        # session 23's weight stream (blocks of weight rows for every piece; since session 24 pieces of few
+        # rows read one weight row at a time): the same sums in the same order, so the same bits on every route
+        os.environ["ASCEND_PASSES_DECODE_SCHEDULE"] = "v23"
+        v23 = call()
+        os.environ.pop("ASCEND_PASSES_DECODE_SCHEDULE")
+        assert torch.equal(new.view(torch.int16), v23.view(torch.int16)), what + " (v23)"
         if bitwise:
             assert torch.equal(new.view(torch.int16), old.view(torch.int16)), what
         close(new, exact, what)
@@ -133,7 +141,12 @@ def test_bf16_schedules_equal_and_route_short_k_pieces_to_tiles(isa):
         pytest.skip("this CPU lacks amx_bf16/amx_tile/avx512_bf16 (/proc/cpuinfo): no AMX path to run")
     if isa == "avx512" and not {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags:
         pytest.skip("this CPU lacks AVX-512: the capped path under test is the AVX-512 one")
-    drop = ("ASCEND_PASSES_GEMM", "ASCEND_PASSES_BF16_KERNEL", "ASCEND_PASSES_BF16_SCHEDULE")
+    drop = (
+        "ASCEND_PASSES_GEMM",
+        "ASCEND_PASSES_BF16_KERNEL",
+        "ASCEND_PASSES_BF16_SCHEDULE",
+        "ASCEND_PASSES_DECODE_SCHEDULE",
+    )
     env = {k: v for k, v in os.environ.items() if k not in drop}
     run = subprocess.run(
         [sys.executable, "-c", SCRIPT],

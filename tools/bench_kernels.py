@@ -22,7 +22,8 @@ its rows print the % of a copy's bandwidth over the expert weights read, per bf1
 ``ASCEND_PASSES_BF16_SCHEDULE=v8`` rows time session 8's bf16 schedules and route in the same run (prefill
 projections, T=256, the decode MoE layer) against the default ones: an A/B of session 9's change;
 ``ASCEND_PASSES_DECODE_SCHEDULE=v9`` rows time session 9's fp32 decode stream (the MoE layer and the
-linear) against the default one: an A/B of session 10's change.
+linear) against the default one: an A/B of session 10's change; ``ASCEND_PASSES_DECODE_SCHEDULE=v23`` rows
+session 23's (blocks of weight rows for every piece), both dtypes: an A/B of session 24's one-row stream.
 
 Run: ``python tools/bench_kernels.py [--quick]``.  Timings are the minimum over repetitions,
 interleaved so that load from other processes affects kernels and limits alike.
@@ -132,6 +133,9 @@ def bf16_forced() -> tuple[tuple[str, str, str], ...]:
 # session 9's fp32 decode stream (kernels/skinny.h decode_schedule_v9: no software prefetch of the next
 # weight rows), timed in the same run as the default one: the fp32 decode MoE layer and linear
 DECODE_V9 = ("ASCEND_PASSES_DECODE_SCHEDULE", "v9", "session 9's fp32 stream, no row prefetch")
+# session 23's decode stream (blocks of 3-4 weight rows for every number of x rows; since session 24 pieces of
+# up to 4 bf16 / 3 fp32 rows read one weight row at a time): an A/B of session 24's change, both dtypes
+DECODE_V23 = ("ASCEND_PASSES_DECODE_SCHEDULE", "v23", "session 23's stream, blocks of weight rows")
 
 
 @dataclass
@@ -378,30 +382,30 @@ def bench_case(tokens: int, dtype: torch.dtype, quick: bool) -> list[Row]:
         layer.limit = 2 * src.numel() * src.element_size() / t_copy
     layer.naive_ms = t_naive * 1e3
     rows.append(layer)
-    if not slow:  # the same layer (and, fp32, the linear) under the previous session's decode schedules
-        old = BF16_V8 if dtype == torch.bfloat16 else DECODE_V9
-        with env_set(old[0], old[1]):
-            t_kernel, t_copy = paired_best(lambda: cpp["layer"](pick()), lambda: dst.copy_(src), 2 * budget)
-            t_old_lin = best_time(lambda: A.linear(x_lin, weights[next(turn) % 4]), budget, min_reps=3)
-        v8 = row(
-            f"MoE layer, {old[0]}={old[1]} ({old[2]})",
-            (t_kernel, 0.0),
-            "memory",
-            experts_touched * per_expert,
-            f" ({experts_touched} experts)",
-        )
-        v8.ref_ms = None
-        v8.limit = 2 * src.numel() * src.element_size() / t_copy
-        rows.append(v8)
-        if dtype == torch.float32:
-            lin = row(
-                f"linear [{tokens},{H}]x[{4 * H},{H}]^T, {old[0]}={old[1]}",
-                (t_old_lin, 0.0),
+    if not slow:  # the same layer (and the linear) under earlier sessions' decode schedules
+        for old in (BF16_V8 if dtype == torch.bfloat16 else DECODE_V9, DECODE_V23):
+            with env_set(old[0], old[1]):
+                t_kernel, t_copy = paired_best(lambda: cpp["layer"](pick()), lambda: dst.copy_(src), 2 * budget)
+                t_old_lin = best_time(lambda: A.linear(x_lin, weights[next(turn) % 4]), budget, min_reps=3)
+            v8 = row(
+                f"MoE layer, {old[0]}={old[1]} ({old[2]})",
+                (t_kernel, 0.0),
                 "memory",
-                weights[0].numel() * weights[0].element_size(),
+                experts_touched * per_expert,
+                f" ({experts_touched} experts)",
             )
-            lin.ref_ms = None
-            rows.append(lin)
+            v8.ref_ms = None
+            v8.limit = 2 * src.numel() * src.element_size() / t_copy
+            rows.append(v8)
+            if dtype == torch.float32 or old is DECODE_V23:
+                lin = row(
+                    f"linear [{tokens},{H}]x[{4 * H},{H}]^T, {old[0]}={old[1]}",
+                    (t_old_lin, 0.0),
+                    "memory",
+                    weights[0].numel() * weights[0].element_size(),
+                )
+                lin.ref_ms = None
+                rows.append(lin)
     return rows
 
 

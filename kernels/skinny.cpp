@@ -29,10 +29,10 @@ namespace {
 using lanes::lane_sums;
 using lanes::Vec;
 
-// The PF argument of the kernels below: 0 no software prefetch, 1 the next block's rows, 2 further for short
-// rows (prefetch_blocks), kOneRow one weight row at a time without software prefetch (the weight read front to
-// back: one stream per thread)
-constexpr int kOneRow = -1;
+// The PF argument of the kernels below, their schedule: 0 blocks of NB weight rows, no software prefetch; 1 blocks,
+// the next block's rows prefetched; 2 blocks, further ahead for short rows (prefetch_blocks); kAhead one weight
+// row at a time (NB = 1), the line kAheadBytes past the one read prefetched into L2 (see skinny.h, kAheadBytes)
+constexpr int kAhead = 3;
 
 template <int L>
 ASCEND_INLINE typename Vec<L>::f load(const float* p) {
@@ -71,7 +71,10 @@ ASCEND_INLINE void block(const float* x, int64_t xs, const T* w, int64_t ws, flo
   for (int64_t kk = 0; kk < k_main; kk += L) {
     V wv[NB];
     for (int j = 0; j < NB; ++j) wv[j] = load<L>(w + j * ws + kk);
-    if constexpr (PF > 0) {
+    if constexpr (PF == kAhead) {
+      if (kk % kLineElems == 0)  // locality 1: prefetcht2
+        __builtin_prefetch(reinterpret_cast<const char*>(w + kk) + kAheadBytes, 0, 1);
+    } else if constexpr (PF > 0) {
       if (kk % kLineElems == 0)  // (never faults: prefetches past the weight are dropped)
         for (int j = 0; j < NB; ++j) __builtin_prefetch(w + (ahead + j) * ws + kk, 0, 3);
     }
@@ -107,7 +110,7 @@ constexpr int rows_of_w(int mb) {
 template <int L, int MB, typename T, int PF>
 ASCEND_INLINE void all_cols(const float* x, int64_t xs, const T* w, int64_t ws, float* y, int64_t ys, int64_t k,
                             int64_t n_lo, int64_t n_hi) {
-  constexpr int NB = PF == kOneRow ? 1 : rows_of_w<L>(MB);
+  constexpr int NB = PF == kAhead ? 1 : rows_of_w<L>(MB);
   int64_t n = n_lo;
   for (; n + NB <= n_hi; n += NB) block<L, MB, NB, T, PF>(x, xs, w + n * ws, ws, y + n, ys, k);
   for (; n < n_hi; ++n) block<L, MB, 1, T, PF>(x, xs, w + n * ws, ws, y + n, ys, k);
@@ -161,8 +164,8 @@ ASCEND_AVX512 ASCEND_INLINE __m512 widen16(const c10::BFloat16* p, __mmask16 mas
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-// y[0:MB, 0:NB] = x[0:MB] (fp32) . w[0:NB] (bf16) in fp32, 16 lanes of K per step
-template <int MB, int NB>
+// y[0:MB, 0:NB] = x[0:MB] (fp32) . w[0:NB] (bf16) in fp32, 16 lanes of K per step (PF: kAhead or none)
+template <int MB, int NB, int PF = 0>
 ASCEND_AVX512 ASCEND_INLINE void block_widen(const float* x, int64_t xs, const c10::BFloat16* w, int64_t ws, float* y,
                                              int64_t ys, int64_t k) {
   __m512 acc[MB][NB];
@@ -172,6 +175,8 @@ ASCEND_AVX512 ASCEND_INLINE void block_widen(const float* x, int64_t xs, const c
     const __mmask16 mask = k - kk >= 16 ? __mmask16(0xffff) : __mmask16((1u << (k - kk)) - 1);
     __m512 wv[NB];
     for (int j = 0; j < NB; ++j) wv[j] = widen16(w + j * ws + kk, mask);
+    if constexpr (PF == kAhead)
+      if (kk % 32 == 0) _mm_prefetch(reinterpret_cast<const char*>(w + kk) + kAheadBytes, _MM_HINT_T2);
     for (int i = 0; i < MB; ++i) {
       const __m512 xv = _mm512_maskz_loadu_ps(mask, x + i * xs + kk);
       for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);
@@ -200,7 +205,9 @@ ASCEND_AVX512BF16 ASCEND_INLINE void block_dot(const c10::BFloat16* x, int64_t x
     const __mmask32 mask = k - kk >= 32 ? __mmask32(0xffffffffu) : __mmask32((1u << (k - kk)) - 1);
     __m512i wv[NB];
     for (int j = 0; j < NB; ++j) wv[j] = _mm512_maskz_loadu_epi16(mask, w + j * ws + kk);
-    if constexpr (PF)
+    if constexpr (PF == kAhead)
+      _mm_prefetch(reinterpret_cast<const char*>(w + kk) + kAheadBytes, _MM_HINT_T2);
+    else if constexpr (PF)
       for (int j = 0; j < NB; ++j) _mm_prefetch(reinterpret_cast<const char*>(w + (ahead + j) * ws + kk), _MM_HINT_T0);
     for (int i = 0; i < MB; ++i) {
       const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + i * xs + kk);
@@ -259,10 +266,13 @@ ASCEND_AVX512BF16 ASCEND_INLINE void block_dot(const c10::BFloat16* x, int64_t x
     }                                                                                                               \
   }
 ASCEND_BF16_COLS(cols_widen, block_widen, float, ASCEND_AVX512, rows_of_w<16>(MB))
-ASCEND_BF16_COLS(cols_widen_one, block_widen, float, ASCEND_AVX512, 1)
+template <int MB, int NB>
+ASCEND_AVX512 ASCEND_INLINE void block_widen_ahead(const float* x, int64_t xs, const c10::BFloat16* w, int64_t ws,
+                                                   float* y, int64_t ys, int64_t k) {
+  block_widen<MB, NB, kAhead>(x, xs, w, ws, y, ys, k);
+}
+ASCEND_BF16_COLS(cols_widen_ahead, block_widen_ahead, float, ASCEND_AVX512, 1)
 ASCEND_BF16_COLS(cols_dot, block_dot, c10::BFloat16, ASCEND_AVX512BF16, rows_of_w<16>(MB))
-// one weight row at a time, no software prefetch: the weight read front to back as one stream
-ASCEND_BF16_COLS(cols_dot_one, block_dot, c10::BFloat16, ASCEND_AVX512BF16, 1)
 template <int MB, int NB>
 ASCEND_AVX512BF16 ASCEND_INLINE void block_dot_pf(const c10::BFloat16* x, int64_t xs, const c10::BFloat16* w,
                                                   int64_t ws, float* y, int64_t ys, int64_t k) {
@@ -275,6 +285,12 @@ ASCEND_AVX512BF16 ASCEND_INLINE void block_dot_far(const c10::BFloat16* x, int64
   block_dot<MB, NB, 2>(x, xs, w, ws, y, ys, k);
 }
 ASCEND_BF16_COLS(cols_dot_far, block_dot_far, c10::BFloat16, ASCEND_AVX512BF16, rows_of_w<16>(MB))
+template <int MB, int NB>
+ASCEND_AVX512BF16 ASCEND_INLINE void block_dot_ahead(const c10::BFloat16* x, int64_t xs, const c10::BFloat16* w,
+                                                     int64_t ws, float* y, int64_t ys, int64_t k) {
+  block_dot<MB, NB, kAhead>(x, xs, w, ws, y, ys, k);
+}
+ASCEND_BF16_COLS(cols_dot_ahead, block_dot_ahead, c10::BFloat16, ASCEND_AVX512BF16, 1)
 #undef ASCEND_BF16_COLS
 #endif
 
@@ -300,8 +316,8 @@ __attribute__((target("avx512f,avx512vl,avx512bw,avx512dq,avx2,fma"))) void rows
 }
 
 template <typename T>
-__attribute__((target("avx512f,avx512vl,avx512bw,avx512dq,avx2,fma"))) void rows_avx512_one(ASCEND_SKINNY_ARGS) {
-  rows<16, T, kOneRow>(ASCEND_SKINNY_PASS);
+__attribute__((target("avx512f,avx512vl,avx512bw,avx512dq,avx2,fma"))) void rows_avx512_ahead(ASCEND_SKINNY_ARGS) {
+  rows<16, T, kAhead>(ASCEND_SKINNY_PASS);
 }
 
 template <typename T>
@@ -313,26 +329,28 @@ template <typename T>
 void dispatch(ASCEND_SKINNY_ARGS) {
   switch (isa_level()) {
     case Isa::kAmx:  // decode is bound by reading the weight: AVX-512 streams it
-    case Isa::kAvx512:
+    case Isa::kAvx512: {
+      const DecodeSchedule schedule = decode_schedule();
       if constexpr (std::is_same_v<T, c10::BFloat16>) {
-        if (m <= kOneRowFma && decode_schedule() == DecodeSchedule::kNow)
-          cols_widen_one_rows(ASCEND_SKINNY_PASS);  // see kOneRowFma
+        if (schedule == DecodeSchedule::kNow)
+          cols_widen_ahead_rows(ASCEND_SKINNY_PASS);  // one row at a time (skinny.h, kAheadBytes)
         else
-          cols_widen_rows(ASCEND_SKINNY_PASS);
-      } else if (m <= kOneRowFma && decode_schedule() == DecodeSchedule::kNow) {
-        rows_avx512_one<T>(ASCEND_SKINNY_PASS);  // see kOneRowFma
-      } else if (decode_schedule() != DecodeSchedule::kV9) {
-        // fp32: the weight rows ahead prefetched in software (prefetch_blocks). A row of K = 1024 floats is
-        // one 4 KB page, where the hardware prefetcher stops and restarts. Measured (session 10, loaded
-        // 2-core AMD EPYC without AMX, one thread's CPU time, weights rotated past the cache, interleaved
-        // with v9, median of 6-40): linear [8, K] x [N, K]^T 0.56-0.92x v9's time ([768, 256] 0.56,
-        // [1024, 512] 0.57, [4096, 1024] 0.81); decode grouped_matmul down (35 experts of 1-3 rows)
+          cols_widen_rows(ASCEND_SKINNY_PASS);  // sessions 7-23: blocks, no software prefetch
+      } else if (schedule == DecodeSchedule::kNow) {
+        rows_avx512_ahead<T>(ASCEND_SKINNY_PASS);  // one row at a time (skinny.h, kAheadBytes)
+      } else if (schedule == DecodeSchedule::kV23) {
+        // sessions 10-23: blocks, the weight rows ahead prefetched in software (prefetch_blocks). A row of
+        // K = 1024 floats is one 4 KB page, where the hardware prefetcher stops and restarts. Measured (session
+        // 10, loaded 2-core AMD EPYC without AMX, one thread's CPU time, weights rotated past the cache,
+        // interleaved with v9, median of 6-40): linear [8, K] x [N, K]^T 0.56-0.92x v9's time ([768, 256]
+        // 0.56, [1024, 512] 0.57, [4096, 1024] 0.81); decode grouped_matmul down (35 experts of 1-3 rows)
         // 0.84-0.94x, up 1.04-1.05x (K = 1024: one block ahead, as the linear above)
         rows_avx512_pf<T>(ASCEND_SKINNY_PASS);
       } else {
-        rows_avx512<T>(ASCEND_SKINNY_PASS);
+        rows_avx512<T>(ASCEND_SKINNY_PASS);  // session 9: blocks, no software prefetch
       }
       break;
+    }
     case Isa::kAvx2:
       rows_avx2<T>(ASCEND_SKINNY_PASS);
       break;
@@ -382,16 +400,16 @@ void skinny_nt(const c10::BFloat16* x, int64_t xs, const c10::BFloat16* w, int64
                int64_t k, int64_t n_lo, int64_t n_hi) {
 #ifdef ASCEND_SKINNY_X86
   if (skinny_bf16_dot()) {
-    // the next rows prefetched in software (measured at decode, 1-3 rows per expert: see
-    // bf16_piece_kernel); ASCEND_PASSES_BF16_SCHEDULE=v8 without, as in session 8
-    if (bf16_schedule_v8())
+    const DecodeSchedule schedule = decode_schedule();
+    if (bf16_schedule_v8())  // session 8: blocks, no software prefetch
       cols_dot_rows(x, xs, w, ws, y, ys, m, k, n_lo, n_hi);
-    else if (m <= kOneRowDot && decode_schedule() == DecodeSchedule::kNow)
-      cols_dot_one_rows(x, xs, w, ws, y, ys, m, k, n_lo, n_hi);
-    else if (decode_schedule() == DecodeSchedule::kV9)  // the next block only
+    else if (schedule == DecodeSchedule::kNow)  // one row at a time (skinny.h, kAheadBytes)
+      cols_dot_ahead_rows(x, xs, w, ws, y, ys, m, k, n_lo, n_hi);
+    else if (schedule == DecodeSchedule::kV9)  // session 9: blocks, the next block prefetched
       cols_dot_pf_rows(x, xs, w, ws, y, ys, m, k, n_lo, n_hi);
-    else  // rows shorter than 2 KB: up to 4 blocks ahead (session 10, measured as the fp32 note in dispatch:
-          // linear [768, 256] 0.69x v9's time, [1024, 512] 0.82x, decode grouped_matmul down 0.88x, K = 1024 1.0x)
+    else  // sessions 10-23: blocks, rows shorter than 2 KB up to 4 blocks ahead (session 10, measured as the
+          // fp32 note in dispatch: linear [768, 256] 0.69x v9's time, [1024, 512] 0.82x, decode grouped_matmul
+          // down 0.88x, K = 1024 1.0x)
       cols_dot_far_rows(x, xs, w, ws, y, ys, m, k, n_lo, n_hi);
     return;
   }

@@ -30,19 +30,17 @@ void skinny_nt(const c10::BFloat16* x, int64_t xs, const c10::BFloat16* w, int64
 // whether the bf16 x bf16 kernel uses the AVX512_BF16 dot products (read once: CPU bits + ASCEND_PASSES_ISA)
 bool skinny_bf16_dot();
 
-// At most this many rows of x: one weight row at a time, without software prefetch, so that each thread reads
-// its weight front to back in one stream (kOneRowDot: bf16 x bf16 on AVX512_BF16 dot products; kOneRowFma: the
-// FMA kernels, fp32 weights and bf16 weights widened to fp32); more rows: blocks of 3-4 weight rows per pass (x
-// loaded once per block) prefetching the next rows in software. The hardware prefetcher follows one long
-// stream; on 3-4 interleaved streams of one 2-4 KB row each it barely trains. Measured (session 24, 2-core AMD
-// EPYC Zen 4, no AMX; grouped_matmul decode of 37 of 64 cold experts, each of m rows, both threads, the one-row
-// and the block schedules alternated in one process, medians of 26; GB/s of expert weight): bf16
-// [E, 512, 1024] m = 1..4: 20 -> 31-34, m = 5 equal, m = 6, 8: 19 -> 15-16 (bound by the vdpbf16ps count, not
-// the stream); [E, 1024, 256] m = 1: 17 -> 42, m = 8 equal; fp32 [E, 512, 1024] m = 1..3: 26 -> 33-37, m = 4
-// equal, more rows slower; bf16 widened (ASCEND_PASSES_ISA=avx512) m = 1..3: 12-14 -> 16-27, m = 4 equal.
-// tools/bench_kernels.py times the decode MoE layer and linear under both (its v23 rows).
-constexpr int64_t kOneRowDot = 4;
-constexpr int64_t kOneRowFma = 3;
+// The schedule of every kernel here (fp32; bf16 x bf16 on AVX512_BF16 dot products; bf16 weights widened to fp32
+// on AVX-512 without it): one weight row at a time (each row's dot products with all rows of x), the cache line
+// kAheadBytes past the one read prefetched into L2 (prefetcht2), so that each thread reads its weight front to
+// back in one stream a fixed distance ahead of its loads. Until session 23 the kernels took blocks of 3-4 weight
+// rows per pass (x loaded once per block) and prefetched the next block's rows: 3-4 interleaved streams of one
+// 2-4 KB row each, on which the hardware prefetcher barely trains. Measured by `python
+// tools/bench_decode_stream.py --widen` (session 24, 2-core AMD EPYC Zen 4, no AMX; 37 of 64 cold experts of m =
+// 1..8 rows each, both threads, this schedule and ASCEND_PASSES_DECODE_SCHEDULE=v23 alternated), GB/s of weight
+// this / v23: bf16 up [E, 512, 1024] 1.21-1.53x (26-32 GB/s), down [E, 1024, 256] 0.88-1.17x (26-31); fp32 up
+// 1.03-1.35x, down 1.65-2.10x (27-32); bf16 widened 0.89-1.98x. Not measured on an Intel CPU yet.
+constexpr int64_t kAheadBytes = 8192;
 
 // ASCEND_PASSES_DECODE_SCHEDULE, read per call, to time the schedules in one process (tools/bench_kernels.py):
 // v9 = session 9's streams (fp32 without software prefetch of the weight rows ahead, bf16 x bf16 prefetching

@@ -5,7 +5,7 @@
   lines for writing, and prefetches the next weight rows in software only for short rows (K <= 512) or
   several passes; the bf16 stream prefetches its next weight rows. ASCEND_PASSES_BF16_SCHEDULE=v8 runs
   session 8's schedules and ASCEND_PASSES_DECODE_SCHEDULE=v23 session 23's weight stream (session 24
-  reads few-row pieces one weight row at a time): the results must be bitwise the same, and equal fp32
+  reads one weight row at a time): the results must be bitwise the same, and equal fp32
   products rounded once, at
   every edge (rows 1, 2, 3, 15, 16, 17, 33; N not a multiple of 16 / 32; odd K; skewed group lists with
   empty groups; bias and activation epilogues; grouped_matmul's decode and prefill schedules; linear).
@@ -54,8 +54,8 @@ SCRIPT = textwrap.dedent(
         os.environ["ASCEND_PASSES_BF16_SCHEDULE"] = "v8"
         old = call()
         os.environ.pop("ASCEND_PASSES_BF16_SCHEDULE")
-        # session 23's weight stream (blocks of weight rows for every piece; since session 24 pieces of few
-        # rows read one weight row at a time): the same sums in the same order, so the same bits on every route
+        # session 23's weight stream (blocks of weight rows; since session 24 one weight row at a time): the
+        # same sums in the same order, so the same bits on every route
         os.environ["ASCEND_PASSES_DECODE_SCHEDULE"] = "v23"
         v23 = call()
         os.environ.pop("ASCEND_PASSES_DECODE_SCHEDULE")

@@ -2,9 +2,9 @@
 grouped_matmul pieces of at most 8 rows) prefetches the weight rows ahead of it in software, and both the
 fp32 and the bf16 stream prefetch further ahead (up to 4 blocks) for rows shorter than 2 KB;
 ASCEND_PASSES_DECODE_SCHEDULE=v9 (read per call) runs session 9's schedule (fp32: none; bf16: the next
-block). Session 24: pieces of up to 3 fp32 / 4 bf16 rows read one weight row at a time (one stream, no
-software prefetch); ASCEND_PASSES_DECODE_SCHEDULE=v23 runs session 23's blocks of weight rows for every
-piece. The arithmetic order is the same, so all must give bitwise the same results, and all must equal
+block). Session 24: every piece reads one weight row at a time (one stream, prefetched into L2 a fixed
+distance ahead); ASCEND_PASSES_DECODE_SCHEDULE=v23 runs session 23's blocks of 3-4 weight rows. The
+arithmetic order is the same, so all must give bitwise the same results, and all must equal
 fp64 products at every edge: rows 1..8, weight rows not a multiple of the 3- / 4-row register blocks, K
 below, at and past a 16-lane step, weight rows further apart than K (NaN in the gap: never read into a
 result), empty and unequal groups, rows no group owns, one and two threads."""

@@ -1,0 +1,105 @@
+"""The decode weight stream's schedules side by side (kernels/skinny.h): GB/s of cold expert weight read.
+
+For each dtype (bf16, fp32; ``--widen`` adds bf16 under ``ASCEND_PASSES_ISA=avx512``, the kernel of AVX-512
+CPUs without AVX512_BF16, in a child process) and each m (rows per expert), ``ascend_kernels.grouped_matmul``
+over 37 of 64 experts of m rows each at the DeepSeek-V3-medium expert shapes, up ([E, 512, 1024]) and down
+([E, 1024, 256]), HF-layout weights (K contiguous), both threads, the weights cycled over 6 copies so that every
+call reads them from memory. Per round each schedule runs once, alternated: the default (one weight row at a
+time, kAheadBytes prefetched ahead) and ``ASCEND_PASSES_DECODE_SCHEDULE=v23`` (session 23's blocks of 3-4
+weight rows, read per call); the table prints the medians and their ratio. Same bits either way
+(tests/test_decode_stream.py). The machine may be shared and its memory speed drifts: read the ratios.
+
+    python tools/bench_decode_stream.py [--rows 1,2,3,4,5,6,8] [--rounds 30] [--widen]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import _allocator  # tools/_allocator.py: this script's folder is on sys.path
+import torch
+from _machine import cpu_features_line
+from rich.console import Console
+from rich.table import Table
+
+from ascend_passes import kernels
+
+E, ACTIVE, COPIES = 64, 37, 6
+SHAPES = {"up": (512, 1024), "down": (1024, 256)}  # (N, K)
+SCHEDULES = ("", "v23")  # "" = the default
+
+
+def measure(dtype: torch.dtype, rows: list[int], rounds: int) -> list[tuple[str, int, float, float]]:
+    """(shape, m, default GB/s, v23 GB/s) for each shape and m."""
+    ops = torch.ops.ascend_kernels
+    out = []
+    for shape, (n, k) in SHAPES.items():
+        weights = [torch.randn(E, n, k).to(dtype).transpose(1, 2) for _ in range(COPIES)]
+        for m in rows:
+            counts = torch.zeros(E, dtype=torch.long)
+            counts[torch.randperm(E)[:ACTIVE]] = m
+            x = torch.randn(int(counts.sum()), k).to(dtype)
+            times: dict[str, list[float]] = {s: [] for s in SCHEDULES}
+            for r in range(rounds + 4):
+                for schedule in SCHEDULES:
+                    if schedule:
+                        os.environ["ASCEND_PASSES_DECODE_SCHEDULE"] = schedule
+                    else:
+                        os.environ.pop("ASCEND_PASSES_DECODE_SCHEDULE", None)
+                    t0 = time.perf_counter()
+                    ops.grouped_matmul([x], [weights[r % COPIES]], group_list=counts, group_type=0, group_list_type=1)
+                    if r >= 4:  # the first rounds warm the code and the allocator
+                        times[schedule].append(time.perf_counter() - t0)
+            os.environ.pop("ASCEND_PASSES_DECODE_SCHEDULE", None)
+            read = ACTIVE * n * k * x.element_size()
+            now, old = (read / statistics.median(times[s]) / 1e9 for s in SCHEDULES)
+            out.append((shape, m, now, old))
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", default="1,2,3,4,5,6,8", help="rows per expert (comma-separated)")
+    parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--widen", action="store_true", help="also bf16 under ASCEND_PASSES_ISA=avx512")
+    parser.add_argument("--child", default="", help=argparse.SUPPRESS)  # a dtype label: print rows, no table
+    args = parser.parse_args()
+    if not kernels.available():
+        sys.exit("bench_decode_stream: the C++ kernels are not built (tools/setup.sh builds them)")
+    rows = [int(v) for v in args.rows.split(",")]
+    torch.manual_seed(0)
+    if args.child:
+        for shape, m, now, old in measure(torch.bfloat16, rows, args.rounds):
+            print(f"ROW {args.child} {shape} {m} {now} {old}", flush=True)
+        return
+    allocator = _allocator.ensure("tcmalloc")
+    console = Console(width=120)
+    console.print(f"{cpu_features_line()}; {torch.get_num_threads()} threads; allocator {allocator}")
+    results = []
+    for label, dtype in (("bfloat16", torch.bfloat16), ("float32", torch.float32)):
+        results += [(label, *r) for r in measure(dtype, rows, args.rounds)]
+        console.print(f"  {label} done", highlight=False)
+    if args.widen:
+        env = dict(os.environ, ASCEND_PASSES_ISA="avx512")
+        cmd = [sys.executable, __file__, "--child", "bf16-widened", "--rows", args.rows, "--rounds", str(args.rounds)]
+        run = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
+        for line in run.stdout.splitlines():
+            if line.startswith("ROW "):
+                label, shape, m, now, old = line.split()[1:]
+                results.append((label, shape, int(m), float(now), float(old)))
+    table = Table(title="decode weight stream: GB/s of cold expert weight, medians of alternated rounds")
+    for col in ("dtype", "weight", "m", "default (one row)", "v23 (blocks)", "default / v23"):
+        table.add_column(col, justify="right" if col not in ("dtype", "weight") else "left")
+    for label, shape, m, now, old in results:
+        n, k = SHAPES[shape]
+        table.add_row(label, f"{shape} [E,{n},{k}]", str(m), f"{now:.1f}", f"{old:.1f}", f"{now / old:.2f}x")
+    console.print(table)
+
+
+if __name__ == "__main__":
+    main()

@@ -326,6 +326,11 @@ __attribute__((target("avx2,fma"))) void rows_avx2(ASCEND_SKINNY_ARGS) {
 }
 
 template <typename T>
+__attribute__((target("avx2,fma"))) void rows_avx2_ahead(ASCEND_SKINNY_ARGS) {
+  rows<8, T, kAhead>(ASCEND_SKINNY_PASS);
+}
+
+template <typename T>
 void dispatch(ASCEND_SKINNY_ARGS) {
   switch (isa_level()) {
     case Isa::kAmx:  // decode is bound by reading the weight: AVX-512 streams it
@@ -352,7 +357,10 @@ void dispatch(ASCEND_SKINNY_ARGS) {
       break;
     }
     case Isa::kAvx2:
-      rows_avx2<T>(ASCEND_SKINNY_PASS);
+      if (decode_schedule() == DecodeSchedule::kNow)
+        rows_avx2_ahead<T>(ASCEND_SKINNY_PASS);  // one row at a time (skinny.h, kAheadBytes)
+      else
+        rows_avx2<T>(ASCEND_SKINNY_PASS);  // until session 24: blocks, no software prefetch
       break;
     default:
       rows_baseline<T>(ASCEND_SKINNY_PASS);

@@ -36,10 +36,12 @@ bool skinny_bf16_dot();
 // back in one stream a fixed distance ahead of its loads. Until session 23 the kernels took blocks of 3-4 weight
 // rows per pass (x loaded once per block) and prefetched the next block's rows: 3-4 interleaved streams of one
 // 2-4 KB row each, on which the hardware prefetcher barely trains. Measured by `python
-// tools/bench_decode_stream.py --widen` (session 24, 2-core AMD EPYC Zen 4, no AMX; 37 of 64 cold experts of m =
-// 1..8 rows each, both threads, this schedule and ASCEND_PASSES_DECODE_SCHEDULE=v23 alternated), GB/s of weight
-// this / v23: bf16 up [E, 512, 1024] 1.21-1.53x (26-32 GB/s), down [E, 1024, 256] 0.88-1.17x (26-31); fp32 up
-// 1.03-1.35x, down 1.65-2.10x (27-32); bf16 widened 0.89-1.98x. Not measured on an Intel CPU yet.
+// tools/bench_decode_stream.py --caps avx512,avx2` (session 24, 2-core AMD EPYC Zen 4, no AMX; 37 of 64 cold
+// experts of m = 1..8 rows each, both threads, this schedule and ASCEND_PASSES_DECODE_SCHEDULE=v23 alternated),
+// GB/s of weight this / v23, two runs: bf16 up [E, 512, 1024] 1.21-1.53x (26-32 GB/s), down [E, 1024, 256]
+// 0.88-1.72x; fp32 up 1.03-1.46x, down 1.60-2.10x (25-32 GB/s); bf16 widened (ASCEND_PASSES_ISA=avx512)
+// 0.89-2.61x; AVX2 (ASCEND_PASSES_ISA=avx2, also this schedule since then) fp32 0.99-3.16x, bf16 1.40-2.56x. Not
+// measured on an Intel CPU yet.
 constexpr int64_t kAheadBytes = 8192;
 
 // ASCEND_PASSES_DECODE_SCHEDULE, read per call, to time the schedules in one process (tools/bench_kernels.py):

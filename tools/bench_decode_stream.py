@@ -1,7 +1,8 @@
 """The decode weight stream's schedules side by side (kernels/skinny.h): GB/s of cold expert weight read.
 
-For each dtype (bf16, fp32; ``--widen`` adds bf16 under ``ASCEND_PASSES_ISA=avx512``, the kernel of AVX-512
-CPUs without AVX512_BF16, in a child process) and each m (rows per expert), ``ascend_kernels.grouped_matmul``
+For each dtype (bf16, fp32; ``--caps`` adds the kernels of narrower CPUs, each in a child process under
+``ASCEND_PASSES_ISA``: ``avx512`` = bf16 widened to fp32, the AVX-512 CPUs without AVX512_BF16; ``avx2`` = fp32
+and bf16 on 8-lane FMAs) and each m (rows per expert), ``ascend_kernels.grouped_matmul``
 over 37 of 64 experts of m rows each at the DeepSeek-V3-medium expert shapes, up ([E, 512, 1024]) and down
 ([E, 1024, 256]), HF-layout weights (K contiguous), both threads, the weights cycled over 6 copies so that every
 call reads them from memory. Per round each schedule runs once, alternated: the default (one weight row at a
@@ -9,7 +10,7 @@ time, kAheadBytes prefetched ahead) and ``ASCEND_PASSES_DECODE_SCHEDULE=v23`` (s
 weight rows, read per call); the table prints the medians and their ratio. Same bits either way
 (tests/test_decode_stream.py). The machine may be shared and its memory speed drifts: read the ratios.
 
-    python tools/bench_decode_stream.py [--rows 1,2,3,4,5,6,8] [--rounds 30] [--widen]
+    python tools/bench_decode_stream.py [--rows 1,2,3,4,5,6,8] [--rounds 30] [--caps avx512,avx2]
 """
 
 from __future__ import annotations
@@ -32,6 +33,11 @@ from ascend_passes import kernels
 E, ACTIVE, COPIES = 64, 37, 6
 SHAPES = {"up": (512, 1024), "down": (1024, 256)}  # (N, K)
 SCHEDULES = ("", "v23")  # "" = the default
+# --caps: the dtypes worth timing under each ASCEND_PASSES_ISA cap (fp32 under avx512 is the default's kernel)
+CAPPED = {
+    "avx512": (("bf16-widened", torch.bfloat16),),
+    "avx2": (("fp32-avx2", torch.float32), ("bf16-avx2", torch.bfloat16)),
+}
 
 
 def measure(dtype: torch.dtype, rows: list[int], rounds: int) -> list[tuple[str, int, float, float]]:
@@ -66,17 +72,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default="1,2,3,4,5,6,8", help="rows per expert (comma-separated)")
     parser.add_argument("--rounds", type=int, default=30)
-    parser.add_argument("--widen", action="store_true", help="also bf16 under ASCEND_PASSES_ISA=avx512")
-    parser.add_argument("--child", default="", help=argparse.SUPPRESS)  # a dtype label: print rows, no table
+    parser.add_argument("--caps", default="", help="ASCEND_PASSES_ISA caps to time too: avx512 and/or avx2")
+    parser.add_argument("--child", default="", help=argparse.SUPPRESS)  # a cap: print rows, no table
     args = parser.parse_args()
     if not kernels.available():
         sys.exit("bench_decode_stream: the C++ kernels are not built (tools/setup.sh builds them)")
     rows = [int(v) for v in args.rows.split(",")]
     torch.manual_seed(0)
     if args.child:
-        for shape, m, now, old in measure(torch.bfloat16, rows, args.rounds):
-            print(f"ROW {args.child} {shape} {m} {now} {old}", flush=True)
+        for label, dtype in CAPPED[args.child]:
+            for shape, m, now, old in measure(dtype, rows, args.rounds):
+                print(f"ROW {label} {shape} {m} {now} {old}", flush=True)
         return
+    caps = [c for c in args.caps.split(",") if c]
+    if any(c not in CAPPED for c in caps):
+        sys.exit(f"bench_decode_stream: --caps takes {', '.join(CAPPED)}, got {args.caps!r}")
     allocator = _allocator.ensure("tcmalloc")
     console = Console(width=120)
     console.print(f"{cpu_features_line()}; {torch.get_num_threads()} threads; allocator {allocator}")
@@ -84,9 +94,9 @@ def main() -> None:
     for label, dtype in (("bfloat16", torch.bfloat16), ("float32", torch.float32)):
         results += [(label, *r) for r in measure(dtype, rows, args.rounds)]
         console.print(f"  {label} done", highlight=False)
-    if args.widen:
-        env = dict(os.environ, ASCEND_PASSES_ISA="avx512")
-        cmd = [sys.executable, __file__, "--child", "bf16-widened", "--rows", args.rows, "--rounds", str(args.rounds)]
+    for cap in caps:
+        env = dict(os.environ, ASCEND_PASSES_ISA=cap)
+        cmd = [sys.executable, __file__, "--child", cap, "--rows", args.rows, "--rounds", str(args.rounds)]
         run = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
         for line in run.stdout.splitlines():
             if line.startswith("ROW "):

@@ -378,10 +378,12 @@ void dispatch(ASCEND_SKINNY_ARGS) {
 
 DecodeSchedule decode_schedule() {
   const char* e = std::getenv("ASCEND_PASSES_DECODE_SCHEDULE");
-  if (e == nullptr) return DecodeSchedule::kNow;
+  if (e == nullptr || *e == '\0') return DecodeSchedule::kNow;
   if (std::strcmp(e, "v9") == 0) return DecodeSchedule::kV9;
   if (std::strcmp(e, "v23") == 0) return DecodeSchedule::kV23;
-  return DecodeSchedule::kNow;
+  // an A/B knob: a misspelt schedule must not time the default under another name (at::parallel_for hands an
+  // error raised in a worker back to the caller)
+  TORCH_CHECK_VALUE(false, "ASCEND_PASSES_DECODE_SCHEDULE must be unset, v9 or v23; got '", e, "'");
 }
 
 bool skinny_bf16_dot() {

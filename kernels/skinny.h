@@ -47,7 +47,7 @@ constexpr int64_t kAheadBytes = 8192;
 // ASCEND_PASSES_DECODE_SCHEDULE, read per call, to time the schedules in one process (tools/bench_kernels.py):
 // v9 = session 9's streams (fp32 without software prefetch of the weight rows ahead, bf16 x bf16 prefetching
 // only the next block), v23 = session 23's (blocks of weight rows for every number of rows: no one-row stream). Same
-// results either way (bitwise: every schedule sums each dot product in the same order).
+// results either way (bitwise: every schedule sums each dot product in the same order). Another value: ValueError.
 enum class DecodeSchedule { kNow, kV9, kV23 };
 DecodeSchedule decode_schedule();
 

@@ -112,6 +112,16 @@ def test_bf16_linear_stream_prefetch_distance_bitwise_and_against_fp64(monkeypat
     torch.testing.assert_close(new.float(), want, atol=1e-2, rtol=2**-7)
 
 
+def test_unknown_schedule_is_a_value_error(monkeypatch):
+    """A misspelt A/B knob must not time the default schedule under another name."""
+    x, w = torch.randn(2, 64), torch.randn(32, 64)
+    monkeypatch.setenv(ENV, "v10")
+    with pytest.raises(ValueError, match="ASCEND_PASSES_DECODE_SCHEDULE must be unset, v9 or v23; got 'v10'"):
+        K.linear(x, w, None)
+    with pytest.raises(ValueError, match="got 'v10'"):
+        K.grouped_matmul([x], [w.T.unsqueeze(0)], group_list=torch.tensor([2]), group_type=0, group_list_type=1)
+
+
 CAPPED_SCRIPT = textwrap.dedent(
     """
     import os, torch, ascend_passes.ops

@@ -12,14 +12,11 @@ result), empty and unequal groups, rows no group owns, one and two threads."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
 from _gemm_cases import TOL, grouped_reference, hf_weight
-from _helpers import cpu_flags, skip_unless
+from _helpers import cpu_flags, rerun_capped, skip_unless
 
 from ascend_passes import kernels
 
@@ -122,66 +119,16 @@ def test_unknown_schedule_is_a_value_error(monkeypatch):
         K.grouped_matmul([x], [w.T.unsqueeze(0)], group_list=torch.tensor([2]), group_type=0, group_list_type=1)
 
 
-CAPPED_SCRIPT = textwrap.dedent(
-    """
-    import os, torch, ascend_passes.ops
-    K = torch.ops.ascend_kernels
-    torch.manual_seed(24)
-
-    def bits(t):
-        return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
-
-    def check(call, exact, what, tol):
-        os.environ.pop("ASCEND_PASSES_DECODE_SCHEDULE", None)
-        new = call()
-        os.environ["ASCEND_PASSES_DECODE_SCHEDULE"] = "v23"
-        old = call()
-        os.environ.pop("ASCEND_PASSES_DECODE_SCHEDULE")
-        assert torch.equal(bits(new), bits(old)), what
-        torch.testing.assert_close(new.float(), exact.to(new.dtype).float(), **tol, msg=lambda m: f"{what}: {m}")
-
-    for dtype, tol in ((torch.float32, dict(rtol=1e-5, atol=1e-4)), (torch.bfloat16, dict(rtol=2**-7, atol=1e-2))):
-        for threads in (1, 2):
-            torch.set_num_threads(threads)
-            for m in (1, 2, 3, 5, 8):
-                for n, k in ((1, 1), (7, 17), (64, 100), (257, 1030)):
-                    x = torch.randn(m, k).to(dtype)
-                    store = torch.randn(n, k + 5) / k**0.5
-                    store[:, k:] = float("nan")  # never read into a result
-                    w = store.to(dtype)[:, :k]
-                    exact = x.double() @ w.double().T
-                    check(lambda: K.linear(x, w, None), exact, f"linear {dtype} m={m} n={n} k={k} t={threads}", tol)
-            counts = [1, 0, 2, 0, 3, 8, 1]
-            x = torch.randn(sum(counts) + 2, 96).to(dtype)
-            w = (torch.randn(len(counts), 40, 96) / 10).to(dtype).transpose(1, 2)
-            exact, r0 = torch.zeros(x.shape[0], 40, dtype=torch.float64), 0
-            for g, c in enumerate(counts):
-                exact[r0:r0 + c] = x[r0:r0 + c].double() @ w[g].double()
-                r0 += c
-            check(lambda: K.grouped_matmul([x], [w], group_list=torch.tensor(counts), group_type=0,
-                                           group_list_type=1)[0], exact, f"grouped {dtype} t={threads}", tol)
-    print("capped-stream-ok", flush=True)
-    """
-)
-
-
 @pytest.mark.parametrize("isa", ["avx512", "avx2"])
 def test_capped_isa_streams_bitwise_and_against_fp64(isa):
-    """The one-row stream of the narrower kernels (ASCEND_PASSES_ISA=avx512: bf16 widened to fp32; avx2: 8-lane
-    fp32 and widened bf16) gives session 23's bits (ASCEND_PASSES_DECODE_SCHEDULE=v23) and fp64 products within
-    the dtype's tolerance: linear and grouped decode pieces, rows 1..8, K tails, NaN past K, one and two threads."""
+    """The schedule tests above again under ASCEND_PASSES_ISA caps, where the one-row stream runs the narrower
+    kernels (avx512: bf16 widened to fp32; avx2: 8-lane fp32 and widened bf16): bits equal to v9's and v23's,
+    values within the dtype's tolerance of fp64."""
     flags = cpu_flags()
     need = {"avx512f", "avx512bw", "avx512vl", "avx512dq"} if isa == "avx512" else {"avx2", "fma"}
     if not need <= flags:
         # the machine's CPU, not a missing component: a skip with its reason even under CI_STRICT
         pytest.skip(f"this CPU lacks {sorted(need - flags)} (/proc/cpuinfo): no {isa} path to run")
-    env = {k: v for k, v in os.environ.items() if k != "ASCEND_PASSES_DECODE_SCHEDULE"}
-    run = subprocess.run(
-        [sys.executable, "-c", CAPPED_SCRIPT],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**env, "ASCEND_PASSES_ISA": isa},
-    )
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert "capped-stream-ok" in run.stdout
+    if os.environ.get("ASCEND_PASSES_ISA"):
+        pytest.skip("already capped")
+    rerun_capped(__file__, "schedules_bitwise or prefetch_distance_bitwise", isa)

@@ -93,7 +93,11 @@ ASCEND_INLINE void block(const float* x, int64_t xs, const T* w, int64_t ws, flo
   for (int i = 0; i < MB; ++i) {
     for (int j = 0; j < NB; ++j) {
       float s = sums[i * NB + j];
-      for (int64_t kk = k_main; kk < k; ++kk) s += x[i * xs + kk] * to_f(w[j * ws + kk]);
+      // an explicit fused multiply-add: left as `s += a * b`, whether GCC fuses it (or vectorizes the products
+      // and adds them in order, unfused) differs between this template's instances and between GCC versions,
+      // and the schedules' results then differ in the last bit (seen with GCC 13 on an Intel Xeon: the fp32
+      // linear's K tail, default against v9). Without FMA in the target (the baseline clone) it calls fmaf.
+      for (int64_t kk = k_main; kk < k; ++kk) s = __builtin_fmaf(x[i * xs + kk], to_f(w[j * ws + kk]), s);
       y[i * ys + j] = s;
     }
   }
@@ -335,21 +339,23 @@ void dispatch(ASCEND_SKINNY_ARGS) {
   switch (isa_level()) {
     case Isa::kAmx:  // decode is bound by reading the weight: AVX-512 streams it
     case Isa::kAvx512: {
-      const DecodeSchedule schedule = decode_schedule();
       if constexpr (std::is_same_v<T, c10::BFloat16>) {
-        if (schedule == DecodeSchedule::kNow)
+        if (row_schedule(decode_schedule()))
           cols_widen_ahead_rows(ASCEND_SKINNY_PASS);  // one row at a time (skinny.h, kAheadBytes)
         else
           cols_widen_rows(ASCEND_SKINNY_PASS);  // sessions 7-23: blocks, no software prefetch
-      } else if (schedule == DecodeSchedule::kNow) {
+        break;
+      }
+      const DecodeSchedule schedule = wide_schedule();
+      if (schedule == DecodeSchedule::kRow) {
         rows_avx512_ahead<T>(ASCEND_SKINNY_PASS);  // one row at a time (skinny.h, kAheadBytes)
       } else if (schedule == DecodeSchedule::kV23) {
-        // sessions 10-23: blocks, the weight rows ahead prefetched in software (prefetch_blocks). A row of
-        // K = 1024 floats is one 4 KB page, where the hardware prefetcher stops and restarts. Measured (session
-        // 10, loaded 2-core AMD EPYC without AMX, one thread's CPU time, weights rotated past the cache,
-        // interleaved with v9, median of 6-40): linear [8, K] x [N, K]^T 0.56-0.92x v9's time ([768, 256]
-        // 0.56, [1024, 512] 0.57, [4096, 1024] 0.81); decode grouped_matmul down (35 experts of 1-3 rows)
-        // 0.84-0.94x, up 1.04-1.05x (K = 1024: one block ahead, as the linear above)
+        // sessions 10-23 (and the default on Intel CPUs): blocks, the weight rows ahead prefetched in software
+        // (prefetch_blocks). A row of K = 1024 floats is one 4 KB page, where the hardware prefetcher stops and
+        // restarts. Measured (session 10, loaded 2-core AMD EPYC without AMX, one thread's CPU time, weights
+        // rotated past the cache, interleaved with v9, median of 6-40): linear [8, K] x [N, K]^T 0.56-0.92x v9's
+        // time ([768, 256] 0.56, [1024, 512] 0.57, [4096, 1024] 0.81); decode grouped_matmul down (35 experts of
+        // 1-3 rows) 0.84-0.94x, up 1.04-1.05x (K = 1024: one block ahead, as the linear above)
         rows_avx512_pf<T>(ASCEND_SKINNY_PASS);
       } else {
         rows_avx512<T>(ASCEND_SKINNY_PASS);  // session 9: blocks, no software prefetch
@@ -357,7 +363,7 @@ void dispatch(ASCEND_SKINNY_ARGS) {
       break;
     }
     case Isa::kAvx2:
-      if (decode_schedule() == DecodeSchedule::kNow)
+      if (row_schedule(decode_schedule()))
         rows_avx2_ahead<T>(ASCEND_SKINNY_PASS);  // one row at a time (skinny.h, kAheadBytes)
       else
         rows_avx2<T>(ASCEND_SKINNY_PASS);  // until session 24: blocks, no software prefetch
@@ -378,12 +384,19 @@ void dispatch(ASCEND_SKINNY_ARGS) {
 
 DecodeSchedule decode_schedule() {
   const char* e = std::getenv("ASCEND_PASSES_DECODE_SCHEDULE");
-  if (e == nullptr || *e == '\0') return DecodeSchedule::kNow;
+  if (e == nullptr || *e == '\0') return DecodeSchedule::kDefault;
+  if (std::strcmp(e, "row") == 0) return DecodeSchedule::kRow;
   if (std::strcmp(e, "v9") == 0) return DecodeSchedule::kV9;
   if (std::strcmp(e, "v23") == 0) return DecodeSchedule::kV23;
   // an A/B knob: a misspelt schedule must not time the default under another name (at::parallel_for hands an
   // error raised in a worker back to the caller)
-  TORCH_CHECK_VALUE(false, "ASCEND_PASSES_DECODE_SCHEDULE must be unset, v9 or v23; got '", e, "'");
+  TORCH_CHECK_VALUE(false, "ASCEND_PASSES_DECODE_SCHEDULE must be unset, row, v9 or v23; got '", e, "'");
+}
+
+DecodeSchedule wide_schedule() {
+  const DecodeSchedule schedule = decode_schedule();
+  if (schedule != DecodeSchedule::kDefault) return schedule;
+  return cpu_vendor_intel() ? DecodeSchedule::kV23 : DecodeSchedule::kRow;  // skinny.h: measured on both
 }
 
 bool skinny_bf16_dot() {
@@ -410,16 +423,16 @@ void skinny_nt(const c10::BFloat16* x, int64_t xs, const c10::BFloat16* w, int64
                int64_t k, int64_t n_lo, int64_t n_hi) {
 #ifdef ASCEND_SKINNY_X86
   if (skinny_bf16_dot()) {
-    const DecodeSchedule schedule = decode_schedule();
+    const DecodeSchedule schedule = wide_schedule();
     if (bf16_schedule_v8())  // session 8: blocks, no software prefetch
       cols_dot_rows(x, xs, w, ws, y, ys, m, k, n_lo, n_hi);
-    else if (schedule == DecodeSchedule::kNow)  // one row at a time (skinny.h, kAheadBytes)
+    else if (schedule == DecodeSchedule::kRow)  // one row at a time (skinny.h, kAheadBytes)
       cols_dot_ahead_rows(x, xs, w, ws, y, ys, m, k, n_lo, n_hi);
     else if (schedule == DecodeSchedule::kV9)  // session 9: blocks, the next block prefetched
       cols_dot_pf_rows(x, xs, w, ws, y, ys, m, k, n_lo, n_hi);
-    else  // sessions 10-23: blocks, rows shorter than 2 KB up to 4 blocks ahead (session 10, measured as the
-          // fp32 note in dispatch: linear [768, 256] 0.69x v9's time, [1024, 512] 0.82x, decode grouped_matmul
-          // down 0.88x, K = 1024 1.0x)
+    else  // sessions 10-23 and the default on Intel: blocks, rows shorter than 2 KB up to 4 blocks ahead (session
+          // 10, measured as the fp32 note in dispatch: linear [768, 256] 0.69x v9's time, [1024, 512] 0.82x,
+          // decode grouped_matmul down 0.88x, K = 1024 1.0x)
       cols_dot_far_rows(x, xs, w, ws, y, ys, m, k, n_lo, n_hi);
     return;
   }

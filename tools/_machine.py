@@ -14,6 +14,18 @@ def cpu_flags() -> set[str]:
         return set()
 
 
+def cpu_vendor() -> str:
+    """The CPU's vendor string (``vendor_id`` of /proc/cpuinfo: GenuineIntel, AuthenticAMD, ...; "unknown")."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
+
+
 def has_amx() -> bool:
     """Whether the CPU has AMX-BF16 (the kernels' AMX paths can run, unless ASCEND_PASSES_ISA caps them)."""
     return {"amx_tile", "amx_bf16"} <= cpu_flags()

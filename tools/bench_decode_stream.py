@@ -5,10 +5,11 @@ For each dtype (bf16, fp32; ``--caps`` adds the kernels of narrower CPUs, each i
 and bf16 on 8-lane FMAs) and each m (rows per expert), ``ascend_kernels.grouped_matmul``
 over 37 of 64 experts of m rows each at the DeepSeek-V3-medium expert shapes, up ([E, 512, 1024]) and down
 ([E, 1024, 256]), HF-layout weights (K contiguous), both threads, the weights cycled over 6 copies so that every
-call reads them from memory. Per round each schedule runs once, alternated: the default (one weight row at a
-time, kAheadBytes prefetched ahead) and ``ASCEND_PASSES_DECODE_SCHEDULE=v23`` (session 23's blocks of 3-4
-weight rows, read per call); the table prints the medians and their ratio. Same bits either way
-(tests/test_decode_stream.py). The machine may be shared and its memory speed drifts: read the ratios.
+call reads them from memory. Per round each schedule runs once, alternated (``ASCEND_PASSES_DECODE_SCHEDULE``, read
+per call): ``row`` (one weight row at a time, kAheadBytes prefetched ahead) and ``v23`` (session 23's blocks of 3-4
+weight rows); the table prints the medians and their ratio, and which one the default (unset) takes on this CPU
+(kernels/skinny.h: blocks on an Intel CPU's AVX-512 fp32 and AVX512_BF16 kernels, else one row). Same bits either
+way (tests/test_decode_stream.py). The machine may be shared and its memory speed drifts: read the ratios.
 
     python tools/bench_decode_stream.py [--rows 1,2,3,4,5,6,8] [--rounds 30] [--caps avx512,avx2]
 """
@@ -24,7 +25,7 @@ import time
 
 import _allocator  # tools/_allocator.py: this script's folder is on sys.path
 import torch
-from _machine import cpu_features_line
+from _machine import cpu_features_line, cpu_vendor
 from rich.console import Console
 from rich.table import Table
 
@@ -32,7 +33,7 @@ from ascend_passes import kernels
 
 E, ACTIVE, COPIES = 64, 37, 6
 SHAPES = {"up": (512, 1024), "down": (1024, 256)}  # (N, K)
-SCHEDULES = ("", "v23")  # "" = the default
+SCHEDULES = ("row", "v23")
 # --caps: the dtypes worth timing under each ASCEND_PASSES_ISA cap (fp32 under avx512 is the default's kernel)
 CAPPED = {
     "avx512": (("bf16-widened", torch.bfloat16),),
@@ -41,7 +42,7 @@ CAPPED = {
 
 
 def measure(dtype: torch.dtype, rows: list[int], rounds: int) -> list[tuple[str, int, float, float]]:
-    """(shape, m, default GB/s, v23 GB/s) for each shape and m."""
+    """(shape, m, row GB/s, v23 GB/s) for each shape and m."""
     ops = torch.ops.ascend_kernels
     out = []
     for shape, (n, k) in SHAPES.items():
@@ -53,10 +54,7 @@ def measure(dtype: torch.dtype, rows: list[int], rounds: int) -> list[tuple[str,
             times: dict[str, list[float]] = {s: [] for s in SCHEDULES}
             for r in range(rounds + 4):
                 for schedule in SCHEDULES:
-                    if schedule:
-                        os.environ["ASCEND_PASSES_DECODE_SCHEDULE"] = schedule
-                    else:
-                        os.environ.pop("ASCEND_PASSES_DECODE_SCHEDULE", None)
+                    os.environ["ASCEND_PASSES_DECODE_SCHEDULE"] = schedule
                     t0 = time.perf_counter()
                     ops.grouped_matmul([x], [weights[r % COPIES]], group_list=counts, group_type=0, group_list_type=1)
                     if r >= 4:  # the first rounds warm the code and the allocator
@@ -89,7 +87,9 @@ def main() -> None:
         sys.exit(f"bench_decode_stream: --caps takes {', '.join(CAPPED)}, got {args.caps!r}")
     allocator = _allocator.ensure("tcmalloc")
     console = Console(width=120)
-    console.print(f"{cpu_features_line()}; {torch.get_num_threads()} threads; allocator {allocator}")
+    vendor = cpu_vendor()
+    intel = vendor == "GenuineIntel"
+    console.print(f"{cpu_features_line()}; {torch.get_num_threads()} threads; allocator {allocator}; vendor {vendor}")
     results = []
     for label, dtype in (("bfloat16", torch.bfloat16), ("float32", torch.float32)):
         results += [(label, *r) for r in measure(dtype, rows, args.rounds)]
@@ -103,11 +103,12 @@ def main() -> None:
                 label, shape, m, now, old = line.split()[1:]
                 results.append((label, shape, int(m), float(now), float(old)))
     table = Table(title="decode weight stream: GB/s of cold expert weight, medians of alternated rounds")
-    for col in ("dtype", "weight", "m", "default (one row)", "v23 (blocks)", "default / v23"):
+    for col in ("dtype", "weight", "m", "row (one row)", "v23 (blocks)", "row / v23", "default"):
         table.add_column(col, justify="right" if col not in ("dtype", "weight") else "left")
     for label, shape, m, now, old in results:
         n, k = SHAPES[shape]
-        table.add_row(label, f"{shape} [E,{n},{k}]", str(m), f"{now:.1f}", f"{old:.1f}", f"{now / old:.2f}x")
+        default = "v23" if intel and label in ("bfloat16", "float32") else "row"
+        table.add_row(label, f"{shape} [E,{n},{k}]", str(m), f"{now:.1f}", f"{old:.1f}", f"{now / old:.2f}x", default)
     console.print(table)
 
 

@@ -41,9 +41,9 @@ bool skinny_bf16_dot();
 // GB/s of weight this / v23, two runs: bf16 up [E, 512, 1024] 1.21-1.53x (26-32 GB/s), down [E, 1024, 256]
 // 0.88-1.72x; fp32 up 1.03-1.46x, down 1.60-2.10x (25-32 GB/s); bf16 widened (ASCEND_PASSES_ISA=avx512)
 // 0.89-2.61x; AVX2 (ASCEND_PASSES_ISA=avx2, also this schedule since then) fp32 0.99-3.16x, bf16 1.40-2.56x.
-// On an Intel CPU (session 25: a 16-core Intel Xeon VM with AVX10.1 and AMX, two threads pinned, same tool)
-// the one-row stream lost on the AVX-512 kernels: bf16 dot products up 0.86-0.96x, down 0.98-1.00x; fp32
-// 0.94-1.04x; it won on the narrower ones: bf16 widened 1.05-1.32x, AVX2 fp32 0.98-1.63x. So by default the
+// On an Intel CPU (session 25: a 16-core Intel Xeon VM with AVX10.1 and AMX, two threads pinned, same tool, two
+// runs) the one-row stream lost on the AVX-512 kernels: bf16 dot products up 0.86-0.98x, down 0.92-1.00x; fp32
+// 0.94-1.08x; it won on the narrower ones: bf16 widened 1.05-1.51x, AVX2 fp32 0.98-1.94x. So by default the
 // AVX-512 fp32 and AVX512_BF16 kernels keep session 23's blocks on Intel CPUs (cpu_vendor_intel(), common.h),
 // every other kernel and CPU reads one row at a time (wide_schedule(), row_schedule()).
 constexpr int64_t kAheadBytes = 8192;

@@ -33,6 +33,7 @@ using lanes::Vec;
 // the next block's rows prefetched; 2 blocks, further ahead for short rows (prefetch_blocks); kAhead one weight
 // row at a time (NB = 1), the line kAheadBytes past the one read prefetched into L2 (see skinny.h, kAheadBytes)
 constexpr int kAhead = 3;
+constexpr int kAheadBlocks = 4;  // blocks of NB weight rows (as 0-2), each row's line kAheadBytes ahead prefetched
 
 template <int L>
 ASCEND_INLINE typename Vec<L>::f load(const float* p) {
@@ -71,9 +72,9 @@ ASCEND_INLINE void block(const float* x, int64_t xs, const T* w, int64_t ws, flo
   for (int64_t kk = 0; kk < k_main; kk += L) {
     V wv[NB];
     for (int j = 0; j < NB; ++j) wv[j] = load<L>(w + j * ws + kk);
-    if constexpr (PF == kAhead) {
+    if constexpr (PF == kAhead || PF == kAheadBlocks) {
       if (kk % kLineElems == 0)  // locality 1: prefetcht2
-        __builtin_prefetch(reinterpret_cast<const char*>(w + kk) + kAheadBytes, 0, 1);
+        for (int j = 0; j < NB; ++j) __builtin_prefetch(reinterpret_cast<const char*>(w + j * ws + kk) + kAheadBytes, 0, 1);
     } else if constexpr (PF > 0) {
       if (kk % kLineElems == 0)  // (never faults: prefetches past the weight are dropped)
         for (int j = 0; j < NB; ++j) __builtin_prefetch(w + (ahead + j) * ws + kk, 0, 3);
@@ -180,7 +181,8 @@ ASCEND_AVX512 ASCEND_INLINE void block_widen(const float* x, int64_t xs, const c
     __m512 wv[NB];
     for (int j = 0; j < NB; ++j) wv[j] = widen16(w + j * ws + kk, mask);
     if constexpr (PF == kAhead)
-      if (kk % 32 == 0) _mm_prefetch(reinterpret_cast<const char*>(w + kk) + kAheadBytes, _MM_HINT_T2);
+      if (kk % 32 == 0)
+        for (int j = 0; j < NB; ++j) _mm_prefetch(reinterpret_cast<const char*>(w + j * ws + kk) + kAheadBytes, _MM_HINT_T2);
     for (int i = 0; i < MB; ++i) {
       const __m512 xv = _mm512_maskz_loadu_ps(mask, x + i * xs + kk);
       for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);
@@ -210,7 +212,7 @@ ASCEND_AVX512BF16 ASCEND_INLINE void block_dot(const c10::BFloat16* x, int64_t x
     __m512i wv[NB];
     for (int j = 0; j < NB; ++j) wv[j] = _mm512_maskz_loadu_epi16(mask, w + j * ws + kk);
     if constexpr (PF == kAhead)
-      _mm_prefetch(reinterpret_cast<const char*>(w + kk) + kAheadBytes, _MM_HINT_T2);
+      for (int j = 0; j < NB; ++j) _mm_prefetch(reinterpret_cast<const char*>(w + j * ws + kk) + kAheadBytes, _MM_HINT_T2);
     else if constexpr (PF)
       for (int j = 0; j < NB; ++j) _mm_prefetch(reinterpret_cast<const char*>(w + (ahead + j) * ws + kk), _MM_HINT_T0);
     for (int i = 0; i < MB; ++i) {
@@ -276,6 +278,7 @@ ASCEND_AVX512 ASCEND_INLINE void block_widen_ahead(const float* x, int64_t xs, c
   block_widen<MB, NB, kAhead>(x, xs, w, ws, y, ys, k);
 }
 ASCEND_BF16_COLS(cols_widen_ahead, block_widen_ahead, float, ASCEND_AVX512, 1)
+ASCEND_BF16_COLS(cols_widen_ahead_blocks, block_widen_ahead, float, ASCEND_AVX512, rows_of_w<16>(MB))
 ASCEND_BF16_COLS(cols_dot, block_dot, c10::BFloat16, ASCEND_AVX512BF16, rows_of_w<16>(MB))
 template <int MB, int NB>
 ASCEND_AVX512BF16 ASCEND_INLINE void block_dot_pf(const c10::BFloat16* x, int64_t xs, const c10::BFloat16* w,
@@ -295,6 +298,7 @@ ASCEND_AVX512BF16 ASCEND_INLINE void block_dot_ahead(const c10::BFloat16* x, int
   block_dot<MB, NB, kAhead>(x, xs, w, ws, y, ys, k);
 }
 ASCEND_BF16_COLS(cols_dot_ahead, block_dot_ahead, c10::BFloat16, ASCEND_AVX512BF16, 1)
+ASCEND_BF16_COLS(cols_dot_ahead_blocks, block_dot_ahead, c10::BFloat16, ASCEND_AVX512BF16, rows_of_w<16>(MB))
 #undef ASCEND_BF16_COLS
 #endif
 
@@ -325,6 +329,16 @@ __attribute__((target("avx512f,avx512vl,avx512bw,avx512dq,avx2,fma"))) void rows
 }
 
 template <typename T>
+__attribute__((target("avx512f,avx512vl,avx512bw,avx512dq,avx2,fma"))) void rows_avx512_blocks(ASCEND_SKINNY_ARGS) {
+  rows<16, T, kAheadBlocks>(ASCEND_SKINNY_PASS);
+}
+
+template <typename T>
+__attribute__((target("avx2,fma"))) void rows_avx2_blocks(ASCEND_SKINNY_ARGS) {
+  rows<8, T, kAheadBlocks>(ASCEND_SKINNY_PASS);
+}
+
+template <typename T>
 __attribute__((target("avx2,fma"))) void rows_avx2(ASCEND_SKINNY_ARGS) {
   rows<8, T>(ASCEND_SKINNY_PASS);
 }
@@ -336,37 +350,58 @@ __attribute__((target("avx2,fma"))) void rows_avx2_ahead(ASCEND_SKINNY_ARGS) {
 
 template <typename T>
 void dispatch(ASCEND_SKINNY_ARGS) {
+  constexpr bool bf16 = std::is_same_v<T, c10::BFloat16>;
   switch (isa_level()) {
     case Isa::kAmx:  // decode is bound by reading the weight: AVX-512 streams it
     case Isa::kAvx512: {
-      if constexpr (std::is_same_v<T, c10::BFloat16>) {
-        if (row_schedule(decode_schedule()))
-          cols_widen_ahead_rows(ASCEND_SKINNY_PASS);  // one row at a time (skinny.h, kAheadBytes)
-        else
-          cols_widen_rows(ASCEND_SKINNY_PASS);  // sessions 7-23: blocks, no software prefetch
+      if constexpr (bf16) {  // bf16 weights, fp32 x (or bf16 x without AVX512_BF16): widened to fp32
+        switch (stream_schedule(StreamKernel::kBf16Widened)) {
+          case DecodeSchedule::kBlocks:
+            cols_widen_ahead_blocks_rows(ASCEND_SKINNY_PASS);
+            break;
+          case DecodeSchedule::kRow:
+            cols_widen_ahead_rows(ASCEND_SKINNY_PASS);  // one row at a time (skinny.h, kAheadBytes)
+            break;
+          default:
+            cols_widen_rows(ASCEND_SKINNY_PASS);  // sessions 7-23: blocks, no software prefetch
+            break;
+        }
         break;
       }
-      const DecodeSchedule schedule = wide_schedule();
-      if (schedule == DecodeSchedule::kRow) {
-        rows_avx512_ahead<T>(ASCEND_SKINNY_PASS);  // one row at a time (skinny.h, kAheadBytes)
-      } else if (schedule == DecodeSchedule::kV23) {
-        // sessions 10-23 (and the default on Intel CPUs): blocks, the weight rows ahead prefetched in software
-        // (prefetch_blocks). A row of K = 1024 floats is one 4 KB page, where the hardware prefetcher stops and
-        // restarts. Measured (session 10, loaded 2-core AMD EPYC without AMX, one thread's CPU time, weights
-        // rotated past the cache, interleaved with v9, median of 6-40): linear [8, K] x [N, K]^T 0.56-0.92x v9's
-        // time ([768, 256] 0.56, [1024, 512] 0.57, [4096, 1024] 0.81); decode grouped_matmul down (35 experts of
-        // 1-3 rows) 0.84-0.94x, up 1.04-1.05x (K = 1024: one block ahead, as the linear above)
-        rows_avx512_pf<T>(ASCEND_SKINNY_PASS);
-      } else {
-        rows_avx512<T>(ASCEND_SKINNY_PASS);  // session 9: blocks, no software prefetch
+      switch (stream_schedule(StreamKernel::kFp32)) {
+        case DecodeSchedule::kRow:
+          rows_avx512_ahead<T>(ASCEND_SKINNY_PASS);  // one row at a time (skinny.h, kAheadBytes)
+          break;
+        case DecodeSchedule::kBlocks:
+          rows_avx512_blocks<T>(ASCEND_SKINNY_PASS);  // blocks, each row's line kAheadBytes ahead prefetched
+          break;
+        case DecodeSchedule::kV23:
+          // sessions 10-23: blocks, the weight rows ahead prefetched in software
+          // (prefetch_blocks). A row of K = 1024 floats is one 4 KB page, where the hardware prefetcher stops and
+          // restarts. Measured (session 10, loaded 2-core AMD EPYC without AMX, one thread's CPU time, weights
+          // rotated past the cache, interleaved with v9, median of 6-40): linear [8, K] x [N, K]^T 0.56-0.92x
+          // v9's time ([768, 256] 0.56, [1024, 512] 0.57, [4096, 1024] 0.81); decode grouped_matmul down (35
+          // experts of 1-3 rows) 0.84-0.94x, up 1.04-1.05x (K = 1024: one block ahead, as the linear above)
+          rows_avx512_pf<T>(ASCEND_SKINNY_PASS);
+          break;
+        default:
+          rows_avx512<T>(ASCEND_SKINNY_PASS);  // session 9: blocks, no software prefetch
+          break;
       }
       break;
     }
     case Isa::kAvx2:
-      if (row_schedule(decode_schedule()))
-        rows_avx2_ahead<T>(ASCEND_SKINNY_PASS);  // one row at a time (skinny.h, kAheadBytes)
-      else
-        rows_avx2<T>(ASCEND_SKINNY_PASS);  // until session 24: blocks, no software prefetch
+      switch (stream_schedule(bf16 ? StreamKernel::kBf16Avx2 : StreamKernel::kFp32Avx2)) {
+        case DecodeSchedule::kBlocks:
+          rows_avx2_blocks<T>(ASCEND_SKINNY_PASS);
+          break;
+        case DecodeSchedule::kRow:
+          rows_avx2_ahead<T>(ASCEND_SKINNY_PASS);  // one row at a time (skinny.h, kAheadBytes)
+          break;
+        default:
+          rows_avx2<T>(ASCEND_SKINNY_PASS);  // until session 24: blocks, no software prefetch
+          break;
+      }
       break;
     default:
       rows_baseline<T>(ASCEND_SKINNY_PASS);
@@ -386,17 +421,24 @@ DecodeSchedule decode_schedule() {
   const char* e = std::getenv("ASCEND_PASSES_DECODE_SCHEDULE");
   if (e == nullptr || *e == '\0') return DecodeSchedule::kDefault;
   if (std::strcmp(e, "row") == 0) return DecodeSchedule::kRow;
+  if (std::strcmp(e, "blocks") == 0) return DecodeSchedule::kBlocks;
   if (std::strcmp(e, "v9") == 0) return DecodeSchedule::kV9;
   if (std::strcmp(e, "v23") == 0) return DecodeSchedule::kV23;
   // an A/B knob: a misspelt schedule must not time the default under another name (at::parallel_for hands an
   // error raised in a worker back to the caller)
-  TORCH_CHECK_VALUE(false, "ASCEND_PASSES_DECODE_SCHEDULE must be unset, row, v9 or v23; got '", e, "'");
+  TORCH_CHECK_VALUE(false, "ASCEND_PASSES_DECODE_SCHEDULE must be unset, row, blocks, v9 or v23; got '", e, "'");
 }
 
-DecodeSchedule wide_schedule() {
+DecodeSchedule stream_schedule(StreamKernel kernel) {
   const DecodeSchedule schedule = decode_schedule();
   if (schedule != DecodeSchedule::kDefault) return schedule;
-  return cpu_vendor_intel() ? DecodeSchedule::kV23 : DecodeSchedule::kRow;  // skinny.h: measured on both
+  switch (kernel) {  // skinny.h: the measurements behind this table
+    case StreamKernel::kBf16Widened:
+    case StreamKernel::kBf16Avx2:
+      return DecodeSchedule::kBlocks;
+    default:
+      return DecodeSchedule::kRow;
+  }
 }
 
 bool skinny_bf16_dot() {
@@ -423,11 +465,13 @@ void skinny_nt(const c10::BFloat16* x, int64_t xs, const c10::BFloat16* w, int64
                int64_t k, int64_t n_lo, int64_t n_hi) {
 #ifdef ASCEND_SKINNY_X86
   if (skinny_bf16_dot()) {
-    const DecodeSchedule schedule = wide_schedule();
+    const DecodeSchedule schedule = stream_schedule(StreamKernel::kBf16Dot);
     if (bf16_schedule_v8())  // session 8: blocks, no software prefetch
       cols_dot_rows(x, xs, w, ws, y, ys, m, k, n_lo, n_hi);
     else if (schedule == DecodeSchedule::kRow)  // one row at a time (skinny.h, kAheadBytes)
       cols_dot_ahead_rows(x, xs, w, ws, y, ys, m, k, n_lo, n_hi);
+    else if (schedule == DecodeSchedule::kBlocks)  // blocks, each row's line kAheadBytes ahead prefetched
+      cols_dot_ahead_blocks_rows(x, xs, w, ws, y, ys, m, k, n_lo, n_hi);
     else if (schedule == DecodeSchedule::kV9)  // session 9: blocks, the next block prefetched
       cols_dot_pf_rows(x, xs, w, ws, y, ys, m, k, n_lo, n_hi);
     else  // sessions 10-23 and the default on Intel: blocks, rows shorter than 2 KB up to 4 blocks ahead (session

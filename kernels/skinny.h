@@ -30,37 +30,43 @@ void skinny_nt(const c10::BFloat16* x, int64_t xs, const c10::BFloat16* w, int64
 // whether the bf16 x bf16 kernel uses the AVX512_BF16 dot products (read once: CPU bits + ASCEND_PASSES_ISA)
 bool skinny_bf16_dot();
 
-// The schedule of every kernel here (fp32; bf16 x bf16 on AVX512_BF16 dot products; bf16 weights widened to fp32
-// on AVX-512 without it): one weight row at a time (each row's dot products with all rows of x), the cache line
-// kAheadBytes past the one read prefetched into L2 (prefetcht2), so that each thread reads its weight front to
-// back in one stream a fixed distance ahead of its loads. Until session 23 the kernels took blocks of 3-4 weight
-// rows per pass (x loaded once per block) and prefetched the next block's rows: 3-4 interleaved streams of one
-// 2-4 KB row each, on which the hardware prefetcher barely trains. Measured by `python
-// tools/bench_decode_stream.py --caps avx512,avx2` (session 24, 2-core AMD EPYC Zen 4, no AMX; 37 of 64 cold
-// experts of m = 1..8 rows each, both threads, this schedule and ASCEND_PASSES_DECODE_SCHEDULE=v23 alternated),
-// GB/s of weight this / v23, two runs: bf16 up [E, 512, 1024] 1.21-1.53x (26-32 GB/s), down [E, 1024, 256]
-// 0.88-1.72x; fp32 up 1.03-1.46x, down 1.60-2.10x (25-32 GB/s); bf16 widened (ASCEND_PASSES_ISA=avx512)
-// 0.89-2.61x; AVX2 (ASCEND_PASSES_ISA=avx2, also this schedule since then) fp32 0.99-3.16x, bf16 1.40-2.56x.
-// On an Intel CPU (session 25: a 16-core Intel Xeon VM with AVX10.1 and AMX, two threads pinned, same tool, two
-// runs) the one-row stream lost on the AVX-512 kernels: bf16 dot products up 0.86-0.98x, down 0.92-1.00x; fp32
-// 0.94-1.08x; it won on the narrower ones: bf16 widened 1.05-1.51x, AVX2 fp32 0.98-1.94x. So by default the
-// AVX-512 fp32 and AVX512_BF16 kernels keep session 23's blocks on Intel CPUs (cpu_vendor_intel(), common.h),
-// every other kernel and CPU reads one row at a time (wide_schedule(), row_schedule()).
+// The schedules of the kernels here (fp32; bf16 x bf16 on AVX512_BF16 dot products; bf16 weights widened to fp32
+// on AVX-512 without them; the AVX2 kernels), ASCEND_PASSES_DECODE_SCHEDULE's values:
+// - row: one weight row at a time (its dot products with all rows of x), the cache line kAheadBytes past the one
+//   read prefetched into L2 (prefetcht2), so that each thread reads its weight front to back in one stream.
+// - blocks: blocks of 3-4 weight rows per pass (x loaded once per block, as until session 23), each row's line
+//   kAheadBytes ahead prefetched likewise: the streams are trained by the prefetches, and x's loads are shared by
+//   the block's rows (at 8 rows of x, one row at a time loads 9 vectors per 8 dot products).
+// - v23: session 23's blocks, the next block's rows prefetched (further ahead for short rows); v9: session 9's.
+// Every schedule sums each dot product in the same order: the same bits (tests/test_decode_stream.py).
+// Measured by `python tools/bench_decode_stream.py --caps avx512,avx2` (37 of 64 experts of m = 1..8 rows, up
+// [E, 512, 1024] and down [E, 1024, 256], both threads, schedules alternated, each call on weights out of the
+// caches), GB/s of weight:
+// - Session 24, 2-core AMD EPYC Zen 4, row / v23: bf16 dot up 1.21-1.53x, down 0.88-1.72x; fp32 up 1.03-1.46x,
+//   down 1.60-2.10x; bf16 widened 0.89-2.61x; AVX2 fp32 0.99-3.16x, bf16 1.40-2.56x. (The tool then ran every
+//   schedule of a round on the same copy of the weights, so that v23, second, found part of it in L3.)
+// - Session 25, the same AMD, the tool fixed (a copy per call, enough copies to exceed twice the L3), blocks / row:
+//   bf16 dot m <= 4 0.73-0.96x, m >= 5 1.03-1.32x (23-37 GB/s); fp32 0.60-0.97x (m = 8 down 1.06x); bf16 widened
+//   1.17-1.36x (m = 1 down 0.88x); AVX2 fp32 0.78-0.99x, bf16 1.10-1.26x (m = 8 0.98-0.99x); v23 / row
+//   0.30-0.99x everywhere. The bf16 linear [8, K] x [N, K]^T (N, K = 4096 / 1024, 1024 / 4096, 3072 / 1024,
+//   576 / 1024, 1024 / 512) blocks 1.15-1.60x row (at K = 4096, 8 rows of x are 64 KB: out of L1, re-read per
+//   weight row).
+// - Session 25, a 16-core Intel Xeon VM with AVX10.1 and AMX (two threads pinned), with the tool before the fix
+//   and a 300 MB L3 that held every copy: a measurement of L3-resident weights, row / v23: bf16 dot up 0.86-0.98x,
+//   down 0.92-1.00x; fp32 0.94-1.08x; bf16 widened 1.05-1.51x; AVX2 fp32 0.98-1.94x. Not a decode stream; the
+//   rule below is not split by vendor for it.
+// The bench model's bf16 decode (`ascend_inductor_cpp`, cold copies, schedules alternated in one process; its
+// expert pieces are of 1-2 rows, its linears of 8): row 6.78-7.14 ms, blocks for the m >= 5 pieces 7.03-7.24,
+// blocks everywhere 7.09, v23 10.10. So the default (unset) per kernel (stream_schedule()): the AVX512_BF16 and
+// fp32 kernels one row at a time, the bf16 kernels without AVX512_BF16 (widened, AVX2) blocks.
 constexpr int64_t kAheadBytes = 8192;
 
-// ASCEND_PASSES_DECODE_SCHEDULE, read per call, to time the schedules in one process (tools/bench_kernels.py,
-// tools/bench_decode_stream.py): unset = the per-CPU default above; row = one weight row at a time on every
-// kernel; v9 = session 9's streams (fp32 without software prefetch of the weight rows ahead, bf16 x bf16
-// prefetching only the next block), v23 = session 23's (blocks of weight rows for every number of rows: no one-row
-// stream). Same results either way (bitwise: every schedule sums each dot product in the same order). Another
-// value: ValueError.
-enum class DecodeSchedule { kDefault, kRow, kV9, kV23 };
+// ASCEND_PASSES_DECODE_SCHEDULE, read per call (to time the schedules in one process: tools/bench_kernels.py,
+// tools/bench_decode_stream.py): unset, row, blocks, v9 or v23 (above). Another value: ValueError.
+enum class DecodeSchedule { kDefault, kRow, kBlocks, kV9, kV23 };
 DecodeSchedule decode_schedule();
-// the schedule of the AVX-512 fp32 and AVX512_BF16 kernels: decode_schedule(), the default resolved by CPU vendor
-DecodeSchedule wide_schedule();
-// the narrower kernels' (bf16 widened, AVX2): one row at a time unless v9 / v23 asks for blocks
-inline bool row_schedule(DecodeSchedule schedule) {
-  return schedule == DecodeSchedule::kDefault || schedule == DecodeSchedule::kRow;
-}
+enum class StreamKernel { kFp32, kBf16Dot, kBf16Widened, kFp32Avx2, kBf16Avx2 };
+// decode_schedule(), the default resolved for `kernel`
+DecodeSchedule stream_schedule(StreamKernel kernel);
 
 }  // namespace ascend_kernels

@@ -4,7 +4,8 @@ fp32 and the bf16 stream prefetch further ahead (up to 4 blocks) for rows shorte
 ASCEND_PASSES_DECODE_SCHEDULE=v9 (read per call) runs session 9's schedule (fp32: none; bf16: the next
 block). Session 24: every piece reads one weight row at a time (one stream, prefetched into L2 a fixed
 distance ahead); ASCEND_PASSES_DECODE_SCHEDULE=v23 runs session 23's blocks of 3-4 weight rows. Session 25:
-the default is per CPU (Intel: blocks on the AVX-512 kernels), =row forces the one-row stream everywhere. The
+=blocks reads blocks of rows, each row prefetched a fixed distance ahead; the default is per kernel
+(skinny.h), =row forces the one-row stream everywhere. The
 arithmetic order is the same, so all must give bitwise the same results, and all must equal
 fp64 products at every edge: rows 1..8, weight rows not a multiple of the 3- / 4-row register blocks, K
 below, at and past a 16-lane step, weight rows further apart than K (NaN in the gap: never read into a
@@ -39,11 +40,11 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def all_schedules(monkeypatch, call):
-    """The default schedule's result (per CPU: skinny.h), asserted bitwise equal to the one-row stream's, session
-    9's and session 23's."""
+    """The default schedule's result (per kernel: skinny.h), asserted bitwise equal to the one-row stream's,
+    the prefetched blocks', session 9's and session 23's."""
     monkeypatch.delenv(ENV, raising=False)
     new = call()
-    for old_schedule in ("row", "v9", "v23"):
+    for old_schedule in ("row", "blocks", "v9", "v23"):
         monkeypatch.setenv(ENV, old_schedule)
         old = call()
         assert torch.equal(_bits(new), _bits(old)), old_schedule
@@ -115,7 +116,9 @@ def test_unknown_schedule_is_a_value_error(monkeypatch):
     """A misspelt A/B knob must not time the default schedule under another name."""
     x, w = torch.randn(2, 64), torch.randn(32, 64)
     monkeypatch.setenv(ENV, "v10")
-    with pytest.raises(ValueError, match="ASCEND_PASSES_DECODE_SCHEDULE must be unset, row, v9 or v23; got 'v10'"):
+    with pytest.raises(
+        ValueError, match="ASCEND_PASSES_DECODE_SCHEDULE must be unset, row, blocks, v9 or v23; got 'v10'"
+    ):
         K.linear(x, w, None)
     with pytest.raises(ValueError, match="got 'v10'"):
         K.grouped_matmul([x], [w.T.unsqueeze(0)], group_list=torch.tensor([2]), group_type=0, group_list_type=1)

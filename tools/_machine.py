@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 
 def cpu_flags() -> set[str]:
@@ -43,3 +44,18 @@ def cpu_features_line() -> str:
         f"CPU: AVX-512 {yes('avx512f', 'avx512bw', 'avx512vl', 'avx512dq')}, avx512_bf16 {yes('avx512_bf16')}, "
         f"AMX {yes('amx_tile', 'amx_bf16')} (amx_tile + amx_bf16); ASCEND_PASSES_ISA={cap or '(unset: widest)'}"
     )
+
+
+def last_level_cache_bytes(caches: Path = Path("/sys/devices/system/cpu/cpu0/cache")) -> int:
+    """The largest CPU cache's size (Linux sysfs: ``index*/size``), or 0 where it cannot be read."""
+    best = 0
+    for index in caches.glob("index*"):
+        try:
+            text = (index / "size").read_text().strip()
+        except OSError:
+            continue
+        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        digits = text.rstrip("KMG")
+        if digits.isdigit():
+            best = max(best, int(digits) * scale)
+    return best

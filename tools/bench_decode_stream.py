@@ -4,12 +4,15 @@ For each dtype (bf16, fp32; ``--caps`` adds the kernels of narrower CPUs, each i
 ``ASCEND_PASSES_ISA``: ``avx512`` = bf16 widened to fp32, the AVX-512 CPUs without AVX512_BF16; ``avx2`` = fp32
 and bf16 on 8-lane FMAs) and each m (rows per expert), ``ascend_kernels.grouped_matmul``
 over 37 of 64 experts of m rows each at the DeepSeek-V3-medium expert shapes, up ([E, 512, 1024]) and down
-([E, 1024, 256]), HF-layout weights (K contiguous), both threads, the weights cycled over 6 copies so that every
-call reads them from memory. Per round each schedule runs once, alternated (``ASCEND_PASSES_DECODE_SCHEDULE``, read
-per call): ``row`` (one weight row at a time, kAheadBytes prefetched ahead) and ``v23`` (session 23's blocks of 3-4
-weight rows); the table prints the medians and their ratio, and which one the default (unset) takes on this CPU
-(kernels/skinny.h: blocks on an Intel CPU's AVX-512 fp32 and AVX512_BF16 kernels, else one row). Same bits either
-way (tests/test_decode_stream.py). The machine may be shared and its memory speed drifts: read the ratios.
+([E, 1024, 256]), HF-layout weights (K contiguous), both threads, every call on the next of enough copies that
+it reads its weights from memory (the copies read in between exceed twice the last-level cache; until session 25
+all schedules of a round shared one copy, so that the second and third found part of it in L3, and a 300 MB L3
+held all six copies). Per round each schedule runs once, alternated (``ASCEND_PASSES_DECODE_SCHEDULE``, read
+per call): ``row`` (one weight row at a time, kAheadBytes prefetched ahead), ``blocks`` (blocks of 3-4 weight rows,
+each row prefetched kAheadBytes ahead) and ``v23`` (session 23's blocks, the next block prefetched); the table
+prints the medians, each against row, and which one the default (unset) takes for that kernel on this CPU
+(kernels/skinny.h). Same bits either way (tests/test_decode_stream.py). The machine may be shared and its memory
+speed drifts: read the ratios.
 
     python tools/bench_decode_stream.py [--rows 1,2,3,4,5,6,8] [--rounds 30] [--caps avx512,avx2]
 """
@@ -25,15 +28,17 @@ import time
 
 import _allocator  # tools/_allocator.py: this script's folder is on sys.path
 import torch
-from _machine import cpu_features_line, cpu_vendor
+from _machine import cpu_features_line, cpu_vendor, last_level_cache_bytes
 from rich.console import Console
 from rich.table import Table
 
 from ascend_passes import kernels
 
-E, ACTIVE, COPIES = 64, 37, 6
+E, ACTIVE = 64, 37
 SHAPES = {"up": (512, 1024), "down": (1024, 256)}  # (N, K)
-SCHEDULES = ("row", "v23")
+SCHEDULES = ("row", "blocks", "v23")
+# the default of each kernel (kernels/skinny.h, stream_schedule())
+DEFAULTS = {"bfloat16": "row", "float32": "row", "bf16-widened": "blocks", "fp32-avx2": "row", "bf16-avx2": "blocks"}
 # --caps: the dtypes worth timing under each ASCEND_PASSES_ISA cap (fp32 under avx512 is the default's kernel)
 CAPPED = {
     "avx512": (("bf16-widened", torch.bfloat16),),
@@ -42,11 +47,17 @@ CAPPED = {
 
 
 def measure(dtype: torch.dtype, rows: list[int], rounds: int) -> list[tuple[str, int, float, float]]:
-    """(shape, m, row GB/s, v23 GB/s) for each shape and m."""
+    """(shape, m, GB/s of each of SCHEDULES) for each shape and m."""
     ops = torch.ops.ascend_kernels
     out = []
     for shape, (n, k) in SHAPES.items():
-        weights = [torch.randn(E, n, k).to(dtype).transpose(1, 2) for _ in range(COPIES)]
+        # enough copies that the others' bytes read between two uses of one copy exceed the last-level cache
+        # twice over (a 16-core VM's 300 MB L3 holds six copies of these experts), and each call of a round
+        # (one per schedule) on a copy of its own
+        read = ACTIVE * n * k * torch.empty((), dtype=dtype).element_size()
+        copies = max(2 + 2 * last_level_cache_bytes() // read, len(SCHEDULES) + 1)
+        weights = [torch.randn(E, n, k).to(dtype).transpose(1, 2) for _ in range(copies)]
+        calls = 0
         for m in rows:
             counts = torch.zeros(E, dtype=torch.long)
             counts[torch.randperm(E)[:ACTIVE]] = m
@@ -55,14 +66,14 @@ def measure(dtype: torch.dtype, rows: list[int], rounds: int) -> list[tuple[str,
             for r in range(rounds + 4):
                 for schedule in SCHEDULES:
                     os.environ["ASCEND_PASSES_DECODE_SCHEDULE"] = schedule
+                    w = weights[calls % copies]
+                    calls += 1
                     t0 = time.perf_counter()
-                    ops.grouped_matmul([x], [weights[r % COPIES]], group_list=counts, group_type=0, group_list_type=1)
+                    ops.grouped_matmul([x], [w], group_list=counts, group_type=0, group_list_type=1)
                     if r >= 4:  # the first rounds warm the code and the allocator
                         times[schedule].append(time.perf_counter() - t0)
             os.environ.pop("ASCEND_PASSES_DECODE_SCHEDULE", None)
-            read = ACTIVE * n * k * x.element_size()
-            now, old = (read / statistics.median(times[s]) / 1e9 for s in SCHEDULES)
-            out.append((shape, m, now, old))
+            out.append((shape, m, *(read / statistics.median(times[s]) / 1e9 for s in SCHEDULES)))
     return out
 
 
@@ -79,17 +90,18 @@ def main() -> None:
     torch.manual_seed(0)
     if args.child:
         for label, dtype in CAPPED[args.child]:
-            for shape, m, now, old in measure(dtype, rows, args.rounds):
-                print(f"ROW {label} {shape} {m} {now} {old}", flush=True)
+            for shape, m, *rates in measure(dtype, rows, args.rounds):
+                print(f"ROW {label} {shape} {m} " + " ".join(str(r) for r in rates), flush=True)
         return
     caps = [c for c in args.caps.split(",") if c]
     if any(c not in CAPPED for c in caps):
         sys.exit(f"bench_decode_stream: --caps takes {', '.join(CAPPED)}, got {args.caps!r}")
     allocator = _allocator.ensure("tcmalloc")
     console = Console(width=120)
-    vendor = cpu_vendor()
-    intel = vendor == "GenuineIntel"
-    console.print(f"{cpu_features_line()}; {torch.get_num_threads()} threads; allocator {allocator}; vendor {vendor}")
+    console.print(
+        f"{cpu_features_line()}; {torch.get_num_threads()} threads; allocator {allocator}; vendor {cpu_vendor()}; "
+        f"last-level cache {last_level_cache_bytes() / 2**20:.0f} MiB"
+    )
     results = []
     for label, dtype in (("bfloat16", torch.bfloat16), ("float32", torch.float32)):
         results += [(label, *r) for r in measure(dtype, rows, args.rounds)]
@@ -100,15 +112,25 @@ def main() -> None:
         run = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
         for line in run.stdout.splitlines():
             if line.startswith("ROW "):
-                label, shape, m, now, old = line.split()[1:]
-                results.append((label, shape, int(m), float(now), float(old)))
-    table = Table(title="decode weight stream: GB/s of cold expert weight, medians of alternated rounds")
-    for col in ("dtype", "weight", "m", "row (one row)", "v23 (blocks)", "row / v23", "default"):
+                label, shape, m, *rates = line.split()[1:]
+                results.append((label, shape, int(m), *(float(r) for r in rates)))
+    table = Table(title="decode weight stream: GB/s of cold expert weight, medians of alternated rounds", width=120)
+    cols = ("dtype", "weight", "m", "row", "blocks", "v23", "blocks / row", "v23 / row", "default")
+    for col in cols:
         table.add_column(col, justify="right" if col not in ("dtype", "weight") else "left")
-    for label, shape, m, now, old in results:
+    for label, shape, m, row, blocks, v23 in results:
         n, k = SHAPES[shape]
-        default = "v23" if intel and label in ("bfloat16", "float32") else "row"
-        table.add_row(label, f"{shape} [E,{n},{k}]", str(m), f"{now:.1f}", f"{old:.1f}", f"{now / old:.2f}x", default)
+        table.add_row(
+            label,
+            f"{shape} [E,{n},{k}]",
+            str(m),
+            f"{row:.1f}",
+            f"{blocks:.1f}",
+            f"{v23:.1f}",
+            f"{blocks / row:.2f}x",
+            f"{v23 / row:.2f}x",
+            DEFAULTS[label],
+        )
     console.print(table)
 
 

@@ -62,7 +62,7 @@ from typing import Any
 import _allocator  # tools/_allocator.py: this script's folder is on sys.path
 import torch
 import torch._inductor.config
-from _machine import cpu_features_line
+from _machine import cpu_features_line, last_level_cache_bytes
 from torch._dynamo.utils import counters
 
 import ascend_passes as ap
@@ -192,21 +192,6 @@ def _time(fn: Callable[[], Any], reps: int, budget_s: float) -> float:
         fn()
         times.append(time.perf_counter() - t0)
     return statistics.median(times) * 1e3
-
-
-def last_level_cache_bytes(caches: Path = Path("/sys/devices/system/cpu/cpu0/cache")) -> int:
-    """The largest CPU cache's size (Linux sysfs: ``index*/size``), or 0 where it cannot be read."""
-    best = 0
-    for index in caches.glob("index*"):
-        try:
-            text = (index / "size").read_text().strip()
-        except OSError:
-            continue
-        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
-        digits = text.rstrip("KMG")
-        if digits.isdigit():
-            best = max(best, int(digits) * scale)
-    return best
 
 
 def cold_copies(read_bytes: int) -> int:

@@ -74,7 +74,8 @@ ASCEND_INLINE void block(const float* x, int64_t xs, const T* w, int64_t ws, flo
     for (int j = 0; j < NB; ++j) wv[j] = load<L>(w + j * ws + kk);
     if constexpr (PF == kAhead || PF == kAheadBlocks) {
       if (kk % kLineElems == 0)  // locality 1: prefetcht2
-        for (int j = 0; j < NB; ++j) __builtin_prefetch(reinterpret_cast<const char*>(w + j * ws + kk) + kAheadBytes, 0, 1);
+        for (int j = 0; j < NB; ++j)
+          __builtin_prefetch(reinterpret_cast<const char*>(w + j * ws + kk) + kAheadBytes, 0, 1);
     } else if constexpr (PF > 0) {
       if (kk % kLineElems == 0)  // (never faults: prefetches past the weight are dropped)
         for (int j = 0; j < NB; ++j) __builtin_prefetch(w + (ahead + j) * ws + kk, 0, 3);
@@ -182,7 +183,8 @@ ASCEND_AVX512 ASCEND_INLINE void block_widen(const float* x, int64_t xs, const c
     for (int j = 0; j < NB; ++j) wv[j] = widen16(w + j * ws + kk, mask);
     if constexpr (PF == kAhead)
       if (kk % 32 == 0)
-        for (int j = 0; j < NB; ++j) _mm_prefetch(reinterpret_cast<const char*>(w + j * ws + kk) + kAheadBytes, _MM_HINT_T2);
+        for (int j = 0; j < NB; ++j)
+          _mm_prefetch(reinterpret_cast<const char*>(w + j * ws + kk) + kAheadBytes, _MM_HINT_T2);
     for (int i = 0; i < MB; ++i) {
       const __m512 xv = _mm512_maskz_loadu_ps(mask, x + i * xs + kk);
       for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);
@@ -212,7 +214,8 @@ ASCEND_AVX512BF16 ASCEND_INLINE void block_dot(const c10::BFloat16* x, int64_t x
     __m512i wv[NB];
     for (int j = 0; j < NB; ++j) wv[j] = _mm512_maskz_loadu_epi16(mask, w + j * ws + kk);
     if constexpr (PF == kAhead)
-      for (int j = 0; j < NB; ++j) _mm_prefetch(reinterpret_cast<const char*>(w + j * ws + kk) + kAheadBytes, _MM_HINT_T2);
+      for (int j = 0; j < NB; ++j)
+        _mm_prefetch(reinterpret_cast<const char*>(w + j * ws + kk) + kAheadBytes, _MM_HINT_T2);
     else if constexpr (PF)
       for (int j = 0; j < NB; ++j) _mm_prefetch(reinterpret_cast<const char*>(w + (ahead + j) * ws + kk), _MM_HINT_T0);
     for (int i = 0; i < MB; ++i) {

@@ -379,12 +379,12 @@ void dispatch(ASCEND_SKINNY_ARGS) {
           rows_avx512_blocks<T>(ASCEND_SKINNY_PASS);  // blocks, each row's line kAheadBytes ahead prefetched
           break;
         case DecodeSchedule::kV23:
-          // sessions 10-23: blocks, the weight rows ahead prefetched in software
-          // (prefetch_blocks). A row of K = 1024 floats is one 4 KB page, where the hardware prefetcher stops and
-          // restarts. Measured (session 10, loaded 2-core AMD EPYC without AMX, one thread's CPU time, weights
-          // rotated past the cache, interleaved with v9, median of 6-40): linear [8, K] x [N, K]^T 0.56-0.92x
-          // v9's time ([768, 256] 0.56, [1024, 512] 0.57, [4096, 1024] 0.81); decode grouped_matmul down (35
-          // experts of 1-3 rows) 0.84-0.94x, up 1.04-1.05x (K = 1024: one block ahead, as the linear above)
+          // sessions 10-23: blocks, the weight rows ahead prefetched in software (prefetch_blocks). A row of
+          // K = 1024 floats is one 4 KB page, where the hardware prefetcher stops and restarts. Measured (session 10,
+          // loaded 2-core AMD EPYC without AMX, one thread's CPU time, weights rotated past the cache, interleaved with
+          // v9, median of 6-40): linear [8, K] x [N, K]^T 0.56-0.92x v9's time ([768, 256] 0.56, [1024, 512] 0.57,
+          // [4096, 1024] 0.81); decode grouped_matmul down (35 experts of 1-3 rows) 0.84-0.94x, up 1.04-1.05x (K =
+          // 1024: one block ahead, as the linear above)
           rows_avx512_pf<T>(ASCEND_SKINNY_PASS);
           break;
         default:
@@ -477,9 +477,9 @@ void skinny_nt(const c10::BFloat16* x, int64_t xs, const c10::BFloat16* w, int64
       cols_dot_ahead_blocks_rows(x, xs, w, ws, y, ys, m, k, n_lo, n_hi);
     else if (schedule == DecodeSchedule::kV9)  // session 9: blocks, the next block prefetched
       cols_dot_pf_rows(x, xs, w, ws, y, ys, m, k, n_lo, n_hi);
-    else  // sessions 10-23 and the default on Intel: blocks, rows shorter than 2 KB up to 4 blocks ahead (session
-          // 10, measured as the fp32 note in dispatch: linear [768, 256] 0.69x v9's time, [1024, 512] 0.82x,
-          // decode grouped_matmul down 0.88x, K = 1024 1.0x)
+    else  // sessions 10-23: blocks, rows shorter than 2 KB up to 4 blocks ahead (session 10, measured as the
+          // fp32 note in dispatch: linear [768, 256] 0.69x v9's time, [1024, 512] 0.82x, decode grouped_matmul
+          // down 0.88x, K = 1024 1.0x)
       cols_dot_far_rows(x, xs, w, ws, y, ys, m, k, n_lo, n_hi);
     return;
   }

@@ -28,7 +28,7 @@ import time
 
 import _allocator  # tools/_allocator.py: this script's folder is on sys.path
 import torch
-from _machine import cpu_features_line, cpu_vendor, last_level_cache_bytes
+from _machine import cold_copy_count, cpu_features_line, cpu_vendor, last_level_cache_bytes
 from rich.console import Console
 from rich.table import Table
 
@@ -55,7 +55,7 @@ def measure(dtype: torch.dtype, rows: list[int], rounds: int) -> list[tuple[str,
         # twice over (a 16-core VM's 300 MB L3 holds six copies of these experts), and each call of a round
         # (one per schedule) on a copy of its own
         read = ACTIVE * n * k * torch.empty((), dtype=dtype).element_size()
-        copies = max(2 + 2 * last_level_cache_bytes() // read, len(SCHEDULES) + 1)
+        copies = cold_copy_count(read, at_least=len(SCHEDULES) + 1)
         weights = [torch.randn(E, n, k).to(dtype).transpose(1, 2) for _ in range(copies)]
         calls = 0
         for m in rows:

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field, replace
 import _allocator  # tools/_allocator.py: this script's folder is on sys.path
 import torch
 import torch.nn.functional as F
-from _machine import cpu_features_line, has_amx
+from _machine import cold_copy_count, cpu_features_line, has_amx
 
 import ascend_passes.ops as ops
 from ascend_passes.ops import reference
@@ -268,7 +268,8 @@ def bench_case(tokens: int, dtype: torch.dtype, quick: bool) -> list[Row]:
 
     # Decode is memory-bound: rotate over copies of the expert weights (as consecutive layers of a
     # model would), so that repeated calls do not find them in the last-level cache.
-    copies = [L] if slow else [L] + [replace(L, w13=L.w13.clone(), w2=L.w2.clone()) for _ in range(3)]
+    n_copies = 1 if slow else cold_copy_count(experts_touched * per_expert)
+    copies = [L] + [replace(L, w13=L.w13.clone(), w2=L.w2.clone()) for _ in range(n_copies - 1)]
     turn = itertools.count()
 
     def pick() -> Layer:
@@ -350,10 +351,11 @@ def bench_case(tokens: int, dtype: torch.dtype, quick: bool) -> list[Row]:
     if not slow:
         # a decode linear (the dense layers and lm head around the MoE): ascend.linear streams the
         # weight; its reference is F.linear (BLAS, which packs the weight first for so few rows)
-        weights = [(torch.randn(4 * H, H) / 32).to(dtype) for _ in range(4)]  # 4 x 16 MB: not cached
+        one = 4 * H * H * torch.empty((), dtype=dtype).element_size()
+        weights = [(torch.randn(4 * H, H) / 32).to(dtype) for _ in range(cold_copy_count(one))]  # not cached
         x_lin = torch.randn(tokens, H).to(dtype)
         t_lin = tuple(
-            best_time(lambda impl=impl: impl.linear(x_lin, weights[next(turn) % 4]), budget, min_reps=3)
+            best_time(lambda impl=impl: impl.linear(x_lin, weights[next(turn) % len(weights)]), budget, min_reps=3)
             for impl in (A, reference)
         )
         rows.append(
@@ -388,7 +390,9 @@ def bench_case(tokens: int, dtype: torch.dtype, quick: bool) -> list[Row]:
                 t_kernel, t_copy = paired_best(lambda: cpp["layer"](pick()), lambda: dst.copy_(src), 2 * budget)
                 shows_linear = dtype == torch.float32 or old is DECODE_V23
                 if shows_linear:
-                    t_old_lin = best_time(lambda: A.linear(x_lin, weights[next(turn) % 4]), budget, min_reps=3)
+                    t_old_lin = best_time(
+                        lambda: A.linear(x_lin, weights[next(turn) % len(weights)]), budget, min_reps=3
+                    )
             v8 = row(
                 f"MoE layer, {old[0]}={old[1]} ({old[2]})",
                 (t_kernel, 0.0),
@@ -420,9 +424,10 @@ def bench_small_prefill(tokens: int, quick: bool) -> list[Row]:
     cpp = moe_steps(A)
     ex, _, counts, _ = cpp["init"](L)
     act = cpp["swiglu"](cpp["gmm"](ex, L.w13, counts))
-    copies = [L] + [replace(L, w13=L.w13.clone(), w2=L.w2.clone()) for _ in range(3)]  # > L3 together
-    turn = itertools.count()
     experts = int((counts > 0).sum())
+    n_copies = cold_copy_count(experts * (L.w13[0].numel() + L.w2[0].numel()) * L.w13.element_size())
+    copies = [L] + [replace(L, w13=L.w13.clone(), w2=L.w2.clone()) for _ in range(n_copies - 1)]
+    turn = itertools.count()
     src = torch.ones(16 * 1024 * 1024)
     dst = torch.empty_like(src)
     rows = []
@@ -431,7 +436,7 @@ def bench_small_prefill(tokens: int, quick: bool) -> list[Row]:
             weight = getattr(L, attr)
             with env_set(env, kernel):
                 t_kernel, t_copy = paired_best(
-                    lambda x=x, attr=attr: cpp["gmm"](x, getattr(copies[next(turn) % 4], attr), counts),
+                    lambda x=x, attr=attr: cpp["gmm"](x, getattr(copies[next(turn) % n_copies], attr), counts),
                     lambda: dst.copy_(src),
                     0.3 if quick else 0.8,
                 )

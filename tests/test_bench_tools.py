@@ -51,6 +51,21 @@ def test_cold_copies_read_more_than_the_cache_in_between(tools, monkeypatch, llc
     assert (n - 2) * read <= llc  # and no copy more than that needs
 
 
+@pytest.mark.parametrize(
+    "llc,read,at_least", [(300 << 20, 19_398_656, 4), (32 << 20, 38_797_312, 4), (0, 1, 4), (0, 1, 7)]
+)
+def test_kernel_benchmarks_cycle_copies_past_twice_the_cache(tools, monkeypatch, llc, read, at_least):
+    """tools/bench_kernels.py and bench_decode_stream.py: a call per copy, the other copies' reads between two
+    uses of one exceed twice the last-level cache (a 300 MB L3 held all of the old fixed 4-6 copies)."""
+    import _machine
+
+    monkeypatch.setattr(_machine, "last_level_cache_bytes", lambda *a: llc)
+    n = _machine.cold_copy_count(read, at_least=at_least)
+    assert n >= at_least
+    assert (n - 1) * read > 2 * llc
+    assert n == at_least or (n - 2) * read <= 2 * llc  # no more copies than that needs
+
+
 def test_precompile_writes_the_package_bytecode(tools):
     _, bench_passes = tools
     from ascend_passes.passes import _pattern

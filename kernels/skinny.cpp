@@ -30,10 +30,12 @@ using lanes::lane_sums;
 using lanes::Vec;
 
 // The PF argument of the kernels below, their schedule: 0 blocks of NB weight rows, no software prefetch; 1 blocks,
-// the next block's rows prefetched; 2 blocks, further ahead for short rows (prefetch_blocks); kAhead one weight
-// row at a time (NB = 1), the line kAheadBytes past the one read prefetched into L2 (see skinny.h, kAheadBytes)
+// the next block's rows prefetched; 2 blocks, further ahead for short rows (prefetch_blocks); kAhead each of the
+// NB rows' line kAheadBytes past the one read prefetched into L2 (see skinny.h, kAheadBytes). rows<> takes NB = 1
+// under kAhead (the row schedule) and the 0-2 blocks under kAheadBlocks (the blocks schedule; block() prefetches
+// as under kAhead); the bf16 COLS kernels pass kAhead and choose NB themselves.
 constexpr int kAhead = 3;
-constexpr int kAheadBlocks = 4;  // blocks of NB weight rows (as 0-2), each row's line kAheadBytes ahead prefetched
+constexpr int kAheadBlocks = 4;
 
 template <int L>
 ASCEND_INLINE typename Vec<L>::f load(const float* p) {

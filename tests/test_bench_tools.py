@@ -44,7 +44,9 @@ def test_last_level_cache_is_the_largest(tools, tmp_path):
 )
 def test_cold_copies_read_more_than_the_cache_in_between(tools, monkeypatch, llc, read):
     bench_model, _ = tools
-    monkeypatch.setattr(bench_model, "last_level_cache_bytes", lambda *a: llc)
+    import _machine
+
+    monkeypatch.setattr(_machine, "last_level_cache_bytes", lambda *a: llc)
     n = bench_model.cold_copies(read)
     assert n >= 2
     assert (n - 1) * read > llc  # the other copies' reads between two forwards of one copy exceed the cache

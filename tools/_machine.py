@@ -61,9 +61,9 @@ def last_level_cache_bytes(caches: Path = Path("/sys/devices/system/cpu/cpu0/cac
     return best
 
 
-def cold_copy_count(read_bytes: int, at_least: int = 4) -> int:
+def cold_copy_count(read_bytes: int, at_least: int = 4, caches: int = 2) -> int:
     """How many copies of some weights a benchmark cycles through, one per call, so that every call reads its
-    copy from memory: the other copies' reads between two uses of one (``read_bytes`` each) exceed twice the
-    last-level cache. A 2-core VM of a server CPU can see a 300-480 MB L3, which holds several copies of
-    a decode layer's experts."""
-    return max(at_least, 2 + 2 * last_level_cache_bytes() // max(read_bytes, 1))
+    copy from memory: the other copies' reads between two uses of one (``read_bytes`` each) exceed ``caches``
+    times the last-level cache. A 2-core VM of a server CPU can see a 300-480 MB L3, which holds several copies
+    of a decode layer's experts."""
+    return max(at_least, 2 + caches * last_level_cache_bytes() // max(read_bytes, 1))

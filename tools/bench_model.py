@@ -62,7 +62,7 @@ from typing import Any
 import _allocator  # tools/_allocator.py: this script's folder is on sys.path
 import torch
 import torch._inductor.config
-from _machine import cpu_features_line, last_level_cache_bytes
+from _machine import cold_copy_count, cpu_features_line, last_level_cache_bytes
 from torch._dynamo.utils import counters
 
 import ascend_passes as ap
@@ -204,7 +204,7 @@ def cold_copies(read_bytes: int) -> int:
     read) also evicted the code and cost ~0.5 ms more per forward than this (bf16 decode 8.6 vs 8.0 ms).
     Dynamo compiles the first copy and reuses that graph for the others (their parameters are its inputs):
     each copy reads its own weights, under freezing too (checked by scaling one copy's weights)."""
-    return 2 + last_level_cache_bytes() // max(read_bytes, 1)
+    return cold_copy_count(read_bytes, at_least=2, caches=1)
 
 
 def dense_mm_flops(dtype: torch.dtype, budget_s: float = 0.5) -> float:

@@ -302,7 +302,9 @@ ASCEND_AVX512BF16 ASCEND_INLINE void block_dot_ahead(const c10::BFloat16* x, int
                                                      int64_t ws, float* y, int64_t ys, int64_t k) {
   block_dot<MB, NB, kAhead>(x, xs, w, ws, y, ys, k);
 }
-ASCEND_BF16_COLS(cols_dot_ahead, block_dot_ahead, c10::BFloat16, ASCEND_AVX512BF16, 1)
+// the row schedule: one weight row at a time, two adjacent ones from 5 rows of x: at 8 rows one row at a time loads 9
+// vectors per 8 dot products (x's 8 and w's one), and the load ports, not the memory, bound it (skinny.h)
+ASCEND_BF16_COLS(cols_dot_ahead, block_dot_ahead, c10::BFloat16, ASCEND_AVX512BF16, (MB >= 5 ? 2 : 1))
 ASCEND_BF16_COLS(cols_dot_ahead_blocks, block_dot_ahead, c10::BFloat16, ASCEND_AVX512BF16, rows_of_w<16>(MB))
 #undef ASCEND_BF16_COLS
 #endif

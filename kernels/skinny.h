@@ -33,7 +33,10 @@ bool skinny_bf16_dot();
 // The schedules of the kernels here (fp32; bf16 x bf16 on AVX512_BF16 dot products; bf16 weights widened to fp32
 // on AVX-512 without them; the AVX2 kernels), ASCEND_PASSES_DECODE_SCHEDULE's values:
 // - row: one weight row at a time (its dot products with all rows of x), the cache line kAheadBytes past the one
-//   read prefetched into L2 (prefetcht2), so that each thread reads its weight front to back in one stream.
+//   read prefetched into L2 (prefetcht2), so that each thread reads its weight front to back in one stream. The
+//   AVX512_BF16 kernel takes two adjacent rows from 5 rows of x (session 26): one row at a time loads 9 vectors
+//   per 8 vdpbf16ps at 8 rows, and the load ports bound it below the memory (cold bf16 linear [8, K] x [N, K]^T,
+//   both threads, 3 alternated runs: [4096, 1024] 255-269 us against 298-331, [1024, 512] 37-42 against 45-46).
 // - blocks: blocks of 3-4 weight rows per pass (x loaded once per block, as until session 23), each row's line
 //   kAheadBytes ahead prefetched likewise: the streams are trained by the prefetches, and x's loads are shared by
 //   the block's rows (at 8 rows of x, one row at a time loads 9 vectors per 8 dot products).

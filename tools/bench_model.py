@@ -18,9 +18,9 @@ and ``ascend.linear``: the best GEMM of the machine) and the fraction of that ro
 reaches; for decode, the bytes the forward must read (all weights but the experts no token routes to
 and the embedding rows not looked up) and the fraction of copy bandwidth (issue 18's measure; below the
 table also of read bandwidth, a sum over 256 MiB, which need not equal a copy's read + write; each compiled
-decode row also timed with Dynamo's guard evaluation skipped, its share noted as "guards", the best ascend one's
-fraction printed too: what a serving engine that calls the compiled code directly pays); and issue 18's ratios
-(bf16 prefill vs fp32 prefill and vs the best bf16 peer).  For prefill a "limits" line adds what a
+decode row's share of Dynamo's guard evaluation noted as "guards" (calls alternated with and without it), the best
+ascend row's fraction without it printed too: what a serving engine that calls the compiled code directly pays);
+and issue 18's ratios (bf16 prefill vs fp32 prefill and vs the best bf16 peer).  For prefill a "limits" line adds what a
 FLOP-only roofline leaves out: per matmul (``matmul_census``) its FLOPs at the dense mm rate and its
 weight bytes at copy bandwidth, summed as max(both) (the honest limit: at 1x256 an
 expert gets ~24 rows and its weight takes about as long to read as to multiply) and as their sum (no overlap).
@@ -148,7 +148,7 @@ class Row:
     median_ms: float
     compile_s: float
     rewrites: str = ""
-    # decode, compiled variants: the median with Dynamo's guard evaluation skipped (_unguarded_ms)
+    # decode, compiled variants: the median less Dynamo's guard evaluation (_guards_ms)
     unguarded_ms: float | None = None
 
 
@@ -187,14 +187,24 @@ def _compiled(model: torch.nn.Module, variant: str, compiling_calls: int = 1) ->
     return torch.compile(model, backend="ascend_passes", options={"compiler": compiler})
 
 
-def _unguarded_ms(fn: Callable[[], Any], reps: int, budget_s: float) -> float:
-    """The median of ``fn`` with Dynamo's guard evaluation skipped (``torch.compiler.set_stance(
-    skip_guard_eval_unsafe=True)``): what a serving engine that calls the compiled code without Dynamo's checks pays
-    per step. A decode forward of the bench model evaluates ~1,000 guards, most on the Hugging Face modules'
-    attributes and closures, the same for every compiled variant: 0.4-0.6 ms of a 6-7 ms bf16 decode on a 2-core
-    AMD EPYC Zen 4 (session 26). Safe here: the timed calls are the ones that compiled, with the same inputs."""
-    with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
-        return _time(fn, reps, budget_s)
+def _guards_ms(fn: Callable[[], Any], reps: int, budget_s: float) -> float:
+    """How much of a call of ``fn`` is Dynamo's guard evaluation: the median, over alternated pairs, of a call's time
+    minus the next call's with the evaluation skipped (``torch.compiler.set_stance(skip_guard_eval_unsafe=True)``,
+    what a serving engine that calls the compiled code directly pays). Pairs, not two medians: the host's drift
+    over a run is larger than the difference. A decode forward of the bench model evaluates ~1,000 guards, most on
+    the Hugging Face modules' attributes and closures, the same for every compiled variant. Safe here: the calls
+    are the ones that compiled, with the same inputs."""
+    diffs: list[float] = []
+    start = time.perf_counter()
+    while len(diffs) < reps or (time.perf_counter() - start < budget_s and len(diffs) < 4 * reps):
+        t0 = time.perf_counter()
+        fn()
+        guarded = time.perf_counter() - t0
+        with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
+            t0 = time.perf_counter()
+            fn()
+            diffs.append(guarded - (time.perf_counter() - t0))
+    return 1e3 * statistics.median(diffs)
 
 
 def _time(fn: Callable[[], Any], reps: int, budget_s: float) -> float:
@@ -437,8 +447,8 @@ def bench(
                         other(ids)  # compiled (not timed)
                     turn = itertools.count()
                     ms = _time(lambda: fns[next(turn) % len(fns)](ids), reps, budget_s)
-                    unguarded = (
-                        _unguarded_ms(lambda: fns[next(turn) % len(fns)](ids), reps, budget_s)
+                    guards = (
+                        _guards_ms(lambda: fns[next(turn) % len(fns)](ids), reps, budget_s)
                         if shape == "decode" and variant != "eager"
                         else None
                     )
@@ -446,8 +456,9 @@ def bench(
                 if reports:
                     ops = reports[0].rewritten_ops()
                     rewrites = f"{sum(ops.values())} fused ops, rel err {err:.1e}"
-                if unguarded is not None:
-                    rewrites += f", guards {ms - unguarded:.2f} ms"
+                if guards is not None:
+                    rewrites += f", guards {guards:.2f} ms"
+                unguarded = ms - guards if guards is not None else None
                 rows.append(
                     Row(shape, dtype_name, variant, ms, compile_s if variant != "eager" else 0.0, rewrites, unguarded)
                 )
@@ -519,7 +530,7 @@ def print_table(rows: list[Row], facts: dict[tuple[str, str], Facts], model_name
         "'of limit': prefill = matmul FLOPs / time / dense mm rate (FLOP-only roofline; the rate: the faster of "
         "torch.mm and ascend.linear on [2048,1024]x[1024,4096]), decode = bytes the "
         "forward must read / time / copy bandwidth; 'guards' (decode, compiled): how much of the median is Dynamo's "
-        "guard evaluation (the median again with it skipped)"
+        "guard evaluation (median of paired calls with and without it)"
     )
     for (shape, dtype), f in facts.items():
         console.print(

@@ -164,7 +164,10 @@ ASCEND_ATTN_BF16_T float softmax_round_row(float* s, const float* m, int64_t ms,
     return j + 16 <= seen ? __mmask16(0xffff) : j >= seen ? __mmask16(0) : __mmask16((1u << (seen - j)) - 1);
   };
   __m512 pm = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  for (int64_t j = 0; j < seen; j += 16) pm = _mm512_mask_max_ps(pm, lanes(j), pm, _mm512_loadu_ps(s + j));
+  // a masked load: the row's buffer ends at `seen` (an unmasked load read up to 60 bytes past it, a fault where the
+  // buffer ends a page: tools/sanitize.sh, session 26)
+  for (int64_t j = 0; j < seen; j += 16)
+    pm = _mm512_mask_max_ps(pm, lanes(j), pm, _mm512_maskz_loadu_ps(lanes(j), s + j));
   const float mx = _mm512_reduce_max_ps(pm);
   if (mx == -std::numeric_limits<float>::infinity()) {  // every score -inf (the mask), or NaN
     bool nan = false;

@@ -185,7 +185,9 @@ ASCEND_INLINE float exp_reduced(float x, float& n) {
 }
 
 ASCEND_INLINE float pow2i(int32_t e) {  // 2^e for e in [-126, 127]
-  const int32_t bits = (e + 127) << 23;
+  // unsigned: a NaN input reaches here as INT_MIN (its product is NaN whatever this returns), and a left shift of a
+  // negative int is undefined (UBSan, session 26)
+  const uint32_t bits = static_cast<uint32_t>(e + 127) << 23;
   float v;
   std::memcpy(&v, &bits, sizeof(v));
   return v;

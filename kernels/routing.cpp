@@ -177,6 +177,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_init_routing_v2(
   char* ep = static_cast<char*>(expanded_x.data_ptr());
   at::parallel_for(0, out_rows, std::max<int64_t>(1, (256 << 10) / std::max<int64_t>(row_bytes, 1)),
                    [&](int64_t b, int64_t e) {
+                     if (row_bytes == 0) return;  // hidden 0: no bytes, and memcpy of a null pointer is undefined
                      for (int64_t dst = b; dst < e; ++dst) {
                        if (dst < kept_rows) {
                          std::memcpy(ep + dst * row_bytes, xp + (sorted_src[dst] / k) * row_bytes, row_bytes);

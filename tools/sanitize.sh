@@ -4,9 +4,10 @@
 # VM) and two undefined operations (a left shift of a negative int in pow2i, memcpy of a null pointer at hidden 0).
 # Builds a sanitized copy of the library into build/asan (GCC; ~8 minutes on 2 cores the first time, incremental
 # after), checks that the ops load it (ASCEND_PASSES_KERNELS_LIB), runs the kernel tests with the sanitizers'
-# runtimes preloaded and fails on any report, printing it. Not part of .ci/run (its time): run it after changing
-# kernels/. Only the code paths of this CPU run (no AMX paths on a CPU without AMX).
-#   bash tools/sanitize.sh                 # the kernel test files
+# runtimes preloaded (by default also the fuzz test's cases, without its memory cap) and fails on any report,
+# printing it. Not part of .ci/run (its time): run it after changing kernels/. Only the code paths of this CPU run
+# (no AMX paths on a CPU without AMX).
+#   bash tools/sanitize.sh                 # the kernel test files and the fuzz cases
 #   bash tools/sanitize.sh tests/test_kernels.py -k gating
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -28,7 +29,8 @@ export ASCEND_PASSES_KERNELS_LIB="$LIB"
 rm -rf "$REPORTS" && mkdir -p "$REPORTS"
 # detect_leaks=0: CPython and torch keep allocations until exit; allocator_may_return_null: the tests' huge
 # allocations fail as torch errors, as they do without the sanitizer
-export ASAN_OPTIONS="detect_leaks=0:halt_on_error=1:allocator_may_return_null=1:log_path=$REPORTS/asan"
+# (max_allocation_size_mb: the fuzz's 4 GiB cap, which it cannot set here)
+export ASAN_OPTIONS="detect_leaks=0:halt_on_error=1:allocator_may_return_null=1:max_allocation_size_mb=4096:log_path=$REPORTS/asan"
 export UBSAN_OPTIONS="print_stacktrace=1:log_path=$REPORTS/ubsan"
 "$PY" - <<'EOF'
 import os, torch
@@ -37,7 +39,9 @@ assert kernels.available(), "the sanitized library did not load (see the warning
 print("sanitize: ops run", os.environ["ASCEND_PASSES_KERNELS_LIB"])
 EOF
 
+FUZZ=0
 if [ $# -eq 0 ]; then
+  FUZZ=1
   # Left out: the tests that cap a child's address space (the sanitizer reserves terabytes of it) and the one that
   # expects torch's unfixed C++ wrapper to segfault (the sanitizer reports that crash).
   set -- tests/test_amx_swap.py tests/test_attention.py tests/test_attention_kernel.py tests/test_bf16_dot.py \
@@ -47,6 +51,10 @@ if [ $# -eq 0 ]; then
 fi
 status=0
 "$PY" -m pytest -q -p no:randomly "$@" || status=$?
+if [ "$FUZZ" = 1 ]; then
+  # tests/test_fuzz_ops.py's seeded cases (every op, bad input included) without the child's address-space cap
+  (cd tests && "$PY" -c "import test_fuzz_ops as f; r = f.fuzz(f.SEED); print('sanitize: fuzz', sum(sum(c.values()) for c in r['counts'].values()), 'cases'); assert not r['failures'], r['failures'][:5]") || status=1
+fi
 if compgen -G "$REPORTS/*" >/dev/null; then
   echo "sanitize: sanitizer reports in $REPORTS:"
   for f in "$REPORTS"/*; do

@@ -5,7 +5,8 @@ ASCEND_PASSES_DECODE_SCHEDULE=v9 (read per call) runs session 9's schedule (fp32
 block). Session 24: every piece reads one weight row at a time (one stream, prefetched into L2 a fixed
 distance ahead); ASCEND_PASSES_DECODE_SCHEDULE=v23 runs session 23's blocks of 3-4 weight rows. Session 25:
 =blocks reads blocks of rows, each row prefetched a fixed distance ahead; the default is per kernel
-(skinny.h), =row forces the one-row stream everywhere. The
+(skinny.h), =row forces the one-row stream everywhere (session 26: the AVX512_BF16 kernel's row stream takes two
+adjacent weight rows from 5 rows of x on, and a last single row where N is odd). The
 arithmetic order is the same, so all must give bitwise the same results, and all must equal
 fp64 products at every edge: rows 1..8, weight rows not a multiple of the 3- / 4-row register blocks, K
 below, at and past a 16-lane step, weight rows further apart than K (NaN in the gap: never read into a

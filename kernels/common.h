@@ -185,8 +185,8 @@ ASCEND_INLINE float exp_reduced(float x, float& n) {
 }
 
 ASCEND_INLINE float pow2i(int32_t e) {  // 2^e for e in [-126, 127]
-  // unsigned: a NaN input reaches here as INT_MIN (its product is NaN whatever this returns), and a left shift of a
-  // negative int is undefined (UBSan, session 26)
+  // unsigned: a NaN input reaches here as e = -200 or -100 (fast_exp, exp_f32; its product is NaN whatever this
+  // returns), and a left shift of a negative int is undefined (UBSan, session 26)
   const uint32_t bits = static_cast<uint32_t>(e + 127) << 23;
   float v;
   std::memcpy(&v, &bits, sizeof(v));
@@ -201,7 +201,9 @@ ASCEND_INLINE float fast_exp(float x) {
   x = std::min(std::max(x, -87.3f), 88.3f);
   float n;
   const float p = exp_reduced(x, n);
-  return p * pow2i(static_cast<int32_t>(n));
+  // max(-200, n) turns a NaN n (a NaN x: p is NaN too) into a number before the conversion to int, which is
+  // undefined for NaN (UBSan's float-cast-overflow, session 26); one vmaxps, and every other n is above -200
+  return p * pow2i(static_cast<int32_t>(std::max(-200.0f, n)));
 }
 
 // exp(x) within 1 ulp over the whole float range: the 2^n scale is split in two factors, so
@@ -212,8 +214,8 @@ ASCEND_INLINE float exp_f32(float x) {
   x = std::min(std::max(x, -104.0f), 89.0f);  // exp(-104) rounds to 0, exp(89) to inf
   float n;
   const float p = exp_reduced(x, n);
-  const int32_t ni = static_cast<int32_t>(n);  // in [-150, 128]
-  const int32_t n1 = ni >> 1, n2 = ni - n1;    // each in [-75, 64]: 2^n1, 2^n2 are normal floats
+  const int32_t ni = static_cast<int32_t>(std::max(-200.0f, n));  // in [-150, 128]; NaN (p NaN): -200, as fast_exp
+  const int32_t n1 = ni >> 1, n2 = ni - n1;                       // each in [-75, 64]: 2^n1, 2^n2 are normal floats
   return p * pow2i(n1) * pow2i(n2);
 }
 

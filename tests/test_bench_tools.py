@@ -115,11 +115,14 @@ def test_table_prints_the_unguarded_decode_fraction(tools, capsys):
     bench_model, _ = tools
     facts = {("decode", "bfloat16"): bench_model.Facts(1e9, 87.5e6, 100.0, 35.0, [], 40.0)}
     rows = [
-        bench_model.Row("decode", "bfloat16", "inductor", 20.0, 1.0, "rel err 0, guards 0.50 ms", 19.5),
-        bench_model.Row("decode", "bfloat16", "ascend_inductor", 10.0, 1.0, "guards 5.00 ms", 5.0),
+        bench_model.Row("decode", "bfloat16", "inductor", 20.0, 1.0, "rel err 0", 0.5),
+        bench_model.Row("decode", "bfloat16", "ascend_inductor", 10.0, 1.0, "2 fused ops", 5.0),
+        bench_model.Row("decode", "bfloat16", "eager", 30.0, 0.0, "rel err 0"),  # not timed without guards
     ]
     bench_model.print_table(rows, facts)
     out = " ".join(capsys.readouterr().out.split())
+    assert "rel err 0, guards 0.50 ms" in out and "2 fused ops, guards 5.00 ms" in out
+    assert rows[2].notes == "rel err 0" and rows[2].unguarded_ms is None
     assert "best ascend 10.00 ms reads the must-read bytes at" in out
     assert "(25% of copy bandwidth, issue 18's measure)" in out  # 87.5 MB in 10 ms at 35 GB/s
     # 5 ms without guards: 50%; only the ascend rows count

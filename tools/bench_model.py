@@ -148,8 +148,16 @@ class Row:
     median_ms: float
     compile_s: float
     rewrites: str = ""
-    # decode, compiled variants: the median less Dynamo's guard evaluation (_guards_ms)
-    unguarded_ms: float | None = None
+    # decode, compiled variants: how much of the median is Dynamo's guard evaluation (_guards_ms)
+    guards_ms: float | None = None
+
+    @property
+    def notes(self) -> str:
+        return self.rewrites + (f", guards {self.guards_ms:.2f} ms" if self.guards_ms is not None else "")
+
+    @property
+    def unguarded_ms(self) -> float | None:
+        return None if self.guards_ms is None else self.median_ms - self.guards_ms
 
 
 def _compiled(model: torch.nn.Module, variant: str, compiling_calls: int = 1) -> Callable[..., Any]:
@@ -345,6 +353,10 @@ class Facts:
     matmuls: list[tuple[float, float]] = dataclasses.field(default_factory=list)
     read_gbs: float = 0.0  # read_bandwidth(), the best of the cell's measurements (0: not measured)
 
+    def copy_percent(self, ms: float) -> float:
+        """The must-read bytes over ``ms`` as a percentage of copy bandwidth (issue 18's decode measure)."""
+        return 100 * self.bytes_read / (ms / 1e3) / (self.copy_gbs * 1e9)
+
     def limits_ms(self) -> tuple[float, float, float]:
         """(FLOPs / mm rate: issue 18's roofline, sum over matmuls of max(FLOPs / mm rate, weight bytes /
         copy BW), sum of both with no overlap) in ms, from this cell's rates."""
@@ -456,16 +468,14 @@ def bench(
                 if reports:
                     ops = reports[0].rewritten_ops()
                     rewrites = f"{sum(ops.values())} fused ops, rel err {err:.1e}"
-                if guards is not None:
-                    rewrites += f", guards {guards:.2f} ms"
-                unguarded = ms - guards if guards is not None else None
                 rows.append(
-                    Row(shape, dtype_name, variant, ms, compile_s if variant != "eager" else 0.0, rewrites, unguarded)
+                    Row(shape, dtype_name, variant, ms, compile_s if variant != "eager" else 0.0, rewrites, guards)
                 )
                 if on_row is not None:
                     on_row(rows[-1])
                 print(
-                    f"  {shape:12s} {dtype_name:9s} {variant:20s} {ms:9.2f} ms  compile {compile_s:6.1f} s  {rewrites}",
+                    f"  {shape:12s} {dtype_name:9s} {variant:20s} {ms:9.2f} ms  compile {compile_s:6.1f} s  "
+                    f"{rows[-1].notes}",
                     flush=True,
                 )
                 # the limits between the variants: their best is this cell's limit
@@ -506,7 +516,7 @@ def print_table(rows: list[Row], facts: dict[tuple[str, str], Facts], model_name
         if f is None:  # the cell's process died before it measured the limits
             return "-"
         if r.shape == "decode":  # bytes the forward must read over copy bandwidth
-            return f"{100 * f.bytes_read / (r.median_ms / 1e3) / (f.copy_gbs * 1e9):.0f}% BW"
+            return f"{f.copy_percent(r.median_ms):.0f}% BW"
         return f"{100 * f.flops / (r.median_ms / 1e3) / (f.mm_gflops * 1e9):.0f}% mm"
 
     for r in rows:
@@ -521,7 +531,7 @@ def print_table(rows: list[Row], facts: dict[tuple[str, str], Facts], model_name
             f"{peer / r.median_ms:.2f}x" if peer else "-",
             of_limit(r),
             f"{r.compile_s:.1f}",
-            r.rewrites,
+            r.notes,
         )
     console = Console(width=180)
     console.print(table)
@@ -544,19 +554,20 @@ def print_table(rows: list[Row], facts: dict[tuple[str, str], Facts], model_name
             console.print(
                 f"    best ascend {ours:.2f} ms reads the must-read bytes at "
                 f"{100 * f.bytes_read / (ours / 1e3) / (f.read_gbs * 1e9):.0f}% of read bandwidth "
-                f"({100 * f.bytes_read / (ours / 1e3) / (f.copy_gbs * 1e9):.0f}% of copy bandwidth, issue 18's measure)"
+                f"({f.copy_percent(ours):.0f}% of copy bandwidth, issue 18's measure)"
             )
             unguarded = [
                 r.unguarded_ms
                 for r in rows
-                if (r.shape, r.dtype) == (shape, dtype) and r.variant.startswith("ascend") and r.unguarded_ms
+                if (r.shape, r.dtype) == (shape, dtype)
+                and r.variant.startswith("ascend")
+                and r.unguarded_ms is not None
             ]
             if unguarded:
                 fastest = min(unguarded)
                 console.print(
                     f"    with Dynamo's guard evaluation skipped (set_stance skip_guard_eval_unsafe: a serving "
-                    f"engine's view) best ascend {fastest:.2f} ms, "
-                    f"{100 * f.bytes_read / (fastest / 1e3) / (f.copy_gbs * 1e9):.0f}% of copy bandwidth"
+                    f"engine's view) best ascend {fastest:.2f} ms, {f.copy_percent(fastest):.0f}% of copy bandwidth"
                 )
         if shape != "decode" and f.matmuls and ours:
             flop, most, both = f.limits_ms()

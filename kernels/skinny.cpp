@@ -36,6 +36,7 @@ using lanes::Vec;
 // as under kAhead); the bf16 COLS kernels pass kAhead and choose NB themselves.
 constexpr int kAhead = 3;
 constexpr int kAheadBlocks = 4;
+constexpr int kChunks = 5;  // the row schedule, x beyond kChunkAboveBytes in chunks (chunks_of_rows)
 
 template <int L>
 ASCEND_INLINE typename Vec<L>::f load(const float* p) {
@@ -115,9 +116,149 @@ constexpr int rows_of_w(int mb) {
   return mb <= 2 ? 4 : mb == 3 ? 3 : mb <= 6 ? 2 : 1;
 }
 
+// ---- the chunks schedule (skinny.h): x beyond kChunkAboveBytes does not stay in L1 while a weight row streams past
+// it, and every weight row reads it again from L2 (cold fp32 [8, 2048] x [1024, 2048]^T: 12 GB/s against 26 at
+// K = 512).
+// So K is cut into chunks whose x fits kChunkXBytes and the weight's rows into blocks of about kChunkBlockBytes:
+// each chunk of x meets every row of the block (register blocks of rows_of_w rows, their accumulators kept in
+// memory between chunks), and the block's rows come from L2, where the pass over the previous block prefetched
+// them front to back, one line per line it read (one stream, as the row schedule's). Each accumulator adds the
+// same products in the same order as one pass over the row: the same bits as every other schedule.
+struct Chunking {
+  int64_t k_chunk;  // elements of K per chunk, a multiple of 64 (a line of fp32 and bf16, a step of every kernel)
+  int64_t rows;     // weight rows per block, a multiple of the register block
+};
+
+// whether a call takes the chunks: x beyond kChunkAboveBytes, and the weight rows it reads at least 8 times x's
+// bytes (x is packed once per call; [8, 1024] x [64, 1024]^T fp32 ran 7% slower in chunks)
+ASCEND_INLINE bool chunks_pay(int64_t x_bytes, int64_t w_bytes) {
+  return x_bytes > kChunkAboveBytes && w_bytes >= 8 * x_bytes;
+}
+
+// k: the elements the chunks cover; x_bytes_per_k: MB rows of x; nb: the register block; max_rows: the
+// accumulators' room
+ASCEND_INLINE Chunking chunking(int64_t k, int64_t x_bytes_per_k, int64_t w_row_bytes, int nb, int max_rows) {
+  const int64_t chunks = std::max<int64_t>(1, (k * x_bytes_per_k + kChunkXBytes - 1) / kChunkXBytes);
+  const int64_t k_chunk = ((k + chunks - 1) / chunks + 63) / 64 * 64;
+  const int64_t rows = std::clamp<int64_t>(kChunkBlockBytes / std::max<int64_t>(1, w_row_bytes), nb, max_rows);
+  return {k_chunk, rows / nb * nb};
+}
+
+// The next block's rows, prefetched into L2 (prefetcht2) front to back, as many lines per call as were read: the
+// bytes from its first row to the end of its last (a weight whose rows are further apart than K prefetches the gaps
+// too, and the block's last rows then come from memory)
+struct NextBlock {
+  const char* p;
+  const char* end;
+  template <int N>
+  ASCEND_INLINE void lines() {
+    if (p < end)
+      for (int j = 0; j < N; ++j) __builtin_prefetch(p + 64 * j, 0, 1);
+    p += 64 * N;
+  }
+};
+
+// acc[(j * MB + i)] += x[i, k0:k1] . w[j, k0:k1] for NB rows of w (x: the chunk, x[i * xs] its row i's element k0),
+// one line of the next block prefetched per line read (the loop of block(), its accumulators in memory)
+template <int L, int MB, int NB, typename T>
+ASCEND_INLINE void block_part(const float* x, int64_t xs, const T* w, int64_t ws, typename Vec<L>::f* acc, int64_t k0,
+                              int64_t k1, NextBlock& next) {
+  using V = typename Vec<L>::f;
+  V a[MB][NB];
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NB; ++j) a[i][j] = acc[j * MB + i];
+  constexpr int64_t kLineElems = 64 / sizeof(T);
+  for (int64_t kk = k0; kk < k1; kk += L) {
+    V wv[NB];
+    for (int j = 0; j < NB; ++j) wv[j] = load<L>(w + j * ws + kk);
+    if (L * sizeof(T) >= 64 || kk % kLineElems == 0) next.lines<NB>();
+    for (int i = 0; i < MB; ++i) {
+      V xv = load<L>(x + i * xs + (kk - k0));
+#ifdef ASCEND_SKINNY_X86
+      asm("" : "+v"(xv));  // as in block()
+#endif
+      for (int j = 0; j < NB; ++j) a[i][j] += xv * wv[j];
+    }
+  }
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NB; ++j) acc[j * MB + i] = a[i][j];
+}
+
+// The fp32-x kernels' parts for chunks_of_rows: block_part over [0, K - K % L), the K tail after the lane sums
+template <int L, typename T>
+struct FloatStream {
+  using X = float;
+  using W = T;
+  using V = typename Vec<L>::f;
+  template <int MB>
+  static constexpr int nb = rows_of_w<L>(MB);
+  static int64_t k_covered(int64_t k) { return k - k % L; }
+  template <int MB, int NB>
+  static ASCEND_INLINE void part(const X* x, int64_t xs, const W* w, int64_t ws, V* acc, int64_t k0, int64_t k1,
+                                 int64_t, NextBlock& next) {
+    block_part<L, MB, NB, T>(x, xs, w, ws, acc, k0, k1, next);
+  }
+  template <int MB>
+  static ASCEND_INLINE void finish(const X* x, int64_t xs, const W* w, const V* acc, float* y, int64_t ys, int64_t k) {
+    float sums[MB];
+    lane_sums<L, MB>(acc, sums);
+    for (int i = 0; i < MB; ++i) {
+      float s = sums[i];
+      for (int64_t kk = k - k % L; kk < k; ++kk) s = __builtin_fmaf(x[i * xs + kk], to_f(w[kk]), s);  // as block()
+      y[i * ys] = s;
+    }
+  }
+};
+
+// y[0:MB, n_lo:n_hi] by the chunks schedule; S: the kernel's parts (FloatStream, DotStream)
+template <typename S, int MB>
+ASCEND_INLINE void chunks_of_rows(const typename S::X* x, int64_t xs, const typename S::W* w, int64_t ws, float* y,
+                                  int64_t ys, int64_t k, int64_t n_lo, int64_t n_hi) {
+  using V = typename S::V;
+  constexpr int NB = S::template nb<MB>;
+  constexpr int kMaxRows = 16 / NB * NB;  // accumulators: kMaxRows * MB vectors (8 KB at 8 rows of x)
+  const int64_t k_end = S::k_covered(k);
+  const Chunking c =
+      chunking(k_end, MB * int64_t(sizeof(typename S::X)), k * int64_t(sizeof(typename S::W)), NB, kMaxRows);
+  V acc[kMaxRows * MB];
+  // x packed chunk by chunk ([chunk][MB][k_chunk]): each chunk one contiguous range of L1's sets (x's own rows are
+  // often a multiple of 4 KB apart, L1's way size, and a chunk of them then shares a few sets with every weight line)
+  const int64_t n_chunks = (k_end + c.k_chunk - 1) / c.k_chunk;
+  thread_local std::vector<typename S::X> packed;
+  packed.resize(n_chunks * MB * c.k_chunk);
+  for (int64_t q = 0; q < n_chunks; ++q)
+    for (int i = 0; i < MB; ++i)
+      std::memcpy(packed.data() + (q * MB + i) * c.k_chunk, x + i * xs + q * c.k_chunk,
+                  std::min(c.k_chunk, k_end - q * c.k_chunk) * sizeof(typename S::X));
+  for (int64_t n0 = n_lo; n0 < n_hi; n0 += c.rows) {
+    const int64_t rows = std::min(c.rows, n_hi - n0);
+    const int64_t next_rows = std::min(c.rows, n_hi - n0 - rows);
+    const auto* next_w = reinterpret_cast<const char*>(w + (n0 + rows) * ws);
+    NextBlock next{next_w,
+                   next_rows > 0 ? next_w + ((next_rows - 1) * ws + k) * int64_t(sizeof(typename S::W)) : next_w};
+    for (int64_t p = 0; p < rows * MB; ++p) acc[p] = V{};
+    for (int64_t q = 0; q < n_chunks; ++q) {
+      const int64_t k0 = q * c.k_chunk, k1 = std::min(k_end, k0 + c.k_chunk);
+      const typename S::X* xq = packed.data() + q * MB * c.k_chunk;
+      int64_t r = 0;
+      for (; r + NB <= rows; r += NB)
+        S::template part<MB, NB>(xq, c.k_chunk, w + (n0 + r) * ws, ws, acc + r * MB, k0, k1, k, next);
+      for (; r < rows; ++r)
+        S::template part<MB, 1>(xq, c.k_chunk, w + (n0 + r) * ws, ws, acc + r * MB, k0, k1, k, next);
+    }
+    for (int64_t r = 0; r < rows; ++r)
+      S::template finish<MB>(x, xs, w + (n0 + r) * ws, acc + r * MB, y + n0 + r, ys, k);
+  }
+}
+
 template <int L, int MB, typename T, int PF>
 ASCEND_INLINE void all_cols(const float* x, int64_t xs, const T* w, int64_t ws, float* y, int64_t ys, int64_t k,
                             int64_t n_lo, int64_t n_hi) {
+  if constexpr (PF == kChunks) {
+    if (chunks_pay(MB * k * int64_t(sizeof(float)), (n_hi - n_lo) * k * int64_t(sizeof(T))))
+      return chunks_of_rows<FloatStream<L, T>, MB>(x, xs, w, ws, y, ys, k, n_lo, n_hi);
+    return all_cols<L, MB, T, kAhead>(x, xs, w, ws, y, ys, k, n_lo, n_hi);
+  }
   constexpr int NB = PF == kAhead ? 1 : rows_of_w<L>(MB);
   int64_t n = n_lo;
   for (; n + NB <= n_hi; n += NB) block<L, MB, NB, T, PF>(x, xs, w + n * ws, ws, y + n, ys, k);
@@ -242,39 +383,42 @@ ASCEND_AVX512BF16 ASCEND_INLINE void block_dot(const c10::BFloat16* x, int64_t x
     for (; n + NB <= n_hi; n += NB) BLOCK<MB, NB>(x, xs, w + n * ws, ws, y + n, ys, k);                             \
     for (; n < n_hi; ++n) BLOCK<MB, 1>(x, xs, w + n * ws, ws, y + n, ys, k);                                        \
   }                                                                                                                 \
-  TARGET void NAME##_rows(const XT* x, int64_t xs, const c10::BFloat16* w, int64_t ws, float* y, int64_t ys,        \
-                          int64_t m, int64_t k, int64_t n_lo, int64_t n_hi) {                                       \
-    static_assert(kSkinnyRows == 8, "the switch below covers 1..8 rows");                                           \
-    for (int64_t m0 = 0; m0 < m; m0 += kSkinnyRows) {                                                               \
-      const XT* xb = x + m0 * xs;                                                                                   \
-      float* yb = y + m0 * ys;                                                                                      \
-      switch (std::min(kSkinnyRows, m - m0)) {                                                                      \
-        case 1:                                                                                                     \
-          NAME<1>(xb, xs, w, ws, yb, ys, k, n_lo, n_hi);                                                            \
-          break;                                                                                                    \
-        case 2:                                                                                                     \
-          NAME<2>(xb, xs, w, ws, yb, ys, k, n_lo, n_hi);                                                            \
-          break;                                                                                                    \
-        case 3:                                                                                                     \
-          NAME<3>(xb, xs, w, ws, yb, ys, k, n_lo, n_hi);                                                            \
-          break;                                                                                                    \
-        case 4:                                                                                                     \
-          NAME<4>(xb, xs, w, ws, yb, ys, k, n_lo, n_hi);                                                            \
-          break;                                                                                                    \
-        case 5:                                                                                                     \
-          NAME<5>(xb, xs, w, ws, yb, ys, k, n_lo, n_hi);                                                            \
-          break;                                                                                                    \
-        case 6:                                                                                                     \
-          NAME<6>(xb, xs, w, ws, yb, ys, k, n_lo, n_hi);                                                            \
-          break;                                                                                                    \
-        case 7:                                                                                                     \
-          NAME<7>(xb, xs, w, ws, yb, ys, k, n_lo, n_hi);                                                            \
-          break;                                                                                                    \
-        default:                                                                                                    \
-          NAME<8>(xb, xs, w, ws, yb, ys, k, n_lo, n_hi);                                                            \
-          break;                                                                                                    \
-      }                                                                                                             \
-    }                                                                                                               \
+  ASCEND_BF16_ROWS(NAME, XT, TARGET)
+// NAME##_rows: every row of x, kSkinnyRows at a time, by NAME<MB>
+#define ASCEND_BF16_ROWS(NAME, XT, TARGET)                                                                   \
+  TARGET void NAME##_rows(const XT* x, int64_t xs, const c10::BFloat16* w, int64_t ws, float* y, int64_t ys, \
+                          int64_t m, int64_t k, int64_t n_lo, int64_t n_hi) {                                \
+    static_assert(kSkinnyRows == 8, "the switch below covers 1..8 rows");                                    \
+    for (int64_t m0 = 0; m0 < m; m0 += kSkinnyRows) {                                                        \
+      const XT* xb = x + m0 * xs;                                                                            \
+      float* yb = y + m0 * ys;                                                                               \
+      switch (std::min(kSkinnyRows, m - m0)) {                                                               \
+        case 1:                                                                                              \
+          NAME<1>(xb, xs, w, ws, yb, ys, k, n_lo, n_hi);                                                     \
+          break;                                                                                             \
+        case 2:                                                                                              \
+          NAME<2>(xb, xs, w, ws, yb, ys, k, n_lo, n_hi);                                                     \
+          break;                                                                                             \
+        case 3:                                                                                              \
+          NAME<3>(xb, xs, w, ws, yb, ys, k, n_lo, n_hi);                                                     \
+          break;                                                                                             \
+        case 4:                                                                                              \
+          NAME<4>(xb, xs, w, ws, yb, ys, k, n_lo, n_hi);                                                     \
+          break;                                                                                             \
+        case 5:                                                                                              \
+          NAME<5>(xb, xs, w, ws, yb, ys, k, n_lo, n_hi);                                                     \
+          break;                                                                                             \
+        case 6:                                                                                              \
+          NAME<6>(xb, xs, w, ws, yb, ys, k, n_lo, n_hi);                                                     \
+          break;                                                                                             \
+        case 7:                                                                                              \
+          NAME<7>(xb, xs, w, ws, yb, ys, k, n_lo, n_hi);                                                     \
+          break;                                                                                             \
+        default:                                                                                             \
+          NAME<8>(xb, xs, w, ws, yb, ys, k, n_lo, n_hi);                                                     \
+          break;                                                                                             \
+      }                                                                                                      \
+    }                                                                                                        \
   }
 ASCEND_BF16_COLS(cols_widen, block_widen, float, ASCEND_AVX512, rows_of_w<16>(MB))
 template <int MB, int NB>
@@ -306,7 +450,57 @@ ASCEND_AVX512BF16 ASCEND_INLINE void block_dot_ahead(const c10::BFloat16* x, int
 // vectors per 8 dot products (x's 8 and w's one), and the load ports, not the memory, bound it (skinny.h)
 ASCEND_BF16_COLS(cols_dot_ahead, block_dot_ahead, c10::BFloat16, ASCEND_AVX512BF16, (MB >= 5 ? 2 : 1))
 ASCEND_BF16_COLS(cols_dot_ahead_blocks, block_dot_ahead, c10::BFloat16, ASCEND_AVX512BF16, rows_of_w<16>(MB))
+
+// The AVX512_BF16 kernel's parts for chunks_of_rows: block_dot's loop over [k0, k1) (its K tail masked in the last
+// chunk, which ends at K)
+struct DotStream {
+  using X = c10::BFloat16;
+  using W = c10::BFloat16;
+  using V = Vec<16>::f;
+  template <int MB>
+  static constexpr int nb = rows_of_w<16>(MB);
+  static int64_t k_covered(int64_t k) { return k; }
+  // (not forced inline: chunks_of_rows has no target of its own; a call per chunk of NB rows)
+  template <int MB, int NB>
+  static ASCEND_AVX512BF16 void part(const X* x, int64_t xs, const W* w, int64_t ws, V* acc, int64_t k0, int64_t k1,
+                                     int64_t k, NextBlock& next) {
+    __m512 a[MB][NB];
+    for (int i = 0; i < MB; ++i)
+      for (int j = 0; j < NB; ++j) a[i][j] = reinterpret_cast<__m512>(acc[j * MB + i]);
+    for (int64_t kk = k0; kk < k1; kk += 32) {
+      const __mmask32 mask = k - kk >= 32 ? __mmask32(0xffffffffu) : __mmask32((1u << (k - kk)) - 1);
+      __m512i wv[NB];
+      for (int j = 0; j < NB; ++j) wv[j] = _mm512_maskz_loadu_epi16(mask, w + j * ws + kk);
+      next.lines<NB>();
+      for (int i = 0; i < MB; ++i) {
+        const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + i * xs + (kk - k0));
+        for (int j = 0; j < NB; ++j) a[i][j] = _mm512_dpbf16_ps(a[i][j], xv, (__m512bh)wv[j]);
+      }
+    }
+    for (int i = 0; i < MB; ++i)
+      for (int j = 0; j < NB; ++j) acc[j * MB + i] = reinterpret_cast<V>(a[i][j]);
+  }
+  template <int MB>
+  static ASCEND_INLINE void finish(const X*, int64_t, const W*, const V* acc, float* y, int64_t ys, int64_t) {
+    float sums[MB];
+    lane_sums<16, MB>(acc, sums);
+    for (int i = 0; i < MB; ++i) y[i * ys] = sums[i];
+  }
+};
+
+// the chunks schedule (chunks_of_rows) where they pay, else the row schedule's cols_dot_ahead
+template <int MB>
+ASCEND_AVX512BF16 ASCEND_INLINE void cols_dot_chunks(const c10::BFloat16* x, int64_t xs, const c10::BFloat16* w,
+                                                     int64_t ws, float* y, int64_t ys, int64_t k, int64_t n_lo,
+                                                     int64_t n_hi) {
+  if (chunks_pay(MB * k * 2, (n_hi - n_lo) * k * 2))
+    chunks_of_rows<DotStream, MB>(x, xs, w, ws, y, ys, k, n_lo, n_hi);
+  else
+    cols_dot_ahead<MB>(x, xs, w, ws, y, ys, k, n_lo, n_hi);
+}
+ASCEND_BF16_ROWS(cols_dot_chunks, c10::BFloat16, ASCEND_AVX512BF16)
 #undef ASCEND_BF16_COLS
+#undef ASCEND_BF16_ROWS
 #endif
 
 #define ASCEND_SKINNY_ARGS                                                                                      \
@@ -341,6 +535,16 @@ __attribute__((target("avx512f,avx512vl,avx512bw,avx512dq,avx2,fma"))) void rows
 }
 
 template <typename T>
+__attribute__((target("avx512f,avx512vl,avx512bw,avx512dq,avx2,fma"))) void rows_avx512_chunks(ASCEND_SKINNY_ARGS) {
+  rows<16, T, kChunks>(ASCEND_SKINNY_PASS);
+}
+
+template <typename T>
+__attribute__((target("avx2,fma"))) void rows_avx2_chunks(ASCEND_SKINNY_ARGS) {
+  rows<8, T, kChunks>(ASCEND_SKINNY_PASS);
+}
+
+template <typename T>
 __attribute__((target("avx2,fma"))) void rows_avx2_blocks(ASCEND_SKINNY_ARGS) {
   rows<8, T, kAheadBlocks>(ASCEND_SKINNY_PASS);
 }
@@ -367,6 +571,7 @@ void dispatch(ASCEND_SKINNY_ARGS) {
             cols_widen_ahead_blocks_rows(ASCEND_SKINNY_PASS);
             break;
           case DecodeSchedule::kRow:
+          case DecodeSchedule::kChunks:                 // (no chunks of its own: skinny.h)
             cols_widen_ahead_rows(ASCEND_SKINNY_PASS);  // one row at a time (skinny.h, kAheadBytes)
             break;
           default:
@@ -376,6 +581,9 @@ void dispatch(ASCEND_SKINNY_ARGS) {
         break;
       }
       switch (stream_schedule(StreamKernel::kFp32)) {
+        case DecodeSchedule::kChunks:
+          rows_avx512_chunks<T>(ASCEND_SKINNY_PASS);  // the row schedule, x beyond L1 in chunks (skinny.h)
+          break;
         case DecodeSchedule::kRow:
           rows_avx512_ahead<T>(ASCEND_SKINNY_PASS);  // one row at a time (skinny.h, kAheadBytes)
           break;
@@ -399,6 +607,9 @@ void dispatch(ASCEND_SKINNY_ARGS) {
     }
     case Isa::kAvx2:
       switch (stream_schedule(bf16 ? StreamKernel::kBf16Avx2 : StreamKernel::kFp32Avx2)) {
+        case DecodeSchedule::kChunks:
+          rows_avx2_chunks<T>(ASCEND_SKINNY_PASS);
+          break;
         case DecodeSchedule::kBlocks:
           rows_avx2_blocks<T>(ASCEND_SKINNY_PASS);
           break;
@@ -429,11 +640,13 @@ DecodeSchedule decode_schedule() {
   if (e == nullptr || *e == '\0') return DecodeSchedule::kDefault;
   if (std::strcmp(e, "row") == 0) return DecodeSchedule::kRow;
   if (std::strcmp(e, "blocks") == 0) return DecodeSchedule::kBlocks;
+  if (std::strcmp(e, "chunks") == 0) return DecodeSchedule::kChunks;
   if (std::strcmp(e, "v9") == 0) return DecodeSchedule::kV9;
   if (std::strcmp(e, "v23") == 0) return DecodeSchedule::kV23;
   // an A/B knob: a misspelt schedule must not time the default under another name (at::parallel_for hands an
   // error raised in a worker back to the caller)
-  TORCH_CHECK_VALUE(false, "ASCEND_PASSES_DECODE_SCHEDULE must be unset, row, blocks, v9 or v23; got '", e, "'");
+  TORCH_CHECK_VALUE(false, "ASCEND_PASSES_DECODE_SCHEDULE must be unset, chunks, row, blocks, v9 or v23; got '", e,
+                    "'");
 }
 
 DecodeSchedule stream_schedule(StreamKernel kernel) {
@@ -444,7 +657,7 @@ DecodeSchedule stream_schedule(StreamKernel kernel) {
     case StreamKernel::kBf16Avx2:
       return DecodeSchedule::kBlocks;
     default:
-      return DecodeSchedule::kRow;
+      return DecodeSchedule::kChunks;
   }
 }
 
@@ -475,6 +688,10 @@ void skinny_nt(const c10::BFloat16* x, int64_t xs, const c10::BFloat16* w, int64
     const DecodeSchedule schedule = stream_schedule(StreamKernel::kBf16Dot);
     if (bf16_schedule_v8())  // session 8: blocks, no software prefetch
       cols_dot_rows(x, xs, w, ws, y, ys, m, k, n_lo, n_hi);
+    else if (schedule == DecodeSchedule::kChunks && chunks_pay(std::min(m, kSkinnyRows) * k * 2, (n_hi - n_lo) * k * 2))
+      cols_dot_chunks_rows(x, xs, w, ws, y, ys, m, k, n_lo, n_hi);  // x beyond L1 in chunks (skinny.h)
+    else if (schedule == DecodeSchedule::kChunks)  // (decided here: the row kernel inside cols_dot_chunks ran slower)
+      cols_dot_ahead_rows(x, xs, w, ws, y, ys, m, k, n_lo, n_hi);
     else if (schedule == DecodeSchedule::kRow)  // one row at a time (skinny.h, kAheadBytes)
       cols_dot_ahead_rows(x, xs, w, ws, y, ys, m, k, n_lo, n_hi);
     else if (schedule == DecodeSchedule::kBlocks)  // blocks, each row's line kAheadBytes ahead prefetched

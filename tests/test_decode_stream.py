@@ -6,7 +6,10 @@ block). Session 24: every piece reads one weight row at a time (one stream, pref
 distance ahead); ASCEND_PASSES_DECODE_SCHEDULE=v23 runs session 23's blocks of 3-4 weight rows. Session 25:
 =blocks reads blocks of rows, each row prefetched a fixed distance ahead; the default is per kernel
 (skinny.h), =row forces the one-row stream everywhere (session 26: the AVX512_BF16 kernel's row stream takes two
-adjacent weight rows from 5 rows of x on, and a last single row where N is odd). The
+adjacent weight rows from 5 rows of x on, and a last single row where N is odd). Session 27: =chunks (the
+default of the fp32 and AVX512_BF16 kernels) cuts K in chunks where x outgrows L1 (x packed per chunk, the
+weight in blocks of rows, accumulators kept between chunks: fp32 [257, 1030] and [130, 4099] at 5-8 rows, bf16
+[130, 8195], the grouped [256, 1024] pieces of 5-8 rows). The
 arithmetic order is the same, so all must give bitwise the same results, and all must equal
 fp64 products at every edge: rows 1..8, weight rows not a multiple of the 3- / 4-row register blocks, K
 below, at and past a 16-lane step, weight rows further apart than K (NaN in the gap: never read into a
@@ -41,11 +44,11 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def all_schedules(monkeypatch, call):
-    """The default schedule's result (per kernel: skinny.h), asserted bitwise equal to the one-row stream's,
-    the prefetched blocks', session 9's and session 23's."""
+    """The default schedule's result (per kernel: skinny.h), asserted bitwise equal to the chunked stream's, the
+    one-row stream's, the prefetched blocks', session 9's and session 23's."""
     monkeypatch.delenv(ENV, raising=False)
     new = call()
-    for old_schedule in ("row", "blocks", "v9", "v23"):
+    for old_schedule in ("chunks", "row", "blocks", "v9", "v23"):
         monkeypatch.setenv(ENV, old_schedule)
         old = call()
         assert torch.equal(_bits(new), _bits(old)), old_schedule
@@ -61,7 +64,7 @@ def nan_gap_weight(n: int, k: int, pad: int = 5) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("m", [1, 2, 3, 5, 8])
-@pytest.mark.parametrize("n,k", [(1, 1), (2, 15), (4, 16), (7, 17), (64, 100), (257, 1030)])
+@pytest.mark.parametrize("n,k", [(1, 1), (2, 15), (4, 16), (7, 17), (64, 100), (257, 1030), (130, 4099)])
 @pytest.mark.parametrize("nt", [1, 2])
 def test_linear_stream_schedules_bitwise_and_against_fp64(monkeypatch, threads, m, n, k, nt):
     threads(nt)
@@ -98,7 +101,7 @@ def test_grouped_decode_stream_schedules_bitwise_and_against_fp64(monkeypatch, t
 
 
 @pytest.mark.parametrize("m", [1, 3, 4, 5, 8])
-@pytest.mark.parametrize("n,k", [(5, 31), (64, 256), (130, 512), (33, 1030)])
+@pytest.mark.parametrize("n,k", [(5, 31), (64, 256), (130, 512), (33, 1030), (130, 8195)])
 @pytest.mark.parametrize("nt", [1, 2])
 def test_bf16_linear_stream_prefetch_distance_bitwise_and_against_fp64(monkeypatch, threads, m, n, k, nt):
     """bf16 rows shorter than 2 KB prefetch up to 4 blocks ahead (v9: the next block): same results bitwise,
@@ -118,7 +121,7 @@ def test_unknown_schedule_is_a_value_error(monkeypatch):
     x, w = torch.randn(2, 64), torch.randn(32, 64)
     monkeypatch.setenv(ENV, "v10")
     with pytest.raises(
-        ValueError, match="ASCEND_PASSES_DECODE_SCHEDULE must be unset, row, blocks, v9 or v23; got 'v10'"
+        ValueError, match="ASCEND_PASSES_DECODE_SCHEDULE must be unset, chunks, row, blocks, v9 or v23; got 'v10'"
     ):
         K.linear(x, w, None)
     with pytest.raises(ValueError, match="got 'v10'"):

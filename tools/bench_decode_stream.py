@@ -3,18 +3,22 @@
 For each dtype (bf16, fp32; ``--caps`` adds the kernels of narrower CPUs, each in a child process under
 ``ASCEND_PASSES_ISA``: ``avx512`` = bf16 widened to fp32, the AVX-512 CPUs without AVX512_BF16; ``avx2`` = fp32
 and bf16 on 8-lane FMAs) and each m (rows per expert), ``ascend_kernels.grouped_matmul``
-over 37 of 64 experts of m rows each at the DeepSeek-V3-medium expert shapes, up ([E, 512, 1024]) and down
-([E, 1024, 256]), HF-layout weights (K contiguous), both threads, every call on the next of enough copies that
-it reads its weights from memory (the copies read in between exceed twice the last-level cache; until session 25
-all schedules of a round shared one copy, so that the second and third found part of it in L3, and a 300 MB L3
-held all six copies). Per round each schedule runs once, alternated (``ASCEND_PASSES_DECODE_SCHEDULE``, read
-per call): ``row`` (one weight row at a time, kAheadBytes prefetched ahead), ``blocks`` (blocks of 3-4 weight rows,
-each row prefetched kAheadBytes ahead) and ``v23`` (session 23's blocks, the next block prefetched); the table
-prints the medians, each against row, and which one the default (unset) takes for that kernel on this CPU
-(kernels/skinny.h). Same bits either way (tests/test_decode_stream.py). The machine may be shared and its memory
-speed drifts: read the ratios.
+over the active experts of m rows each, HF-layout weights (K contiguous), both threads, every call on the next of
+enough copies that it reads its weights from memory (the copies read in between exceed twice the last-level cache;
+until session 25 all schedules of a round shared one copy, so that the second and third found part of it in L3,
+and a 300 MB L3 held all six copies). ``--model medium`` (default): 37 of 64 experts at the DeepSeek-V3-medium
+expert shapes of tools/bench_model.py, up ([E, 512, 1024]) and down ([E, 1024, 256]); ``--model v3``: 4 experts
+at DeepSeek-V3's own (671B) shapes, up [E, 4096, 7168] and down [E, 7168, 2048], where a few rows of x no longer
+fit L1 (fp32 at 2 rows of K = 7168: 57 KB) — the case of the ``chunks`` schedule; the same kernel serves
+``ascend.linear``'s decode rows. Per round each schedule runs once, alternated (``ASCEND_PASSES_DECODE_SCHEDULE``,
+read per call): ``row`` (one weight row at a time, kAheadBytes prefetched ahead), ``chunks`` (row, and x beyond
+16 KB in chunks of K that stay in L1, the weight in blocks of rows prefetched into L2 — session 27), ``blocks``
+(blocks of 3-4 weight rows, each row prefetched kAheadBytes ahead) and ``v23`` (session 23's blocks, the next
+block prefetched); the table prints the medians, each against row, and which one the default (unset) takes for
+that kernel on this CPU (kernels/skinny.h). Same bits either way (tests/test_decode_stream.py). The machine may
+be shared and its memory speed drifts: read the ratios.
 
-    python tools/bench_decode_stream.py [--rows 1,2,3,4,5,6,8] [--rounds 30] [--caps avx512,avx2]
+    python tools/bench_decode_stream.py [--model medium|v3] [--rows 1,2,3,4,5,6,8] [--rounds 30] [--caps avx512,avx2]
 """
 
 from __future__ import annotations
@@ -34,11 +38,20 @@ from rich.table import Table
 
 from ascend_passes import kernels
 
-E, ACTIVE = 64, 37
-SHAPES = {"up": (512, 1024), "down": (1024, 256)}  # (N, K)
-SCHEDULES = ("row", "blocks", "v23")
+# --model: (experts, active experts, {weight: (N, K)})
+MODELS = {
+    "medium": (64, 37, {"up": (512, 1024), "down": (1024, 256)}),
+    "v3": (4, 4, {"up": (4096, 7168), "down": (7168, 2048)}),
+}
+SCHEDULES = ("row", "chunks", "blocks", "v23")
 # the default of each kernel (kernels/skinny.h, stream_schedule())
-DEFAULTS = {"bfloat16": "row", "float32": "row", "bf16-widened": "blocks", "fp32-avx2": "row", "bf16-avx2": "blocks"}
+DEFAULTS = {
+    "bfloat16": "chunks",
+    "float32": "chunks",
+    "bf16-widened": "blocks",
+    "fp32-avx2": "chunks",
+    "bf16-avx2": "blocks",
+}
 # --caps: the dtypes worth timing under each ASCEND_PASSES_ISA cap (fp32 under avx512 is the default's kernel)
 CAPPED = {
     "avx512": (("bf16-widened", torch.bfloat16),),
@@ -46,11 +59,12 @@ CAPPED = {
 }
 
 
-def measure(dtype: torch.dtype, rows: list[int], rounds: int) -> list[tuple[str, int, float, float]]:
+def measure(model: str, dtype: torch.dtype, rows: list[int], rounds: int) -> list[tuple]:
     """(shape, m, GB/s of each of SCHEDULES) for each shape and m."""
     ops = torch.ops.ascend_kernels
+    E, ACTIVE, shapes = MODELS[model]
     out = []
-    for shape, (n, k) in SHAPES.items():
+    for shape, (n, k) in shapes.items():
         # enough copies that the others' bytes read between two uses of one copy exceed the last-level cache
         # twice over (a 16-core VM's 300 MB L3 holds six copies of these experts), and each call of a round
         # (one per schedule) on a copy of its own
@@ -79,6 +93,7 @@ def measure(dtype: torch.dtype, rows: list[int], rounds: int) -> list[tuple[str,
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=sorted(MODELS), default="medium", help="expert shapes (docstring)")
     parser.add_argument("--rows", default="1,2,3,4,5,6,8", help="rows per expert (comma-separated)")
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--caps", default="", help="ASCEND_PASSES_ISA caps to time too: avx512 and/or avx2")
@@ -90,45 +105,48 @@ def main() -> None:
     torch.manual_seed(0)
     if args.child:
         for label, dtype in CAPPED[args.child]:
-            for shape, m, *rates in measure(dtype, rows, args.rounds):
+            for shape, m, *rates in measure(args.model, dtype, rows, args.rounds):
                 print(f"ROW {label} {shape} {m} " + " ".join(str(r) for r in rates), flush=True)
         return
     caps = [c for c in args.caps.split(",") if c]
     if any(c not in CAPPED for c in caps):
         sys.exit(f"bench_decode_stream: --caps takes {', '.join(CAPPED)}, got {args.caps!r}")
     allocator = _allocator.ensure("tcmalloc")
-    console = Console(width=120)
+    console = Console(width=132)
     console.print(
         f"{cpu_features_line()}; {torch.get_num_threads()} threads; allocator {allocator}; vendor {cpu_vendor()}; "
         f"last-level cache {last_level_cache_bytes() / 2**20:.0f} MiB"
     )
     results = []
     for label, dtype in (("bfloat16", torch.bfloat16), ("float32", torch.float32)):
-        results += [(label, *r) for r in measure(dtype, rows, args.rounds)]
+        results += [(label, *r) for r in measure(args.model, dtype, rows, args.rounds)]
         console.print(f"  {label} done", highlight=False)
     for cap in caps:
         env = dict(os.environ, ASCEND_PASSES_ISA=cap)
-        cmd = [sys.executable, __file__, "--child", cap, "--rows", args.rows, "--rounds", str(args.rounds)]
+        cmd = [sys.executable, __file__, "--child", cap, "--model", args.model, "--rows", args.rows]
+        cmd += ["--rounds", str(args.rounds)]
         run = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
         for line in run.stdout.splitlines():
             if line.startswith("ROW "):
                 label, shape, m, *rates = line.split()[1:]
                 results.append((label, shape, int(m), *(float(r) for r in rates)))
-    table = Table(title="decode weight stream: GB/s of cold expert weight, medians of alternated rounds", width=120)
-    cols = ("dtype", "weight", "m", "row", "blocks", "v23", "blocks / row", "v23 / row", "default")
+    table = Table(
+        title=f"decode weight stream ({args.model}): GB/s of cold expert weight, medians of alternated rounds",
+        width=132,
+    )
+    others = SCHEDULES[1:]
+    cols = ("dtype", "weight", "m", *SCHEDULES, *(f"{s} / row" for s in others), "default")
     for col in cols:
         table.add_column(col, justify="right" if col not in ("dtype", "weight") else "left")
-    for label, shape, m, row, blocks, v23 in results:
-        n, k = SHAPES[shape]
+    shapes = MODELS[args.model][2]
+    for label, shape, m, row, *rest in results:
+        n, k = shapes[shape]
         table.add_row(
             label,
             f"{shape} [E,{n},{k}]",
             str(m),
-            f"{row:.1f}",
-            f"{blocks:.1f}",
-            f"{v23:.1f}",
-            f"{blocks / row:.2f}x",
-            f"{v23 / row:.2f}x",
+            *(f"{r:.1f}" for r in (row, *rest)),
+            *(f"{r / row:.2f}x" for r in rest),
             DEFAULTS[label],
         )
     console.print(table)

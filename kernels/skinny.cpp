@@ -36,7 +36,7 @@ using lanes::Vec;
 // as under kAhead); the bf16 COLS kernels pass kAhead and choose NB themselves.
 constexpr int kAhead = 3;
 constexpr int kAheadBlocks = 4;
-constexpr int kChunks = 5;  // the row schedule, x beyond kChunkAboveBytes in chunks (chunks_of_rows)
+constexpr int kChunks = 5;  // the kernel's own stream, x beyond kChunkAboveBytes in chunks (chunks_of_rows)
 
 template <int L>
 ASCEND_INLINE typename Vec<L>::f load(const float* p) {
@@ -257,7 +257,9 @@ ASCEND_INLINE void all_cols(const float* x, int64_t xs, const T* w, int64_t ws, 
   if constexpr (PF == kChunks) {
     if (chunks_pay(MB * k * int64_t(sizeof(float)), (n_hi - n_lo) * k * int64_t(sizeof(T))))
       return chunks_of_rows<FloatStream<L, T>, MB>(x, xs, w, ws, y, ys, k, n_lo, n_hi);
-    return all_cols<L, MB, T, kAhead>(x, xs, w, ws, y, ys, k, n_lo, n_hi);
+    // elsewhere the kernel's own stream: one row at a time for fp32 weights, blocks for bf16 ones (skinny.h)
+    constexpr int kOwn = std::is_same_v<T, float> ? kAhead : kAheadBlocks;
+    return all_cols<L, MB, T, kOwn>(x, xs, w, ws, y, ys, k, n_lo, n_hi);
   }
   constexpr int NB = PF == kAhead ? 1 : rows_of_w<L>(MB);
   int64_t n = n_lo;
@@ -428,6 +430,53 @@ ASCEND_AVX512 ASCEND_INLINE void block_widen_ahead(const float* x, int64_t xs, c
 }
 ASCEND_BF16_COLS(cols_widen_ahead, block_widen_ahead, float, ASCEND_AVX512, 1)
 ASCEND_BF16_COLS(cols_widen_ahead_blocks, block_widen_ahead, float, ASCEND_AVX512, rows_of_w<16>(MB))
+
+// The widening kernel's parts for chunks_of_rows: block_widen's loop over [k0, k1) (its K tail masked in the last
+// chunk, which ends at K)
+struct WidenStream {
+  using X = float;
+  using W = c10::BFloat16;
+  using V = Vec<16>::f;
+  template <int MB>
+  static constexpr int nb = rows_of_w<16>(MB);
+  static int64_t k_covered(int64_t k) { return k; }
+  // (not forced inline: chunks_of_rows has no target of its own; a call per chunk of NB rows)
+  template <int MB, int NB>
+  static ASCEND_AVX512 void part(const X* x, int64_t xs, const W* w, int64_t ws, V* acc, int64_t k0, int64_t k1,
+                                 int64_t k, NextBlock& next) {
+    __m512 a[MB][NB];
+    for (int i = 0; i < MB; ++i)
+      for (int j = 0; j < NB; ++j) a[i][j] = reinterpret_cast<__m512>(acc[j * MB + i]);
+    for (int64_t kk = k0; kk < k1; kk += 16) {
+      const __mmask16 mask = k - kk >= 16 ? __mmask16(0xffff) : __mmask16((1u << (k - kk)) - 1);
+      __m512 wv[NB];
+      for (int j = 0; j < NB; ++j) wv[j] = widen16(w + j * ws + kk, mask);
+      if (kk % 32 == 0) next.lines<NB>();
+      for (int i = 0; i < MB; ++i) {
+        const __m512 xv = _mm512_maskz_loadu_ps(mask, x + i * xs + (kk - k0));
+        for (int j = 0; j < NB; ++j) a[i][j] = _mm512_fmadd_ps(xv, wv[j], a[i][j]);
+      }
+    }
+    for (int i = 0; i < MB; ++i)
+      for (int j = 0; j < NB; ++j) acc[j * MB + i] = reinterpret_cast<V>(a[i][j]);
+  }
+  template <int MB>
+  static ASCEND_INLINE void finish(const X*, int64_t, const W*, const V* acc, float* y, int64_t ys, int64_t) {
+    float sums[MB];
+    lane_sums<16, MB>(acc, sums);
+    for (int i = 0; i < MB; ++i) y[i * ys] = sums[i];
+  }
+};
+
+// the chunks schedule (chunks_of_rows) where they pay, else this kernel's blocks (skinny.h)
+template <int MB>
+ASCEND_AVX512 ASCEND_INLINE void cols_widen_chunks(const float* x, int64_t xs, const c10::BFloat16* w, int64_t ws,
+                                                   float* y, int64_t ys, int64_t k, int64_t n_lo, int64_t n_hi) {
+  if (chunks_pay(MB * k * 4, (n_hi - n_lo) * k * 2))
+    chunks_of_rows<WidenStream, MB>(x, xs, w, ws, y, ys, k, n_lo, n_hi);
+  else
+    cols_widen_ahead_blocks<MB>(x, xs, w, ws, y, ys, k, n_lo, n_hi);
+}
 ASCEND_BF16_COLS(cols_dot, block_dot, c10::BFloat16, ASCEND_AVX512BF16, rows_of_w<16>(MB))
 template <int MB, int NB>
 ASCEND_AVX512BF16 ASCEND_INLINE void block_dot_pf(const c10::BFloat16* x, int64_t xs, const c10::BFloat16* w,
@@ -499,6 +548,7 @@ ASCEND_AVX512BF16 ASCEND_INLINE void cols_dot_chunks(const c10::BFloat16* x, int
     cols_dot_ahead<MB>(x, xs, w, ws, y, ys, k, n_lo, n_hi);
 }
 ASCEND_BF16_ROWS(cols_dot_chunks, c10::BFloat16, ASCEND_AVX512BF16)
+ASCEND_BF16_ROWS(cols_widen_chunks, float, ASCEND_AVX512)
 #undef ASCEND_BF16_COLS
 #undef ASCEND_BF16_ROWS
 #endif
@@ -566,12 +616,14 @@ void dispatch(ASCEND_SKINNY_ARGS) {
     case Isa::kAmx:  // decode is bound by reading the weight: AVX-512 streams it
     case Isa::kAvx512: {
       if constexpr (bf16) {  // bf16 weights, fp32 x (or bf16 x without AVX512_BF16): widened to fp32
-        switch (stream_schedule(StreamKernel::kBf16Widened)) {
+        switch (stream_schedule()) {
           case DecodeSchedule::kBlocks:
             cols_widen_ahead_blocks_rows(ASCEND_SKINNY_PASS);
             break;
+          case DecodeSchedule::kChunks:  // blocks, x beyond L1 in chunks (skinny.h)
+            cols_widen_chunks_rows(ASCEND_SKINNY_PASS);
+            break;
           case DecodeSchedule::kRow:
-          case DecodeSchedule::kChunks:                 // (no chunks of its own: skinny.h)
             cols_widen_ahead_rows(ASCEND_SKINNY_PASS);  // one row at a time (skinny.h, kAheadBytes)
             break;
           default:
@@ -580,7 +632,7 @@ void dispatch(ASCEND_SKINNY_ARGS) {
         }
         break;
       }
-      switch (stream_schedule(StreamKernel::kFp32)) {
+      switch (stream_schedule()) {
         case DecodeSchedule::kChunks:
           rows_avx512_chunks<T>(ASCEND_SKINNY_PASS);  // the row schedule, x beyond L1 in chunks (skinny.h)
           break;
@@ -606,7 +658,7 @@ void dispatch(ASCEND_SKINNY_ARGS) {
       break;
     }
     case Isa::kAvx2:
-      switch (stream_schedule(bf16 ? StreamKernel::kBf16Avx2 : StreamKernel::kFp32Avx2)) {
+      switch (stream_schedule()) {
         case DecodeSchedule::kChunks:
           rows_avx2_chunks<T>(ASCEND_SKINNY_PASS);
           break;
@@ -649,16 +701,10 @@ DecodeSchedule decode_schedule() {
                     "'");
 }
 
-DecodeSchedule stream_schedule(StreamKernel kernel) {
+DecodeSchedule stream_schedule() {
   const DecodeSchedule schedule = decode_schedule();
   if (schedule != DecodeSchedule::kDefault) return schedule;
-  switch (kernel) {  // skinny.h: the measurements behind this table
-    case StreamKernel::kBf16Widened:
-    case StreamKernel::kBf16Avx2:
-      return DecodeSchedule::kBlocks;
-    default:
-      return DecodeSchedule::kChunks;
-  }
+  return DecodeSchedule::kChunks;  // each kernel's own stream, x beyond L1 in chunks (skinny.h: the measurements)
 }
 
 bool skinny_bf16_dot() {
@@ -685,7 +731,7 @@ void skinny_nt(const c10::BFloat16* x, int64_t xs, const c10::BFloat16* w, int64
                int64_t k, int64_t n_lo, int64_t n_hi) {
 #ifdef ASCEND_SKINNY_X86
   if (skinny_bf16_dot()) {
-    const DecodeSchedule schedule = stream_schedule(StreamKernel::kBf16Dot);
+    const DecodeSchedule schedule = stream_schedule();
     if (bf16_schedule_v8())  // session 8: blocks, no software prefetch
       cols_dot_rows(x, xs, w, ws, y, ys, m, k, n_lo, n_hi);
     else if (schedule == DecodeSchedule::kChunks && chunks_pay(std::min(m, kSkinnyRows) * k * 2, (n_hi - n_lo) * k * 2))

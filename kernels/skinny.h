@@ -37,18 +37,20 @@ bool skinny_bf16_dot();
 //   AVX512_BF16 kernel takes two adjacent rows from 5 rows of x (session 26): one row at a time loads 9 vectors
 //   per 8 vdpbf16ps at 8 rows, and the load ports bound it below the memory (cold bf16 linear [8, K] x [N, K]^T,
 //   both threads, 3 alternated runs: [4096, 1024] 255-269 us against 298-331, [1024, 512] 37-42 against 45-46).
-// - chunks (session 27): the row schedule, and where x passes kChunkAboveBytes (and the call's weight rows are at
-//   least 8 times x's bytes) K cut in chunks whose x (packed, chunk by chunk) fits kChunkXBytes of L1, the weight's
-//   rows in blocks of ~kChunkBlockBytes, each chunk of x meeting every row of a block (register blocks as under
-//   blocks, the accumulators kept in memory between chunks) while the pass prefetches the next block into L2 front
-//   to back. One row at a time re-read x from L2 for every weight row once x outgrew L1: 4+ rows of fp32 at K = 2048,
-//   2+ rows of bf16 at DeepSeek-V3's K = 7168. Measured by `python tools/bench_decode_stream.py --model v3` (session
-//   27, this AMD, 4 experts of [4096, 7168] up / [7168, 2048] down, 8 rounds), chunks / row: bf16 up m = 1 0.98x
-//   (x not chunked), m = 2..8 1.14-1.86x; down 1.01-1.20x; fp32 up 1.27-2.42x (m = 8: 13.1 -> 31.5 GB/s); down m = 4
-//   1.51x, m = 8 2.76x, m = 3 (24 KB of x, below the bound since) 0.80x in that run. Cold linears (lin_ab, both
-//   threads, alternated): fp32 [8, 2048] x [1024, 2048]^T 12.2 -> 28.6 GB/s, [8, 1024] x [4096, 1024]^T 21.9 -> 27.5;
-//   bf16 [m, 7168] x [2048, 7168]^T m = 2 24.0 -> 37.2, m = 4 16.8 -> 30.8, m = 8 17.1 -> 26.1. The widened bf16
-//   kernel has no chunks (runs the row schedule under =chunks); the AVX2 kernels take them through the same template.
+// - chunks (session 27; the default): each kernel's own stream (row for the fp32 and AVX512_BF16 kernels, blocks for
+//   the bf16 ones without AVX512_BF16: widened, AVX2; the measurements below), and where x passes kChunkAboveBytes (and
+//   the call's weight rows are at least 8 times x's bytes) K cut in chunks whose x (packed, chunk by chunk) fits
+//   kChunkXBytes of L1, the weight's rows in blocks of ~kChunkBlockBytes, each chunk of x meeting every row of a block
+//   (register blocks as under blocks, the accumulators kept in memory between chunks) while the pass prefetches the
+//   next block into L2 front to back. One row at a time re-read x from L2 for every weight row once x outgrew L1: 4+
+//   rows of fp32 at K = 2048, 2+ rows of bf16 at DeepSeek-V3's K = 7168. Measured by `python
+//   tools/bench_decode_stream.py --model v3` (session 27, this AMD, 4 experts of [4096, 7168] up / [7168, 2048] down, 8
+//   rounds), chunks / row: bf16 up m = 1 0.98x (x not chunked), m = 2..8 1.14-1.86x; down 1.01-1.20x; fp32
+//   up 1.27-2.42x (m = 8: 13.1 -> 31.5 GB/s); down m = 4 1.51x, m = 8 2.76x, m = 3 (24 KB of x, below the bound since)
+//   0.80x in that run. Cold linears (lin_ab, both threads, alternated): fp32 [8, 2048] x [1024, 2048]^T 12.2 -> 28.6
+//   GB/s, [8, 1024] x [4096, 1024]^T 21.9 -> 27.5; bf16 [m, 7168] x [2048, 7168]^T m = 2 24.0 -> 37.2, m = 4 16.8
+//   -> 30.8, m = 8 17.1 -> 26.1. The widened and the AVX2 kernels take the same driver (chunks_of_rows) with their own
+//   inner loops.
 // - blocks: blocks of 3-4 weight rows per pass (x loaded once per block, as until session 23), each row's line
 //   kAheadBytes ahead prefetched likewise: the streams are trained by the prefetches, and x's loads are shared by
 //   the block's rows (at 8 rows of x, one row at a time loads 9 vectors per 8 dot products).
@@ -72,9 +74,9 @@ bool skinny_bf16_dot();
 //   rule below is not split by vendor for it.
 // The bench model's bf16 decode (`ascend_inductor_cpp`, cold copies, schedules alternated in one process; its
 // expert pieces are of 1-2 rows, its linears of 8): row 6.78-7.14 ms, blocks for the m >= 5 pieces 7.03-7.24,
-// blocks everywhere 7.09, v23 10.10. So the default (unset) per kernel (stream_schedule()): the AVX512_BF16 and
-// fp32 kernels one row at a time, the bf16 kernels without AVX512_BF16 (widened, AVX2) blocks. Since session 27 the
-// AVX512_BF16, fp32 and AVX2 fp32 kernels default to chunks (the row schedule where x fits L1).
+// blocks everywhere 7.09, v23 10.10. So each kernel's own stream (until session 27 the default, now chunks' where x
+// fits L1): the AVX512_BF16 and fp32 kernels one row at a time, the bf16 kernels without AVX512_BF16 (widened,
+// AVX2) blocks.
 constexpr int64_t kAheadBytes = 8192;
 // The chunks schedule: x's bytes from which it cuts K in chunks, x's bytes per chunk, the weight's bytes per block
 // of rows (a block in L2 and the next prefetched there)
@@ -86,8 +88,7 @@ constexpr int64_t kChunkBlockBytes = 196608;
 // tools/bench_decode_stream.py): unset, chunks, row, blocks, v9 or v23 (above). Another value: ValueError.
 enum class DecodeSchedule { kDefault, kChunks, kRow, kBlocks, kV9, kV23 };
 DecodeSchedule decode_schedule();
-enum class StreamKernel { kFp32, kBf16Dot, kBf16Widened, kFp32Avx2, kBf16Avx2 };
-// decode_schedule(), the default resolved for `kernel`
-DecodeSchedule stream_schedule(StreamKernel kernel);
+// decode_schedule(), the default (unset) resolved: chunks
+DecodeSchedule stream_schedule();
 
 }  // namespace ascend_kernels

@@ -1,19 +1,17 @@
-"""Issue 18, session 10: the fp32 weight-streaming kernel (kernels/skinny.cpp, decode: ascend.linear and
-grouped_matmul pieces of at most 8 rows) prefetches the weight rows ahead of it in software, and both the
-fp32 and the bf16 stream prefetch further ahead (up to 4 blocks) for rows shorter than 2 KB;
-ASCEND_PASSES_DECODE_SCHEDULE=v9 (read per call) runs session 9's schedule (fp32: none; bf16: the next
-block). Session 24: every piece reads one weight row at a time (one stream, prefetched into L2 a fixed
-distance ahead); ASCEND_PASSES_DECODE_SCHEDULE=v23 runs session 23's blocks of 3-4 weight rows. Session 25:
-=blocks reads blocks of rows, each row prefetched a fixed distance ahead; the default is per kernel
-(skinny.h), =row forces the one-row stream everywhere (session 26: the AVX512_BF16 kernel's row stream takes two
-adjacent weight rows from 5 rows of x on, and a last single row where N is odd). Session 27: =chunks (the
-default of the fp32 and AVX512_BF16 kernels) cuts K in chunks where x outgrows L1 (x packed per chunk, the
-weight in blocks of rows, accumulators kept between chunks: fp32 [257, 1030] and [130, 4099] at 5-8 rows, bf16
-[130, 8195], the grouped [256, 1024] pieces of 5-8 rows). The
-arithmetic order is the same, so all must give bitwise the same results, and all must equal
-fp64 products at every edge: rows 1..8, weight rows not a multiple of the 3- / 4-row register blocks, K
-below, at and past a 16-lane step, weight rows further apart than K (NaN in the gap: never read into a
-result), empty and unequal groups, rows no group owns, one and two threads."""
+"""Issue 18, session 10: the fp32 weight-streaming kernel (kernels/skinny.cpp, decode: ascend.linear and grouped_matmul
+pieces of at most 8 rows) prefetches the weight rows ahead of it in software, and both the fp32 and the bf16 stream
+prefetch further ahead (up to 4 blocks) for rows shorter than 2 KB; ASCEND_PASSES_DECODE_SCHEDULE=v9 (read per call)
+runs session 9's schedule (fp32: none; bf16: the next block). Session 24: every piece reads one weight row at a time
+(one stream, prefetched into L2 a fixed distance ahead); ASCEND_PASSES_DECODE_SCHEDULE=v23 runs session 23's blocks
+of 3-4 weight rows. Session 25: =blocks reads blocks of rows, each row prefetched a fixed distance ahead; =row
+forces the one-row stream everywhere (session 26: the AVX512_BF16 kernel's row stream takes two adjacent weight rows
+from 5 rows of x on, and a last single row where N is odd). Session 27: =chunks (the default: each kernel's own
+stream) cuts K in chunks where x outgrows L1 (x packed per chunk, the weight in blocks of rows, accumulators kept
+between chunks: fp32 [257, 1030] at 8 rows and [130, 4099], bf16 [130, 8195] from 2 rows (widened to fp32 under the
+avx512 cap), the grouped [256, 1024] piece of 8 rows). The arithmetic order is the same, so all must give bitwise
+the same results, and all must equal fp64 products at every edge: rows 1..8, weight rows not a multiple of the 3- /
+4-row register blocks, K below, at and past a 16-lane step, weight rows further apart than K (NaN in the gap: never
+read into a result), empty and unequal groups, rows no group owns, one and two threads."""
 
 from __future__ import annotations
 

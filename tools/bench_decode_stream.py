@@ -1,24 +1,25 @@
 """The decode weight stream's schedules side by side (kernels/skinny.h): GB/s of cold expert weight read.
 
 For each dtype (bf16, fp32; ``--caps`` adds the kernels of narrower CPUs, each in a child process under
-``ASCEND_PASSES_ISA``: ``avx512`` = bf16 widened to fp32, the AVX-512 CPUs without AVX512_BF16; ``avx2`` = fp32
-and bf16 on 8-lane FMAs) and each m (rows per expert), ``ascend_kernels.grouped_matmul``
-over the active experts of m rows each, HF-layout weights (K contiguous), both threads, every call on the next of
-enough copies that it reads its weights from memory (the copies read in between exceed twice the last-level cache;
-until session 25 all schedules of a round shared one copy, so that the second and third found part of it in L3,
-and a 300 MB L3 held all six copies). ``--model medium`` (default): 37 of 64 experts at the DeepSeek-V3-medium
-expert shapes of tools/bench_model.py, up ([E, 512, 1024]) and down ([E, 1024, 256]); ``--model v3``: 4 experts
-at DeepSeek-V3's own (671B) shapes, up [E, 4096, 7168] and down [E, 7168, 2048], where a few rows of x no longer
-fit L1 (fp32 at 2 rows of K = 7168: 57 KB) — the case of the ``chunks`` schedule; the same kernel serves
-``ascend.linear``'s decode rows. Per round each schedule runs once, alternated (``ASCEND_PASSES_DECODE_SCHEDULE``,
-read per call): ``row`` (one weight row at a time, kAheadBytes prefetched ahead), ``chunks`` (row, and x beyond
-16 KB in chunks of K that stay in L1, the weight in blocks of rows prefetched into L2 — session 27), ``blocks``
-(blocks of 3-4 weight rows, each row prefetched kAheadBytes ahead) and ``v23`` (session 23's blocks, the next
-block prefetched); the table prints the medians, each against row, and which one the default (unset) takes for
-that kernel on this CPU (kernels/skinny.h). Same bits either way (tests/test_decode_stream.py). The machine may
-be shared and its memory speed drifts: read the ratios.
+``ASCEND_PASSES_ISA``: ``avx512`` = bf16 widened to fp32, the AVX-512 CPUs without AVX512_BF16; ``avx2`` = fp32 and
+bf16 on 8-lane FMAs) and each m (rows per expert), ``ascend_kernels.grouped_matmul`` over the active experts of m
+rows each, HF-layout weights (K contiguous), both threads, every call on the next of enough copies that it reads its
+weights from memory (the copies read in between exceed twice the last-level cache; until session 25 all schedules of
+a round shared one copy, so that the second and third found part of it in L3, and a 300 MB L3 held all six copies).
+``--model medium`` (default): 37 of 64 experts at the DeepSeek-V3-medium expert shapes of tools/bench_model.py, up
+([E, 512, 1024]) and down ([E, 1024, 256]); ``--model v3``: 4 experts at DeepSeek-V3's own (671B) shapes, up [E,
+4096, 7168] and down [E, 7168, 2048], where a few rows of x no longer fit L1 (fp32 at 2 rows of K = 7168: 57 KB) —
+the case of the ``chunks`` schedule; the same kernel serves ``ascend.linear``'s decode rows. Per round each schedule
+runs once, alternated (``ASCEND_PASSES_DECODE_SCHEDULE``, read per call): ``row`` (one weight row at a time,
+kAheadBytes prefetched ahead), ``chunks`` (the kernel's own stream — row, or blocks for the bf16 kernels without
+AVX512_BF16 — and x beyond 24 KB in chunks of K that stay in L1, the weight in blocks of rows prefetched into L2;
+session 27, the default), ``blocks`` (blocks of 3-4 weight rows, each row prefetched kAheadBytes ahead) and ``v23``
+(session 23's blocks, the next block prefetched); the table prints the medians, each against row (kernels/skinny.h).
+Same bits either way (tests/test_decode_stream.py). The machine may be shared and its memory speed drifts: read the
+ratios.
 
     python tools/bench_decode_stream.py [--model medium|v3] [--rows 1,2,3,4,5,6,8] [--rounds 30] [--caps avx512,avx2]
+
 """
 
 from __future__ import annotations
@@ -44,14 +45,6 @@ MODELS = {
     "v3": (4, 4, {"up": (4096, 7168), "down": (7168, 2048)}),
 }
 SCHEDULES = ("row", "chunks", "blocks", "v23")
-# the default of each kernel (kernels/skinny.h, stream_schedule())
-DEFAULTS = {
-    "bfloat16": "chunks",
-    "float32": "chunks",
-    "bf16-widened": "blocks",
-    "fp32-avx2": "chunks",
-    "bf16-avx2": "blocks",
-}
 # --caps: the dtypes worth timing under each ASCEND_PASSES_ISA cap (fp32 under avx512 is the default's kernel)
 CAPPED = {
     "avx512": (("bf16-widened", torch.bfloat16),),
@@ -131,11 +124,12 @@ def main() -> None:
                 label, shape, m, *rates = line.split()[1:]
                 results.append((label, shape, int(m), *(float(r) for r in rates)))
     table = Table(
-        title=f"decode weight stream ({args.model}): GB/s of cold expert weight, medians of alternated rounds",
+        title=f"decode weight stream ({args.model}): GB/s of cold expert weight, medians of alternated rounds "
+        "(the default: chunks)",
         width=132,
     )
     others = SCHEDULES[1:]
-    cols = ("dtype", "weight", "m", *SCHEDULES, *(f"{s} / row" for s in others), "default")
+    cols = ("dtype", "weight", "m", *SCHEDULES, *(f"{s} / row" for s in others))
     for col in cols:
         table.add_column(col, justify="right" if col not in ("dtype", "weight") else "left")
     shapes = MODELS[args.model][2]
@@ -147,7 +141,6 @@ def main() -> None:
             str(m),
             *(f"{r:.1f}" for r in (row, *rest)),
             *(f"{r / row:.2f}x" for r in rest),
-            DEFAULTS[label],
         )
     console.print(table)
 

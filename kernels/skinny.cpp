@@ -18,6 +18,8 @@
 #include <utility>
 #include <vector>
 
+#include <unistd.h>  // sysconf: the data caches' sizes
+
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #include <immintrin.h>
 #define ASCEND_SKINNY_X86 1
@@ -36,7 +38,7 @@ using lanes::Vec;
 // as under kAhead); the bf16 COLS kernels pass kAhead and choose NB themselves.
 constexpr int kAhead = 3;
 constexpr int kAheadBlocks = 4;
-constexpr int kChunks = 5;  // the kernel's own stream, x beyond kChunkAboveBytes in chunks (chunks_of_rows)
+constexpr int kChunks = 5;  // the kernel's own stream, x beyond L1 in chunks (chunks_of_rows)
 
 template <int L>
 ASCEND_INLINE typename Vec<L>::f load(const float* p) {
@@ -116,10 +118,10 @@ constexpr int rows_of_w(int mb) {
   return mb <= 2 ? 4 : mb == 3 ? 3 : mb <= 6 ? 2 : 1;
 }
 
-// ---- the chunks schedule (skinny.h): x beyond kChunkAboveBytes does not stay in L1 while a weight row streams past
+// ---- the chunks schedule (skinny.h): x beyond 3/4 of L1d does not stay in L1 while a weight row streams past
 // it, and every weight row reads it again from L2 (cold fp32 [8, 2048] x [1024, 2048]^T: 12 GB/s against 26 at
 // K = 512).
-// So K is cut into chunks whose x fits kChunkXBytes and the weight's rows into blocks of about kChunkBlockBytes:
+// So K is cut into chunks whose x fits half of L1d and the weight's rows into blocks of about 3/16 of L2:
 // each chunk of x meets every row of the block (register blocks of rows_of_w rows, their accumulators kept in
 // memory between chunks), and the block's rows come from L2, where the pass over the previous block prefetched
 // them front to back, one line per line it read (one stream, as the row schedule's). Each accumulator adds the
@@ -129,18 +131,41 @@ struct Chunking {
   int64_t rows;     // weight rows per block, a multiple of the register block
 };
 
-// whether a call takes the chunks: x beyond kChunkAboveBytes, and the weight rows it reads at least 8 times x's
+// The chunks' sizes from this CPU's data caches (skinny.h: fractions measured on Zen 4's 32 KB L1d and 1 MB L2,
+// which the C library reports from CPUID; where it reports nothing or nonsense, those sizes)
+struct ChunkSizes {
+  int64_t above;  // x's bytes from which K is cut (kChunkAboveL1 of L1d)
+  int64_t x;      // x's bytes per chunk (kChunkXL1 of L1d)
+  int64_t block;  // the weight's bytes per block of rows (kChunkBlockL2 of L2)
+};
+
+inline const ChunkSizes& chunk_sizes() {
+  static const ChunkSizes sizes = [] {
+    int64_t l1 = 32 << 10, l2 = 1 << 20;
+#if defined(_SC_LEVEL1_DCACHE_SIZE) && defined(_SC_LEVEL2_CACHE_SIZE)
+    const long l1_os = sysconf(_SC_LEVEL1_DCACHE_SIZE), l2_os = sysconf(_SC_LEVEL2_CACHE_SIZE);
+    if (l1_os >= (16 << 10) && l1_os <= (256 << 10)) l1 = l1_os;
+    if (l2_os >= (256 << 10) && l2_os <= (16 << 20)) l2 = l2_os;
+#endif
+    return ChunkSizes{static_cast<int64_t>(l1 * kChunkAboveL1), static_cast<int64_t>(l1 * kChunkXL1),
+                      static_cast<int64_t>(l2 * kChunkBlockL2)};
+  }();
+  return sizes;
+}
+
+// whether a call takes the chunks: x beyond chunk_sizes().above, and the weight rows it reads at least 8 times x's
 // bytes (x is packed once per call; [8, 1024] x [64, 1024]^T fp32 ran 7% slower in chunks)
 ASCEND_INLINE bool chunks_pay(int64_t x_bytes, int64_t w_bytes) {
-  return x_bytes > kChunkAboveBytes && w_bytes >= 8 * x_bytes;
+  return x_bytes > chunk_sizes().above && w_bytes >= 8 * x_bytes;
 }
 
 // k: the elements the chunks cover; x_bytes_per_k: MB rows of x; nb: the register block; max_rows: the
 // accumulators' room
 ASCEND_INLINE Chunking chunking(int64_t k, int64_t x_bytes_per_k, int64_t w_row_bytes, int nb, int max_rows) {
-  const int64_t chunks = std::max<int64_t>(1, (k * x_bytes_per_k + kChunkXBytes - 1) / kChunkXBytes);
-  const int64_t k_chunk = ((k + chunks - 1) / chunks + 63) / 64 * 64;
-  const int64_t rows = std::clamp<int64_t>(kChunkBlockBytes / std::max<int64_t>(1, w_row_bytes), nb, max_rows);
+  const ChunkSizes& sizes = chunk_sizes();
+  const int64_t chunks = std::max<int64_t>(1, (k * x_bytes_per_k + sizes.x - 1) / sizes.x);
+  const int64_t k_chunk = std::max<int64_t>(64, ((k + chunks - 1) / chunks + 63) / 64 * 64);
+  const int64_t rows = std::clamp<int64_t>(sizes.block / std::max<int64_t>(1, w_row_bytes), nb, max_rows);
   return {k_chunk, rows / nb * nb};
 }
 

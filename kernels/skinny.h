@@ -38,9 +38,9 @@ bool skinny_bf16_dot();
 //   per 8 vdpbf16ps at 8 rows, and the load ports bound it below the memory (cold bf16 linear [8, K] x [N, K]^T,
 //   both threads, 3 alternated runs: [4096, 1024] 255-269 us against 298-331, [1024, 512] 37-42 against 45-46).
 // - chunks (session 27; the default): each kernel's own stream (row for the fp32 and AVX512_BF16 kernels, blocks for
-//   the bf16 ones without AVX512_BF16: widened, AVX2; the measurements below), and where x passes kChunkAboveBytes (and
-//   the call's weight rows are at least 8 times x's bytes) K cut in chunks whose x (packed, chunk by chunk) fits
-//   kChunkXBytes of L1, the weight's rows in blocks of ~kChunkBlockBytes, each chunk of x meeting every row of a block
+//   the bf16 ones without AVX512_BF16: widened, AVX2; the measurements below), and where x passes 3/4 of L1d (and the
+//   call's weight rows are at least 8 times x's bytes) K cut in chunks whose x (packed, chunk by chunk) fits half of
+//   L1d, the weight's rows in blocks of 3/16 of L2 (kChunk* below), each chunk of x meeting every row of a block
 //   (register blocks as under blocks, the accumulators kept in memory between chunks) while the pass prefetches the
 //   next block into L2 front to back. One row at a time re-read x from L2 for every weight row once x outgrew L1: 4+
 //   rows of fp32 at K = 2048, 2+ rows of bf16 at DeepSeek-V3's K = 7168. Measured by `python
@@ -78,11 +78,13 @@ bool skinny_bf16_dot();
 // fits L1): the AVX512_BF16 and fp32 kernels one row at a time, the bf16 kernels without AVX512_BF16 (widened,
 // AVX2) blocks.
 constexpr int64_t kAheadBytes = 8192;
-// The chunks schedule: x's bytes from which it cuts K in chunks, x's bytes per chunk, the weight's bytes per block
-// of rows (a block in L2 and the next prefetched there)
-constexpr int64_t kChunkAboveBytes = 24576;
-constexpr int64_t kChunkXBytes = 16384;
-constexpr int64_t kChunkBlockBytes = 196608;
+// The chunks schedule's sizes, as fractions of this CPU's L1d and L2 (sysconf; Zen 4: 32 KB, 1 MB): x's bytes from
+// which it cuts K in chunks (24 KB there: fp32 [1024, 2048] at 3 rows ran 0.8x in chunks, 4 rows 1.3-1.5x), x's bytes
+// per chunk (16 KB), the weight's bytes per block of rows (192 KB of the tried 64 / 128 / 192 / 256 KB: a block in
+// L2 and the next prefetched there)
+constexpr double kChunkAboveL1 = 0.75;
+constexpr double kChunkXL1 = 0.5;
+constexpr double kChunkBlockL2 = 0.1875;
 
 // ASCEND_PASSES_DECODE_SCHEDULE, read per call (to time the schedules in one process: tools/bench_kernels.py,
 // tools/bench_decode_stream.py): unset, chunks, row, blocks, v9 or v23 (above). Another value: ValueError.

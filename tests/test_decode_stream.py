@@ -8,10 +8,11 @@ forces the one-row stream everywhere (session 26: the AVX512_BF16 kernel's row s
 from 5 rows of x on, and a last single row where N is odd). Session 27: =chunks (the default: each kernel's own
 stream) cuts K in chunks where x outgrows L1 (x packed per chunk, the weight in blocks of rows, accumulators kept
 between chunks: fp32 [257, 1030] at 8 rows and [130, 4099], bf16 [130, 8195] from 2 rows (widened to fp32 under the
-avx512 cap), the grouped [256, 1024] piece of 8 rows). The arithmetic order is the same, so all must give bitwise
-the same results, and all must equal fp64 products at every edge: rows 1..8, weight rows not a multiple of the 3- /
-4-row register blocks, K below, at and past a 16-lane step, weight rows further apart than K (NaN in the gap: never
-read into a result), empty and unequal groups, rows no group owns, one and two threads."""
+avx512 cap), the grouped [72, 4100] pieces and [256, 1024]'s of 8 rows; the chunks' sizes follow the CPU's L1d and
+L2). The arithmetic order is the same, so all must give bitwise the same results, and all must equal fp64 products
+at every edge: rows 1..8, weight rows not a multiple of the 3- / 4-row register blocks, K below, at and past a
+16-lane step, weight rows further apart than K (NaN in the gap: never read into a result), empty and unequal groups,
+rows no group owns, one and two threads."""
 
 from __future__ import annotations
 
@@ -80,7 +81,7 @@ def test_linear_stream_schedules_bitwise_and_against_fp64(monkeypatch, threads, 
     [[3], [1, 0, 2, 0, 0, 8, 1], [0, 0, 5, 0], [2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2]],
     ids=["one-piece", "unequal-and-empty", "one-of-four", "many-equal"],
 )
-@pytest.mark.parametrize("n,k", [(7, 33), (256, 1024), (1030, 48)])
+@pytest.mark.parametrize("n,k", [(7, 33), (256, 1024), (1030, 48), (72, 4100)])
 @pytest.mark.parametrize("nt", [1, 2])
 def test_grouped_decode_stream_schedules_bitwise_and_against_fp64(monkeypatch, threads, counts, n, k, nt):
     threads(nt)

@@ -456,15 +456,26 @@ ASCEND_AVX512 ASCEND_INLINE void block_widen_ahead(const float* x, int64_t xs, c
 ASCEND_BF16_COLS(cols_widen_ahead, block_widen_ahead, float, ASCEND_AVX512, 1)
 ASCEND_BF16_COLS(cols_widen_ahead_blocks, block_widen_ahead, float, ASCEND_AVX512, rows_of_w<16>(MB))
 
-// The widening kernel's parts for chunks_of_rows: block_widen's loop over [k0, k1) (its K tail masked in the last
-// chunk, which ends at K)
-struct WidenStream {
-  using X = float;
+// What the intrinsics kernels' parts for chunks_of_rows share: bf16 weights, their K tail masked in the last chunk
+// (which ends at K), 16-lane accumulators whose lane sums are the results
+template <typename XT>
+struct MaskedStream {
+  using X = XT;
   using W = c10::BFloat16;
   using V = Vec<16>::f;
   template <int MB>
   static constexpr int nb = rows_of_w<16>(MB);
   static int64_t k_covered(int64_t k) { return k; }
+  template <int MB>
+  static ASCEND_INLINE void finish(const X*, int64_t, const W*, const V* acc, float* y, int64_t ys, int64_t) {
+    float sums[MB];
+    lane_sums<16, MB>(acc, sums);
+    for (int i = 0; i < MB; ++i) y[i * ys] = sums[i];
+  }
+};
+
+// The widening kernel's parts: block_widen's loop over [k0, k1)
+struct WidenStream : MaskedStream<float> {
   // (not forced inline: chunks_of_rows has no target of its own; a call per chunk of NB rows)
   template <int MB, int NB>
   static ASCEND_AVX512 void part(const X* x, int64_t xs, const W* w, int64_t ws, V* acc, int64_t k0, int64_t k1,
@@ -484,12 +495,6 @@ struct WidenStream {
     }
     for (int i = 0; i < MB; ++i)
       for (int j = 0; j < NB; ++j) acc[j * MB + i] = reinterpret_cast<V>(a[i][j]);
-  }
-  template <int MB>
-  static ASCEND_INLINE void finish(const X*, int64_t, const W*, const V* acc, float* y, int64_t ys, int64_t) {
-    float sums[MB];
-    lane_sums<16, MB>(acc, sums);
-    for (int i = 0; i < MB; ++i) y[i * ys] = sums[i];
   }
 };
 
@@ -525,15 +530,8 @@ ASCEND_AVX512BF16 ASCEND_INLINE void block_dot_ahead(const c10::BFloat16* x, int
 ASCEND_BF16_COLS(cols_dot_ahead, block_dot_ahead, c10::BFloat16, ASCEND_AVX512BF16, (MB >= 5 ? 2 : 1))
 ASCEND_BF16_COLS(cols_dot_ahead_blocks, block_dot_ahead, c10::BFloat16, ASCEND_AVX512BF16, rows_of_w<16>(MB))
 
-// The AVX512_BF16 kernel's parts for chunks_of_rows: block_dot's loop over [k0, k1) (its K tail masked in the last
-// chunk, which ends at K)
-struct DotStream {
-  using X = c10::BFloat16;
-  using W = c10::BFloat16;
-  using V = Vec<16>::f;
-  template <int MB>
-  static constexpr int nb = rows_of_w<16>(MB);
-  static int64_t k_covered(int64_t k) { return k; }
+// The AVX512_BF16 kernel's parts for chunks_of_rows: block_dot's loop over [k0, k1)
+struct DotStream : MaskedStream<c10::BFloat16> {
   // (not forced inline: chunks_of_rows has no target of its own; a call per chunk of NB rows)
   template <int MB, int NB>
   static ASCEND_AVX512BF16 void part(const X* x, int64_t xs, const W* w, int64_t ws, V* acc, int64_t k0, int64_t k1,
@@ -553,12 +551,6 @@ struct DotStream {
     }
     for (int i = 0; i < MB; ++i)
       for (int j = 0; j < NB; ++j) acc[j * MB + i] = reinterpret_cast<V>(a[i][j]);
-  }
-  template <int MB>
-  static ASCEND_INLINE void finish(const X*, int64_t, const W*, const V* acc, float* y, int64_t ys, int64_t) {
-    float sums[MB];
-    lane_sums<16, MB>(acc, sums);
-    for (int i = 0; i < MB; ++i) y[i * ys] = sums[i];
   }
 };
 

@@ -581,49 +581,15 @@ void rows_baseline(ASCEND_SKINNY_ARGS) {
 }
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-template <typename T>
+// the fp32-x kernel of every schedule (PF: 0, 2, kAhead, kAheadBlocks, kChunks) for AVX-512 and AVX2
+template <typename T, int PF>
 __attribute__((target("avx512f,avx512vl,avx512bw,avx512dq,avx2,fma"))) void rows_avx512(ASCEND_SKINNY_ARGS) {
-  rows<16, T>(ASCEND_SKINNY_PASS);
+  rows<16, T, PF>(ASCEND_SKINNY_PASS);
 }
 
-template <typename T>
-__attribute__((target("avx512f,avx512vl,avx512bw,avx512dq,avx2,fma"))) void rows_avx512_pf(ASCEND_SKINNY_ARGS) {
-  rows<16, T, 2>(ASCEND_SKINNY_PASS);
-}
-
-template <typename T>
-__attribute__((target("avx512f,avx512vl,avx512bw,avx512dq,avx2,fma"))) void rows_avx512_ahead(ASCEND_SKINNY_ARGS) {
-  rows<16, T, kAhead>(ASCEND_SKINNY_PASS);
-}
-
-template <typename T>
-__attribute__((target("avx512f,avx512vl,avx512bw,avx512dq,avx2,fma"))) void rows_avx512_blocks(ASCEND_SKINNY_ARGS) {
-  rows<16, T, kAheadBlocks>(ASCEND_SKINNY_PASS);
-}
-
-template <typename T>
-__attribute__((target("avx512f,avx512vl,avx512bw,avx512dq,avx2,fma"))) void rows_avx512_chunks(ASCEND_SKINNY_ARGS) {
-  rows<16, T, kChunks>(ASCEND_SKINNY_PASS);
-}
-
-template <typename T>
-__attribute__((target("avx2,fma"))) void rows_avx2_chunks(ASCEND_SKINNY_ARGS) {
-  rows<8, T, kChunks>(ASCEND_SKINNY_PASS);
-}
-
-template <typename T>
-__attribute__((target("avx2,fma"))) void rows_avx2_blocks(ASCEND_SKINNY_ARGS) {
-  rows<8, T, kAheadBlocks>(ASCEND_SKINNY_PASS);
-}
-
-template <typename T>
+template <typename T, int PF>
 __attribute__((target("avx2,fma"))) void rows_avx2(ASCEND_SKINNY_ARGS) {
-  rows<8, T>(ASCEND_SKINNY_PASS);
-}
-
-template <typename T>
-__attribute__((target("avx2,fma"))) void rows_avx2_ahead(ASCEND_SKINNY_ARGS) {
-  rows<8, T, kAhead>(ASCEND_SKINNY_PASS);
+  rows<8, T, PF>(ASCEND_SKINNY_PASS);
 }
 
 template <typename T>
@@ -651,13 +617,13 @@ void dispatch(ASCEND_SKINNY_ARGS) {
       }
       switch (stream_schedule()) {
         case DecodeSchedule::kChunks:
-          rows_avx512_chunks<T>(ASCEND_SKINNY_PASS);  // the row schedule, x beyond L1 in chunks (skinny.h)
+          rows_avx512<T, kChunks>(ASCEND_SKINNY_PASS);  // row, x beyond L1 in chunks (skinny.h)
           break;
         case DecodeSchedule::kRow:
-          rows_avx512_ahead<T>(ASCEND_SKINNY_PASS);  // one row at a time (skinny.h, kAheadBytes)
+          rows_avx512<T, kAhead>(ASCEND_SKINNY_PASS);  // one row at a time (skinny.h, kAheadBytes)
           break;
         case DecodeSchedule::kBlocks:
-          rows_avx512_blocks<T>(ASCEND_SKINNY_PASS);  // blocks, each row's line kAheadBytes ahead prefetched
+          rows_avx512<T, kAheadBlocks>(ASCEND_SKINNY_PASS);  // blocks, each row's line kAheadBytes ahead prefetched
           break;
         case DecodeSchedule::kV23:
           // sessions 10-23: blocks, the weight rows ahead prefetched in software (prefetch_blocks). A row of
@@ -666,10 +632,10 @@ void dispatch(ASCEND_SKINNY_ARGS) {
           // v9, median of 6-40): linear [8, K] x [N, K]^T 0.56-0.92x v9's time ([768, 256] 0.56, [1024, 512] 0.57,
           // [4096, 1024] 0.81); decode grouped_matmul down (35 experts of 1-3 rows) 0.84-0.94x, up 1.04-1.05x (K =
           // 1024: one block ahead, as the linear above)
-          rows_avx512_pf<T>(ASCEND_SKINNY_PASS);
+          rows_avx512<T, 2>(ASCEND_SKINNY_PASS);
           break;
         default:
-          rows_avx512<T>(ASCEND_SKINNY_PASS);  // session 9: blocks, no software prefetch
+          rows_avx512<T, 0>(ASCEND_SKINNY_PASS);  // session 9: blocks, no software prefetch
           break;
       }
       break;
@@ -677,16 +643,16 @@ void dispatch(ASCEND_SKINNY_ARGS) {
     case Isa::kAvx2:
       switch (stream_schedule()) {
         case DecodeSchedule::kChunks:
-          rows_avx2_chunks<T>(ASCEND_SKINNY_PASS);
+          rows_avx2<T, kChunks>(ASCEND_SKINNY_PASS);
           break;
         case DecodeSchedule::kBlocks:
-          rows_avx2_blocks<T>(ASCEND_SKINNY_PASS);
+          rows_avx2<T, kAheadBlocks>(ASCEND_SKINNY_PASS);
           break;
         case DecodeSchedule::kRow:
-          rows_avx2_ahead<T>(ASCEND_SKINNY_PASS);  // one row at a time (skinny.h, kAheadBytes)
+          rows_avx2<T, kAhead>(ASCEND_SKINNY_PASS);  // one row at a time (skinny.h, kAheadBytes)
           break;
         default:
-          rows_avx2<T>(ASCEND_SKINNY_PASS);  // until session 24: blocks, no software prefetch
+          rows_avx2<T, 0>(ASCEND_SKINNY_PASS);  // until session 24: blocks, no software prefetch
           break;
       }
       break;

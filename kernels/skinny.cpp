@@ -63,6 +63,17 @@ ASCEND_INLINE int64_t prefetch_blocks(int64_t row_bytes) {
   return std::clamp<int64_t>(2048 / std::max<int64_t>(1, row_bytes), 1, 4);
 }
 
+// s + x[k0:k] . w[k0:k], the K tail past the last full vector step (block() and the chunks' FloatStream), one
+// explicit fused multiply-add at a time: left as `s += a * b`, whether GCC fuses it (or vectorizes the products and
+// adds them in order, unfused) differs between template instances and between GCC versions, and the schedules' results
+// then differ in the last bit (seen with GCC 13 on an Intel Xeon: the fp32 linear's K tail, default against v9).
+// Without FMA in the target (the baseline clone) it calls fmaf.
+template <typename T>
+ASCEND_INLINE float k_tail(const float* x, const T* w, int64_t k0, int64_t k, float s) {
+  for (int64_t kk = k0; kk < k; ++kk) s = __builtin_fmaf(x[kk], to_f(w[kk]), s);
+  return s;
+}
+
 // y[0:MB, 0:NB] for MB rows of x and NB rows of w. PF: the next NB rows of w (the next block's) are
 // prefetched in software, one line per row per 64 bytes of K (not under ASCEND_PASSES_DECODE_SCHEDULE=v9).
 template <int L, int MB, int NB, typename T, int PF = 0>
@@ -97,17 +108,8 @@ ASCEND_INLINE void block(const float* x, int64_t xs, const T* w, int64_t ws, flo
   }
   float sums[MB * NB];
   lane_sums<L, MB * NB>(&acc[0][0], sums);
-  for (int i = 0; i < MB; ++i) {
-    for (int j = 0; j < NB; ++j) {
-      float s = sums[i * NB + j];
-      // an explicit fused multiply-add: left as `s += a * b`, whether GCC fuses it (or vectorizes the products
-      // and adds them in order, unfused) differs between this template's instances and between GCC versions,
-      // and the schedules' results then differ in the last bit (seen with GCC 13 on an Intel Xeon: the fp32
-      // linear's K tail, default against v9). Without FMA in the target (the baseline clone) it calls fmaf.
-      for (int64_t kk = k_main; kk < k; ++kk) s = __builtin_fmaf(x[i * xs + kk], to_f(w[j * ws + kk]), s);
-      y[i * ys + j] = s;
-    }
-  }
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NB; ++j) y[i * ys + j] = k_tail(x + i * xs, w + j * ws, k_main, k, sums[i * NB + j]);
 }
 
 // Weight rows per block for MB rows of x: MB * NB accumulators + NB weight vectors + one x vector
@@ -227,11 +229,7 @@ struct FloatStream {
   static ASCEND_INLINE void finish(const X* x, int64_t xs, const W* w, const V* acc, float* y, int64_t ys, int64_t k) {
     float sums[MB];
     lane_sums<L, MB>(acc, sums);
-    for (int i = 0; i < MB; ++i) {
-      float s = sums[i];
-      for (int64_t kk = k - k % L; kk < k; ++kk) s = __builtin_fmaf(x[i * xs + kk], to_f(w[kk]), s);  // as block()
-      y[i * ys] = s;
-    }
+    for (int i = 0; i < MB; ++i) y[i * ys] = k_tail(x + i * xs, w, k - k % L, k, sums[i]);
   }
 };
 
@@ -554,15 +552,13 @@ struct DotStream : MaskedStream<c10::BFloat16> {
   }
 };
 
-// the chunks schedule (chunks_of_rows) where they pay, else the row schedule's cols_dot_ahead
+// the chunks schedule (chunks_of_rows); skinny_nt decides where they pay (with the row kernel beside them in this
+// function, as for the other kernels, the row schedule's calls ran slower)
 template <int MB>
 ASCEND_AVX512BF16 ASCEND_INLINE void cols_dot_chunks(const c10::BFloat16* x, int64_t xs, const c10::BFloat16* w,
                                                      int64_t ws, float* y, int64_t ys, int64_t k, int64_t n_lo,
                                                      int64_t n_hi) {
-  if (chunks_pay(MB * k * 2, (n_hi - n_lo) * k * 2))
-    chunks_of_rows<DotStream, MB>(x, xs, w, ws, y, ys, k, n_lo, n_hi);
-  else
-    cols_dot_ahead<MB>(x, xs, w, ws, y, ys, k, n_lo, n_hi);
+  chunks_of_rows<DotStream, MB>(x, xs, w, ws, y, ys, k, n_lo, n_hi);
 }
 ASCEND_BF16_ROWS(cols_dot_chunks, c10::BFloat16, ASCEND_AVX512BF16)
 ASCEND_BF16_ROWS(cols_widen_chunks, float, ASCEND_AVX512)
@@ -599,7 +595,7 @@ void dispatch(ASCEND_SKINNY_ARGS) {
     case Isa::kAmx:  // decode is bound by reading the weight: AVX-512 streams it
     case Isa::kAvx512: {
       if constexpr (bf16) {  // bf16 weights, fp32 x (or bf16 x without AVX512_BF16): widened to fp32
-        switch (stream_schedule()) {
+        switch (decode_schedule()) {
           case DecodeSchedule::kBlocks:
             cols_widen_ahead_blocks_rows(ASCEND_SKINNY_PASS);
             break;
@@ -615,7 +611,7 @@ void dispatch(ASCEND_SKINNY_ARGS) {
         }
         break;
       }
-      switch (stream_schedule()) {
+      switch (decode_schedule()) {
         case DecodeSchedule::kChunks:
           rows_avx512<T, kChunks>(ASCEND_SKINNY_PASS);  // row, x beyond L1 in chunks (skinny.h)
           break;
@@ -641,7 +637,7 @@ void dispatch(ASCEND_SKINNY_ARGS) {
       break;
     }
     case Isa::kAvx2:
-      switch (stream_schedule()) {
+      switch (decode_schedule()) {
         case DecodeSchedule::kChunks:
           rows_avx2<T, kChunks>(ASCEND_SKINNY_PASS);
           break;
@@ -672,7 +668,8 @@ void dispatch(ASCEND_SKINNY_ARGS) {
 
 DecodeSchedule decode_schedule() {
   const char* e = std::getenv("ASCEND_PASSES_DECODE_SCHEDULE");
-  if (e == nullptr || *e == '\0') return DecodeSchedule::kDefault;
+  // unset: each kernel's own stream, x beyond L1 in chunks (skinny.h: the measurements)
+  if (e == nullptr || *e == '\0') return DecodeSchedule::kChunks;
   if (std::strcmp(e, "row") == 0) return DecodeSchedule::kRow;
   if (std::strcmp(e, "blocks") == 0) return DecodeSchedule::kBlocks;
   if (std::strcmp(e, "chunks") == 0) return DecodeSchedule::kChunks;
@@ -682,12 +679,6 @@ DecodeSchedule decode_schedule() {
   // error raised in a worker back to the caller)
   TORCH_CHECK_VALUE(false, "ASCEND_PASSES_DECODE_SCHEDULE must be unset, chunks, row, blocks, v9 or v23; got '", e,
                     "'");
-}
-
-DecodeSchedule stream_schedule() {
-  const DecodeSchedule schedule = decode_schedule();
-  if (schedule != DecodeSchedule::kDefault) return schedule;
-  return DecodeSchedule::kChunks;  // each kernel's own stream, x beyond L1 in chunks (skinny.h: the measurements)
 }
 
 bool skinny_bf16_dot() {
@@ -714,14 +705,12 @@ void skinny_nt(const c10::BFloat16* x, int64_t xs, const c10::BFloat16* w, int64
                int64_t k, int64_t n_lo, int64_t n_hi) {
 #ifdef ASCEND_SKINNY_X86
   if (skinny_bf16_dot()) {
-    const DecodeSchedule schedule = stream_schedule();
+    const DecodeSchedule schedule = decode_schedule();
     if (bf16_schedule_v8())  // session 8: blocks, no software prefetch
       cols_dot_rows(x, xs, w, ws, y, ys, m, k, n_lo, n_hi);
     else if (schedule == DecodeSchedule::kChunks && chunks_pay(std::min(m, kSkinnyRows) * k * 2, (n_hi - n_lo) * k * 2))
       cols_dot_chunks_rows(x, xs, w, ws, y, ys, m, k, n_lo, n_hi);  // x beyond L1 in chunks (skinny.h)
-    else if (schedule == DecodeSchedule::kChunks)  // (decided here: the row kernel inside cols_dot_chunks ran slower)
-      cols_dot_ahead_rows(x, xs, w, ws, y, ys, m, k, n_lo, n_hi);
-    else if (schedule == DecodeSchedule::kRow)  // one row at a time (skinny.h, kAheadBytes)
+    else if (schedule == DecodeSchedule::kChunks || schedule == DecodeSchedule::kRow)  // one row at a time
       cols_dot_ahead_rows(x, xs, w, ws, y, ys, m, k, n_lo, n_hi);
     else if (schedule == DecodeSchedule::kBlocks)  // blocks, each row's line kAheadBytes ahead prefetched
       cols_dot_ahead_blocks_rows(x, xs, w, ws, y, ys, m, k, n_lo, n_hi);

@@ -88,9 +88,7 @@ constexpr double kChunkBlockL2 = 0.1875;
 
 // ASCEND_PASSES_DECODE_SCHEDULE, read per call (to time the schedules in one process: tools/bench_kernels.py,
 // tools/bench_decode_stream.py): unset, chunks, row, blocks, v9 or v23 (above). Another value: ValueError.
-enum class DecodeSchedule { kDefault, kChunks, kRow, kBlocks, kV9, kV23 };
-DecodeSchedule decode_schedule();
-// decode_schedule(), the default (unset) resolved: chunks
-DecodeSchedule stream_schedule();
+enum class DecodeSchedule { kChunks, kRow, kBlocks, kV9, kV23 };
+DecodeSchedule decode_schedule();  // unset: kChunks
 
 }  // namespace ascend_kernels

@@ -1,7 +1,7 @@
 // Peak issue rate of one core for the instructions the decode stream's kernels are made of (kernels/skinny.cpp):
 // 512-bit vdpbf16ps (AVX512_BF16 dot products) and 512-bit FMAs, 12 independent chains, operands in registers.
 // The stream at 8 rows of x needs 8 of either per 64 bytes of weight, so this rate times 8 bytes is what one core
-// could multiply if nothing else bound it. Not part of the package; build and run by hand (README, Model benchmark):
+// could multiply if nothing else bound it. Not part of the package; build and run by hand (docs/benchmarks.md, Model benchmark):
 //   g++ -O2 -march=native tools/peak_rate.cpp -o /tmp/peak_rate && /tmp/peak_rate
 #include <immintrin.h>
 

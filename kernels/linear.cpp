@@ -164,11 +164,12 @@ constexpr int64_t kSwapLinearRows = 64;
 
 bool swap_linear_rows(const at::Tensor& input, const at::Tensor& weight, GemmRoute route, Bf16Kernel forced) {
   const int64_t m = input.size(0), k = input.size(1), n = weight.size(0);
-  if (m < kSkinnyRows || k == 0 || n == 0 || weight.stride(1) != 1) return false;
+  if (m == 0 || k == 0 || n == 0 || weight.stride(1) != 1) return false;
   if (input.scalar_type() == at::kBFloat16) {  // with AMX bf16 takes the AMX kernels (bf16_linear_kernel)
-    if (amx_swap_available() || m == kSkinnyRows || route == GemmRoute::kOwn || !swap_dp_supported(k)) return false;
-    return forced == Bf16Kernel::kSwap || (forced == Bf16Kernel::kRule && m <= kSwapLinearRows);
+    if (amx_swap_available() || route == GemmRoute::kOwn || !swap_dp_supported(k)) return false;
+    return forced == Bf16Kernel::kSwap || (forced == Bf16Kernel::kRule && m > kSkinnyRows && m <= kSwapLinearRows);
   }
+  if (m < kSkinnyRows) return false;
   if (input.scalar_type() != at::kFloat || !fp32_piece_takes_swap_gemm(GemmRoute::kSwap, m, k, 1)) return false;
   if (route == GemmRoute::kSwap) return true;
   if (route != GemmRoute::kAuto || cpu_vendor_intel()) return false;

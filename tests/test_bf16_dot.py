@@ -96,6 +96,13 @@ SCRIPT = textwrap.dedent(
         os.environ["ASCEND_PASSES_BF16_KERNEL"] = "swap"
         print("LINEAR", m, torch.equal(got, K.linear(x, w, b)), flush=True)
         os.environ["ASCEND_PASSES_BF16_KERNEL"] = ""
+    # ASCEND_PASSES_BF16_KERNEL=swap forces the swap kernel at any row count, the stream's 1-8 too (x^T padded)
+    os.environ["ASCEND_PASSES_BF16_KERNEL"] = "swap"
+    for m in (1, 3, 8):
+        x, w = torch.randn(m, 130).bfloat16(), (torch.randn(70, 130) / 12).bfloat16()
+        torch.testing.assert_close(K.linear(x, w, None).float(), (x.float() @ w.float().t()).bfloat16().float(),
+                                   atol=1e-4, rtol=2 ** -7)
+    os.environ["ASCEND_PASSES_BF16_KERNEL"] = ""
     print("bf16-dot-ok", flush=True)
     """
 )

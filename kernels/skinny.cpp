@@ -332,10 +332,13 @@ ASCEND_INLINE void rows(const float* x, int64_t xs, const T* w, int64_t ws, floa
 #define ASCEND_AVX512BF16 __attribute__((target("avx512f,avx512vl,avx512bw,avx512dq,avx512bf16,avx2,fma")))
 
 // ---- bf16 weights, AVX-512F: 16 weight elements widened to floats (exact: a bf16 is the top half
-// of a float) by two instructions, zero-extend and shift; masked loads handle K tails (zeros add 0)
+// of a float) by two instructions, zero-extend and shift; masked loads handle K tails (zeros add 0). (The zero-masked
+// forms of the two: the plain ones pass _mm512_undefined_epi32() as their merge source, which GCC 12's
+// -Wmaybe-uninitialized reports at every inlined use; with an all-ones mask they are the same instructions.)
 ASCEND_AVX512 ASCEND_INLINE __m512 widen16(const c10::BFloat16* p, __mmask16 mask) {
   const __m256i h = _mm256_maskz_loadu_epi16(mask, p);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  constexpr __mmask16 all = 0xffff;
+  return _mm512_castsi512_ps(_mm512_maskz_slli_epi32(all, _mm512_maskz_cvtepu16_epi32(all, h), 16));
 }
 
 // y[0:MB, 0:NB] = x[0:MB] (fp32) . w[0:NB] (bf16) in fp32, 16 lanes of K per step (PF: kAhead or none)
@@ -364,6 +367,42 @@ ASCEND_AVX512 ASCEND_INLINE void block_widen(const float* x, int64_t xs, const c
     for (int j = 0; j < NB; ++j) y[i * ys + j] = sums[i * NB + j];
 }
 
+// Keeps v in a register: with plain (unmasked) loads GCC folds a loaded vector into every instruction that uses it
+// (memory operands: the x vector loaded once per weight row of the block, the weight vector once per row of x), and
+// the loops become bound by the load ports (as block()'s x load, session 16)
+template <typename V>
+ASCEND_INLINE void pin(V& v) {
+  asm("" : "+v"(v));
+}
+
+// 32 bf16 at p (MASKED: the lanes of `mask`, the others zero)
+template <bool MASKED>
+ASCEND_AVX512BF16 ASCEND_INLINE __m512i bf16_load(const c10::BFloat16* p, __mmask32 mask) {
+  if constexpr (MASKED) return _mm512_maskz_loadu_epi16(mask, p);
+  return _mm512_loadu_si512(p);
+}
+
+// one step of block_dot: 32 elements of K from kk (MASKED: the lanes of `mask`, the others zero)
+template <int MB, int NB, int PF, bool MASKED>
+ASCEND_AVX512BF16 ASCEND_INLINE void dot_step(const c10::BFloat16* x, int64_t xs, const c10::BFloat16* w, int64_t ws,
+                                              int64_t kk, __mmask32 mask, int64_t ahead, __m512 (&acc)[MB][NB]) {
+  __m512i wv[NB];
+  for (int j = 0; j < NB; ++j) {
+    wv[j] = bf16_load<MASKED>(w + j * ws + kk, mask);
+    if constexpr (!MASKED) pin(wv[j]);  // (a masked load is never folded)
+  }
+  if constexpr (PF == kAhead)
+    for (int j = 0; j < NB; ++j)
+      _mm_prefetch(reinterpret_cast<const char*>(w + j * ws + kk) + kAheadBytes, _MM_HINT_T2);
+  else if constexpr (PF)
+    for (int j = 0; j < NB; ++j) _mm_prefetch(reinterpret_cast<const char*>(w + (ahead + j) * ws + kk), _MM_HINT_T0);
+  for (int i = 0; i < MB; ++i) {
+    __m512i xv = bf16_load<MASKED>(x + i * xs + kk, mask);
+    if constexpr (!MASKED) pin(xv);
+    for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], (__m512bh)xv, (__m512bh)wv[j]);
+  }
+}
+
 // ---- bf16 weights and bf16 x, AVX512_BF16: vdpbf16ps multiplies 32 bf16 pairs and adds each
 // adjacent pair of products into one fp32 lane, so a step covers 32 elements of K with half the
 // instructions of the widening path (products of bf16 are exact in fp32; sums are fp32, rounded to
@@ -377,18 +416,19 @@ ASCEND_AVX512BF16 ASCEND_INLINE void block_dot(const c10::BFloat16* x, int64_t x
   __m512 acc[MB][NB];
   for (int i = 0; i < MB; ++i)
     for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_setzero_ps();
-  for (int64_t kk = 0; kk < k; kk += 32) {
-    const __mmask32 mask = k - kk >= 32 ? __mmask32(0xffffffffu) : __mmask32((1u << (k - kk)) - 1);
-    __m512i wv[NB];
-    for (int j = 0; j < NB; ++j) wv[j] = _mm512_maskz_loadu_epi16(mask, w + j * ws + kk);
-    if constexpr (PF == kAhead)
-      for (int j = 0; j < NB; ++j)
-        _mm_prefetch(reinterpret_cast<const char*>(w + j * ws + kk) + kAheadBytes, _MM_HINT_T2);
-    else if constexpr (PF)
-      for (int j = 0; j < NB; ++j) _mm_prefetch(reinterpret_cast<const char*>(w + (ahead + j) * ws + kk), _MM_HINT_T0);
-    for (int i = 0; i < MB; ++i) {
-      const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + i * xs + kk);
-      for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, (__m512bh)wv[j]);
+  if constexpr (MB >= 5) {
+    // as many rows of x as a step has dot products to issue (8-row decode linears): the full steps unmasked, no mask
+    // recomputed per step, then the K tail masked (the same loads and sums as one masked loop). Hot, one thread, bf16
+    // [8,1024]x[4096,1024]^T 77% -> 92% of the core's vdpbf16ps rate (session 28); the expert pieces of 1-4 rows,
+    // bound by memory, keep the masked loop (in a fast phase of this host's memory the unmasked one read their
+    // weights slower in one of two A/Bs)
+    const int64_t k_full = k / 32 * 32;
+    for (int64_t kk = 0; kk < k_full; kk += 32) dot_step<MB, NB, PF, false>(x, xs, w, ws, kk, 0, ahead, acc);
+    if (k_full < k) dot_step<MB, NB, PF, true>(x, xs, w, ws, k_full, __mmask32((1u << (k - k_full)) - 1), ahead, acc);
+  } else {
+    for (int64_t kk = 0; kk < k; kk += 32) {
+      const __mmask32 mask = k - kk >= 32 ? __mmask32(0xffffffffu) : __mmask32((1u << (k - kk)) - 1);
+      dot_step<MB, NB, PF, true>(x, xs, w, ws, kk, mask, ahead, acc);
     }
   }
   float sums[MB * NB];

@@ -284,7 +284,10 @@ ASCEND_INLINE void all_cols(const float* x, int64_t xs, const T* w, int64_t ws, 
     constexpr int kOwn = std::is_same_v<T, float> ? kAhead : kAheadBlocks;
     return all_cols<L, MB, T, kOwn>(x, xs, w, ws, y, ys, k, n_lo, n_hi);
   }
-  constexpr int NB = PF == kAhead ? 1 : rows_of_w<L>(MB);
+  // the row schedule: one weight row at a time, two adjacent ones from 5 rows of x with 16 lanes (one row loads 9
+  // vectors per 8 FMAs at 8 rows and the load ports bound it: hot fp32 [8,512]x[1024,512]^T 62% of the FMA rate; as the
+  // vdpbf16ps kernel since session 26)
+  constexpr int NB = PF == kAhead ? (L == 16 && MB >= 5 ? 2 : 1) : rows_of_w<L>(MB);
   int64_t n = n_lo;
   for (; n + NB <= n_hi; n += NB) block<L, MB, NB, T, PF>(x, xs, w + n * ws, ws, y + n, ys, k);
   for (; n < n_hi; ++n) block<L, MB, 1, T, PF>(x, xs, w + n * ws, ws, y + n, ys, k);

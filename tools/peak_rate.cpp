@@ -28,31 +28,31 @@ static double seconds_since(std::chrono::steady_clock::time_point t0) {
 }
 
 #if defined(__AVX512F__)
-// instructions per second; *checksum keeps the results live
-__attribute__((noinline)) static double fma_rate(float* checksum) {
-  ASCEND_TWELVE(ASCEND_DECLARE)
-  const __m512 one = _mm512_set1_ps(1.0f);
-  const auto t0 = std::chrono::steady_clock::now();
-  for (long i = 0; i < kIters; ++i) {
-#define ASCEND_FMA(j) a##j = _mm512_fmadd_ps(one, one, a##j);
-    ASCEND_TWELVE(ASCEND_FMA)
-    ASCEND_PIN;
+// Op::one(): the constant operand; Op::step(acc, one): one instruction into acc
+struct Fma {
+  static __m512 one() { return _mm512_set1_ps(1.0f); }
+  static inline __attribute__((always_inline)) __m512 step(__m512 acc, __m512 one) {
+    return _mm512_fmadd_ps(one, one, acc);
   }
-  const double s = seconds_since(t0);
-  __m512 total = _mm512_setzero_ps();
-  ASCEND_TWELVE(ASCEND_SUM)
-  *checksum = _mm512_reduce_add_ps(total);
-  return 12.0 * kIters / s;
-}
-
+};
 #if defined(__AVX512BF16__)
-__attribute__((noinline)) static double dp_rate(float* checksum) {
+struct Dp {
+  static __m512bh one() { return (__m512bh)_mm512_set1_epi16(0x3f80); }  // bf16 1.0
+  static inline __attribute__((always_inline)) __m512 step(__m512 acc, __m512bh one) {
+    return _mm512_dpbf16_ps(acc, one, one);
+  }
+};
+#endif
+
+// instructions per second; *checksum keeps the results live
+template <class Op>
+__attribute__((noinline)) static double rate(float* checksum) {
   ASCEND_TWELVE(ASCEND_DECLARE)
-  const __m512bh one = (__m512bh)_mm512_set1_epi16(0x3f80);  // bf16 1.0
+  const auto one = Op::one();
   const auto t0 = std::chrono::steady_clock::now();
   for (long i = 0; i < kIters; ++i) {
-#define ASCEND_DP(j) a##j = _mm512_dpbf16_ps(a##j, one, one);
-    ASCEND_TWELVE(ASCEND_DP)
+#define ASCEND_STEP(j) a##j = Op::step(a##j, one);
+    ASCEND_TWELVE(ASCEND_STEP)
     ASCEND_PIN;
   }
   const double s = seconds_since(t0);
@@ -61,16 +61,15 @@ __attribute__((noinline)) static double dp_rate(float* checksum) {
   *checksum = _mm512_reduce_add_ps(total);
   return 12.0 * kIters / s;
 }
-#endif
 #endif
 
 int main() {
 #if defined(__AVX512F__)
   float sum = 0;
-  const double fma = fma_rate(&sum);
+  const double fma = rate<Fma>(&sum);
   std::printf("zmm vfmadd231ps: %.2f G/s per core (checksum %.3g)\n", fma / 1e9, sum);
 #if defined(__AVX512BF16__)
-  const double dp = dp_rate(&sum);
+  const double dp = rate<Dp>(&sum);
   std::printf("zmm vdpbf16ps:   %.2f G/s per core (checksum %.3g)\n", dp / 1e9, sum);
 #else
   std::printf("zmm vdpbf16ps:   not measured (no AVX512_BF16 in -march=native)\n");

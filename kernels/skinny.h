@@ -36,7 +36,8 @@ bool skinny_bf16_dot();
 //   read prefetched into L2 (prefetcht2), so that each thread reads its weight front to back in one stream. The
 //   AVX512_BF16 kernel takes two adjacent rows from 5 rows of x (session 26): one row at a time loads 9 vectors
 //   per 8 vdpbf16ps at 8 rows, and the load ports bound it below the memory (cold bf16 linear [8, K] x [N, K]^T,
-//   both threads, 3 alternated runs: [4096, 1024] 255-269 us against 298-331, [1024, 512] 37-42 against 45-46).
+//   both threads, 3 alternated runs: [4096, 1024] 255-269 us against 298-331, [1024, 512] 37-42 against 45-46);
+//   the AVX-512 fp32 kernel too since session 28 (hot [8, 512] x [1024, 512]^T 62% -> 78% of the FMA rate).
 // - chunks (session 27; the default): each kernel's own stream (row for the fp32 and AVX512_BF16 kernels, blocks for
 //   the bf16 ones without AVX512_BF16: widened, AVX2; the measurements below), and where x passes 3/4 of L1d (and the
 //   call's weight rows are at least 8 times x's bytes) K cut in chunks whose x (packed, chunk by chunk) fits half of
@@ -75,8 +76,8 @@ bool skinny_bf16_dot();
 // The bench model's bf16 decode (`ascend_inductor_cpp`, cold copies, schedules alternated in one process; its
 // expert pieces are of 1-2 rows, its linears of 8): row 6.78-7.14 ms, blocks for the m >= 5 pieces 7.03-7.24,
 // blocks everywhere 7.09, v23 10.10. So each kernel's own stream (until session 27 the default, now chunks' where x
-// fits L1): the AVX512_BF16 and fp32 kernels one row at a time, the bf16 kernels without AVX512_BF16 (widened,
-// AVX2) blocks.
+// fits L1): the AVX512_BF16 and fp32 kernels one row at a time (two from 5 rows of x with AVX-512), the bf16 kernels
+// without AVX512_BF16 (widened, AVX2) blocks.
 constexpr int64_t kAheadBytes = 8192;
 // The chunks schedule's sizes, as fractions of this CPU's L1d and L2 (sysconf; Zen 4: 32 KB, 1 MB): x's bytes from
 // which it cuts K in chunks (24 KB there: fp32 [1024, 2048] at 3 rows ran 0.8x in chunks, 4 rows 1.3-1.5x), x's bytes

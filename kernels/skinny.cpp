@@ -57,6 +57,16 @@ ASCEND_INLINE typename Vec<L>::f load(const c10::BFloat16* p) {  // bf16 is the 
   return v;
 }
 
+// Keeps a loaded vector in a register: left to itself GCC folds a plain load into every instruction that uses the
+// vector (memory operands: x's vector loaded again for each weight row of the block, a weight vector for each row of
+// x), and the loops become bound by the load ports (session 16, block()'s x load). A no-op off x86-64 GCC.
+template <typename V>
+ASCEND_INLINE void pin([[maybe_unused]] V& v) {
+#ifdef ASCEND_SKINNY_X86
+  asm("" : "+v"(v));
+#endif
+}
+
 // How many blocks ahead the software prefetch reads: one block of rows of at least 2 KB, further for
 // shorter rows (K = 256 bf16: 512-byte rows, one block is computed faster than a line arrives)
 ASCEND_INLINE int64_t prefetch_blocks(int64_t row_bytes) {
@@ -98,11 +108,7 @@ ASCEND_INLINE void block(const float* x, int64_t xs, const T* w, int64_t ws, flo
     }
     for (int i = 0; i < MB; ++i) {
       V xv = load<L>(x + i * xs + kk);
-#ifdef ASCEND_SKINNY_X86
-      // one load of x per row and step: left to itself GCC folds the load into each of the NB FMAs
-      // (memory operands), NB loads of the same vector, and the loop becomes bound by the load ports
-      asm("" : "+v"(xv));
-#endif
+      pin(xv);  // one load of x per row and step, not one per FMA
       for (int j = 0; j < NB; ++j) acc[i][j] += xv * wv[j];
     }
   }
@@ -201,9 +207,7 @@ ASCEND_INLINE void block_part(const float* x, int64_t xs, const T* w, int64_t ws
     if (L * sizeof(T) >= 64 || kk % kLineElems == 0) next.lines<NB>();
     for (int i = 0; i < MB; ++i) {
       V xv = load<L>(x + i * xs + (kk - k0));
-#ifdef ASCEND_SKINNY_X86
-      asm("" : "+v"(xv));  // as in block()
-#endif
+      pin(xv);
       for (int j = 0; j < NB; ++j) a[i][j] += xv * wv[j];
     }
   }
@@ -370,14 +374,6 @@ ASCEND_AVX512 ASCEND_INLINE void block_widen(const float* x, int64_t xs, const c
     for (int j = 0; j < NB; ++j) y[i * ys + j] = sums[i * NB + j];
 }
 
-// Keeps v in a register: with plain (unmasked) loads GCC folds a loaded vector into every instruction that uses it
-// (memory operands: the x vector loaded once per weight row of the block, the weight vector once per row of x), and
-// the loops become bound by the load ports (as block()'s x load, session 16)
-template <typename V>
-ASCEND_INLINE void pin(V& v) {
-  asm("" : "+v"(v));
-}
-
 // 32 bf16 at p (MASKED: the lanes of `mask`, the others zero)
 template <bool MASKED>
 ASCEND_AVX512BF16 ASCEND_INLINE __m512i bf16_load(const c10::BFloat16* p, __mmask32 mask) {
@@ -422,7 +418,7 @@ ASCEND_AVX512BF16 ASCEND_INLINE void block_dot(const c10::BFloat16* x, int64_t x
   if constexpr (MB >= 5) {
     // as many rows of x as a step has dot products to issue (8-row decode linears): the full steps unmasked, no mask
     // recomputed per step, then the K tail masked (the same loads and sums as one masked loop). Hot, one thread, bf16
-    // [8,1024]x[4096,1024]^T 77% -> 92% of the core's vdpbf16ps rate (session 28); the expert pieces of 1-4 rows,
+    // [8,1024]x[4096,1024]^T 77% -> 93% of the core's vdpbf16ps rate (session 28); the expert pieces of 1-4 rows,
     // bound by memory, keep the masked loop (in a fast phase of this host's memory the unmasked one read their
     // weights slower in one of two A/Bs)
     const int64_t k_full = k / 32 * 32;

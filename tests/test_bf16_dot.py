@@ -96,13 +96,21 @@ SCRIPT = textwrap.dedent(
         os.environ["ASCEND_PASSES_BF16_KERNEL"] = "swap"
         print("LINEAR", m, torch.equal(got, K.linear(x, w, b)), flush=True)
         os.environ["ASCEND_PASSES_BF16_KERNEL"] = ""
-    # ASCEND_PASSES_BF16_KERNEL=swap forces the swap kernel at any row count, the stream's 1-8 too (x^T padded)
-    os.environ["ASCEND_PASSES_BF16_KERNEL"] = "swap"
+    # ASCEND_PASSES_BF16_KERNEL=swap forces the swap kernel at any row count, the stream's 1-8 too (x^T padded). Which
+    # kernel ran shows in the bits of an exactly cancelling product (x . w = 0: what is left is each summation order's
+    # rounding): the forced rows equal the rows of a 9-row product (the swap kernel by the rule; a row's sums do not
+    # depend on the other rows) and differ from the stream's
+    v, u = torch.randn(9, 515), torch.randn(70, 515)
+    x = torch.cat([v, -v.roll(1, 1)], 1).bfloat16()
+    w = torch.cat([u, u.roll(1, 1)], 1).bfloat16()
+    by_rule = K.linear(x, w, None)
     for m in (1, 3, 8):
-        x, w = torch.randn(m, 130).bfloat16(), (torch.randn(70, 130) / 12).bfloat16()
-        torch.testing.assert_close(K.linear(x, w, None).float(), (x.float() @ w.float().t()).bfloat16().float(),
-                                   atol=1e-4, rtol=2 ** -7)
-    os.environ["ASCEND_PASSES_BF16_KERNEL"] = ""
+        stream = K.linear(x[:m], w, None)
+        os.environ["ASCEND_PASSES_BF16_KERNEL"] = "swap"
+        forced = K.linear(x[:m], w, None)
+        os.environ["ASCEND_PASSES_BF16_KERNEL"] = ""
+        print("FORCED", m, torch.equal(forced, by_rule[:m]), torch.equal(forced, stream), flush=True)
+        assert forced.abs().max().item() < 1e-3  # the product is 0 but for rounding
     print("bf16-dot-ok", flush=True)
     """
 )
@@ -113,7 +121,8 @@ def test_bf16_dot_kernels_edges_routes_and_which_unit_ran():
     pieces of up to 128 rows take the swap kernel (no oneDNN call, denormals read as zero, the forced swap
     kernel's bits, not the dot kernel's), a 200-row product, an odd K and ASCEND_PASSES_BF16_KERNEL=onednn
     take oneDNN, ASCEND_PASSES_GEMM=own the widened GEMM (no oneDNN call, denormals kept); ascend.linear of
-    9-64 rows runs the swap kernel (no oneDNN call, the forced kernel's bits, one rounding), 65 rows oneDNN."""
+    9-64 rows runs the swap kernel (no oneDNN call, the forced kernel's bits, one rounding), 65 rows oneDNN;
+    forced, the swap kernel takes 1-8 rows too (the bits of a 9-row product's rows, not the stream's)."""
     if "avx512_bf16" not in cpu_flags():
         pytest.skip("this CPU lacks avx512_bf16 (/proc/cpuinfo): the kernels under test cannot run here")
     run = subprocess.run(
@@ -136,3 +145,4 @@ def test_bf16_dot_kernels_edges_routes_and_which_unit_ran():
     assert "WHICH True False" in run.stdout, run.stdout.split("WHICH")[1][:40]
     assert calls["linear9"] == calls["linear24"] == calls["linear64"] == 0 and calls["linear65"] >= 1, calls
     assert all(f"LINEAR {m} True" in run.stdout for m in (9, 24, 64)), run.stdout.split("LINEAR")[1:]
+    assert all(f"FORCED {m} True False" in run.stdout for m in (1, 3, 8)), run.stdout.split("FORCED")[1:]

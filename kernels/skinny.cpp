@@ -35,10 +35,21 @@ using lanes::Vec;
 // the next block's rows prefetched; 2 blocks, further ahead for short rows (prefetch_blocks); kAhead each of the
 // NB rows' line kAheadBytes past the one read prefetched into L2 (see skinny.h, kAheadBytes). rows<> takes NB = 1
 // under kAhead (the row schedule) and the 0-2 blocks under kAheadBlocks (the blocks schedule; block() prefetches
-// as under kAhead); the bf16 COLS kernels pass kAhead and choose NB themselves.
+// as under kAhead); the bf16 COLS kernels pass kAhead (row), kAheadBlocks (blocks) or kAheadAll (v28) and choose NB
+// themselves. Under kAhead a block of one row of x and one weight row has no software prefetch (prefetches_ahead).
 constexpr int kAhead = 3;
 constexpr int kAheadBlocks = 4;
-constexpr int kChunks = 5;  // the kernel's own stream, x beyond L1 in chunks (chunks_of_rows)
+constexpr int kChunks = 5;    // the kernel's own stream, x beyond L1 in chunks (chunks_of_rows)
+constexpr int kAheadAll = 6;  // kAhead with the one-row pieces prefetched too (ASCEND_PASSES_DECODE_SCHEDULE=v28)
+
+// Whether a block of MB rows of x and NB weight rows under schedule PF prefetches each row's line kAheadBytes ahead.
+// The row schedule leaves it to the hardware prefetcher where one row of x meets one weight row (a decode expert
+// of one token: the bulk of a decode step's weight), one dot product per weight vector: its software prefetches
+// then cost more than they hide (session 29, skinny.h); the blocks schedule and v28 prefetch at every row count.
+template <int PF, int MB, int NB>
+constexpr bool prefetches_ahead() {
+  return PF == kAheadBlocks || PF == kAheadAll || (PF == kAhead && !(MB == 1 && NB == 1));
+}
 
 template <int L>
 ASCEND_INLINE typename Vec<L>::f load(const float* p) {
@@ -98,10 +109,11 @@ ASCEND_INLINE void block(const float* x, int64_t xs, const T* w, int64_t ws, flo
   for (int64_t kk = 0; kk < k_main; kk += L) {
     V wv[NB];
     for (int j = 0; j < NB; ++j) wv[j] = load<L>(w + j * ws + kk);
-    if constexpr (PF == kAhead || PF == kAheadBlocks) {
-      if (kk % kLineElems == 0)  // locality 1: prefetcht2
-        for (int j = 0; j < NB; ++j)
-          __builtin_prefetch(reinterpret_cast<const char*>(w + j * ws + kk) + kAheadBytes, 0, 1);
+    if constexpr (PF == kAhead || PF == kAheadBlocks || PF == kAheadAll) {
+      if constexpr (prefetches_ahead<PF, MB, NB>())
+        if (kk % kLineElems == 0)  // locality 1: prefetcht2
+          for (int j = 0; j < NB; ++j)
+            __builtin_prefetch(reinterpret_cast<const char*>(w + j * ws + kk) + kAheadBytes, 0, 1);
     } else if constexpr (PF > 0) {
       if (kk % kLineElems == 0)  // (never faults: prefetches past the weight are dropped)
         for (int j = 0; j < NB; ++j) __builtin_prefetch(w + (ahead + j) * ws + kk, 0, 3);
@@ -291,7 +303,7 @@ ASCEND_INLINE void all_cols(const float* x, int64_t xs, const T* w, int64_t ws, 
   // the row schedule: one weight row at a time, two adjacent ones from 5 rows of x with 16 lanes (one row loads 9
   // vectors per 8 FMAs at 8 rows and the load ports bound it: hot fp32 [8,512]x[1024,512]^T 62% of the FMA rate; as the
   // vdpbf16ps kernel since session 26)
-  constexpr int NB = PF == kAhead ? (L == 16 && MB >= 5 ? 2 : 1) : rows_of_w<L>(MB);
+  constexpr int NB = PF == kAhead || PF == kAheadAll ? (L == 16 && MB >= 5 ? 2 : 1) : rows_of_w<L>(MB);
   int64_t n = n_lo;
   for (; n + NB <= n_hi; n += NB) block<L, MB, NB, T, PF>(x, xs, w + n * ws, ws, y + n, ys, k);
   for (; n < n_hi; ++n) block<L, MB, 1, T, PF>(x, xs, w + n * ws, ws, y + n, ys, k);
@@ -390,10 +402,11 @@ ASCEND_AVX512BF16 ASCEND_INLINE void dot_step(const c10::BFloat16* x, int64_t xs
     wv[j] = bf16_load<MASKED>(w + j * ws + kk, mask);
     if constexpr (!MASKED) pin(wv[j]);  // (a masked load is never folded)
   }
-  if constexpr (PF == kAhead)
-    for (int j = 0; j < NB; ++j)
-      _mm_prefetch(reinterpret_cast<const char*>(w + j * ws + kk) + kAheadBytes, _MM_HINT_T2);
-  else if constexpr (PF)
+  if constexpr (PF == kAhead || PF == kAheadBlocks || PF == kAheadAll) {
+    if constexpr (prefetches_ahead<PF, MB, NB>())
+      for (int j = 0; j < NB; ++j)
+        _mm_prefetch(reinterpret_cast<const char*>(w + j * ws + kk) + kAheadBytes, _MM_HINT_T2);
+  } else if constexpr (PF)
     for (int j = 0; j < NB; ++j) _mm_prefetch(reinterpret_cast<const char*>(w + (ahead + j) * ws + kk), _MM_HINT_T0);
   for (int i = 0; i < MB; ++i) {
     __m512i xv = bf16_load<MASKED>(x + i * xs + kk, mask);
@@ -565,7 +578,18 @@ ASCEND_AVX512BF16 ASCEND_INLINE void block_dot_ahead(const c10::BFloat16* x, int
 // the row schedule: one weight row at a time, two adjacent ones from 5 rows of x: at 8 rows one row at a time loads 9
 // vectors per 8 dot products (x's 8 and w's one), and the load ports, not the memory, bound it (skinny.h)
 ASCEND_BF16_COLS(cols_dot_ahead, block_dot_ahead, c10::BFloat16, ASCEND_AVX512BF16, (MB >= 5 ? 2 : 1))
-ASCEND_BF16_COLS(cols_dot_ahead_blocks, block_dot_ahead, c10::BFloat16, ASCEND_AVX512BF16, rows_of_w<16>(MB))
+template <int MB, int NB>
+ASCEND_AVX512BF16 ASCEND_INLINE void block_dot_ahead_all(const c10::BFloat16* x, int64_t xs, const c10::BFloat16* w,
+                                                         int64_t ws, float* y, int64_t ys, int64_t k) {
+  block_dot<MB, NB, kAheadAll>(x, xs, w, ws, y, ys, k);
+}
+ASCEND_BF16_COLS(cols_dot_ahead_all, block_dot_ahead_all, c10::BFloat16, ASCEND_AVX512BF16, (MB >= 5 ? 2 : 1))
+template <int MB, int NB>
+ASCEND_AVX512BF16 ASCEND_INLINE void block_dot_ahead_blocks(const c10::BFloat16* x, int64_t xs, const c10::BFloat16* w,
+                                                            int64_t ws, float* y, int64_t ys, int64_t k) {
+  block_dot<MB, NB, kAheadBlocks>(x, xs, w, ws, y, ys, k);
+}
+ASCEND_BF16_COLS(cols_dot_ahead_blocks, block_dot_ahead_blocks, c10::BFloat16, ASCEND_AVX512BF16, rows_of_w<16>(MB))
 
 // The AVX512_BF16 kernel's parts for chunks_of_rows: block_dot's loop over [k0, k1)
 struct DotStream : MaskedStream<c10::BFloat16> {
@@ -639,6 +663,7 @@ void dispatch(ASCEND_SKINNY_ARGS) {
             cols_widen_ahead_blocks_rows(ASCEND_SKINNY_PASS);
             break;
           case DecodeSchedule::kChunks:  // blocks, x beyond L1 in chunks (skinny.h)
+          case DecodeSchedule::kV28:     // (the widened kernel's stream did not change in session 29)
             cols_widen_chunks_rows(ASCEND_SKINNY_PASS);
             break;
           case DecodeSchedule::kRow:
@@ -656,6 +681,9 @@ void dispatch(ASCEND_SKINNY_ARGS) {
           break;
         case DecodeSchedule::kRow:
           rows_avx512<T, kAhead>(ASCEND_SKINNY_PASS);  // one row at a time (skinny.h, kAheadBytes)
+          break;
+        case DecodeSchedule::kV28:
+          rows_avx512<T, kAheadAll>(ASCEND_SKINNY_PASS);  // session 28's row: one-row pieces prefetched too
           break;
         case DecodeSchedule::kBlocks:
           rows_avx512<T, kAheadBlocks>(ASCEND_SKINNY_PASS);  // blocks, each row's line kAheadBytes ahead prefetched
@@ -686,6 +714,9 @@ void dispatch(ASCEND_SKINNY_ARGS) {
         case DecodeSchedule::kRow:
           rows_avx2<T, kAhead>(ASCEND_SKINNY_PASS);  // one row at a time (skinny.h, kAheadBytes)
           break;
+        case DecodeSchedule::kV28:
+          rows_avx2<T, kAheadAll>(ASCEND_SKINNY_PASS);  // session 28's row: one-row pieces prefetched too
+          break;
         default:
           rows_avx2<T, 0>(ASCEND_SKINNY_PASS);  // until session 24: blocks, no software prefetch
           break;
@@ -714,9 +745,10 @@ DecodeSchedule decode_schedule() {
   if (std::strcmp(e, "chunks") == 0) return DecodeSchedule::kChunks;
   if (std::strcmp(e, "v9") == 0) return DecodeSchedule::kV9;
   if (std::strcmp(e, "v23") == 0) return DecodeSchedule::kV23;
+  if (std::strcmp(e, "v28") == 0) return DecodeSchedule::kV28;
   // an A/B knob: a misspelt schedule must not time the default under another name (at::parallel_for hands an
   // error raised in a worker back to the caller)
-  TORCH_CHECK_VALUE(false, "ASCEND_PASSES_DECODE_SCHEDULE must be unset, chunks, row, blocks, v9 or v23; got '", e,
+  TORCH_CHECK_VALUE(false, "ASCEND_PASSES_DECODE_SCHEDULE must be unset, chunks, row, blocks, v9, v23 or v28; got '", e,
                     "'");
 }
 
@@ -751,6 +783,8 @@ void skinny_nt(const c10::BFloat16* x, int64_t xs, const c10::BFloat16* w, int64
       cols_dot_chunks_rows(x, xs, w, ws, y, ys, m, k, n_lo, n_hi);  // x beyond L1 in chunks (skinny.h)
     else if (schedule == DecodeSchedule::kChunks || schedule == DecodeSchedule::kRow)  // one row at a time
       cols_dot_ahead_rows(x, xs, w, ws, y, ys, m, k, n_lo, n_hi);
+    else if (schedule == DecodeSchedule::kV28)  // session 28's row schedule: one-row pieces prefetched too
+      cols_dot_ahead_all_rows(x, xs, w, ws, y, ys, m, k, n_lo, n_hi);
     else if (schedule == DecodeSchedule::kBlocks)  // blocks, each row's line kAheadBytes ahead prefetched
       cols_dot_ahead_blocks_rows(x, xs, w, ws, y, ys, m, k, n_lo, n_hi);
     else if (schedule == DecodeSchedule::kV9)  // session 9: blocks, the next block prefetched

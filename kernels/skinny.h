@@ -38,6 +38,14 @@ bool skinny_bf16_dot();
 //   per 8 vdpbf16ps at 8 rows, and the load ports bound it below the memory (cold bf16 linear [8, K] x [N, K]^T,
 //   both threads, 3 alternated runs: [4096, 1024] 255-269 us against 298-331, [1024, 512] 37-42 against 45-46);
 //   the AVX-512 fp32 kernel too since session 28 (hot [8, 512] x [1024, 512]^T 62% -> 78% of the FMA rate).
+//   Since session 29 a piece of one row of x (NB = 1: a decode expert that one token chose, most of a decode step's
+//   weight) has no software prefetch in the fp32 (AVX-512, AVX2) and AVX512_BF16 kernels: one dot product per weight
+//   vector, and the hardware prefetcher alone keeps its one stream ahead; the prefetches cost more than they hid.
+//   This AMD, 37 of 64 cold experts of one row, both threads, alternated in one process (40-60 rounds, 2-3 runs),
+//   without / with: bf16 up 1.05-1.15x, down 1.04-1.14x; fp32 up 1.05-1.07x, down 1.08-1.09x; AVX2 fp32 up
+//   1.06-1.09x, down 1.03x. At 2 rows it measured 0.78-1.04x, at 3-4 rows 0.60-0.78x: they keep it. The bench
+//   model's decode (ascend_inductor_cpp, 2 cold copies, 8 alternated rounds, guards skipped): fp32 10.15 -> 9.54 ms,
+//   bf16 5.11 -> 4.75, 5.84 -> 5.71 and 6.24 -> 6.34 (three memory phases of this host). v28 restores the prefetch.
 // - chunks (session 27; the default): each kernel's own stream (row for the fp32 and AVX512_BF16 kernels, blocks for
 //   the bf16 ones without AVX512_BF16: widened, AVX2; the measurements below), and where x passes 3/4 of L1d (and the
 //   call's weight rows are at least 8 times x's bytes) K cut in chunks whose x (packed, chunk by chunk) fits half of
@@ -56,6 +64,8 @@ bool skinny_bf16_dot();
 //   kAheadBytes ahead prefetched likewise: the streams are trained by the prefetches, and x's loads are shared by
 //   the block's rows (at 8 rows of x, one row at a time loads 9 vectors per 8 dot products).
 // - v23: session 23's blocks, the next block's rows prefetched (further ahead for short rows); v9: session 9's.
+// - v28: the row schedule as session 28 ran it, one-row pieces prefetched too (the widened kernel, whose stream did
+//   not change, runs its default).
 // Every schedule sums each dot product in the same order: the same bits (tests/test_decode_stream.py).
 // Measured by `python tools/bench_decode_stream.py --caps avx512,avx2` (37 of 64 experts of m = 1..8 rows, up
 // [E, 512, 1024] and down [E, 1024, 256], both threads, schedules alternated, each call on weights out of the
@@ -88,8 +98,8 @@ constexpr double kChunkXL1 = 0.5;
 constexpr double kChunkBlockL2 = 0.1875;
 
 // ASCEND_PASSES_DECODE_SCHEDULE, read per call (to time the schedules in one process: tools/bench_kernels.py,
-// tools/bench_decode_stream.py): unset, chunks, row, blocks, v9 or v23 (above). Another value: ValueError.
-enum class DecodeSchedule { kChunks, kRow, kBlocks, kV9, kV23 };
+// tools/bench_decode_stream.py): unset, chunks, row, blocks, v9, v23 or v28 (above). Another value: ValueError.
+enum class DecodeSchedule { kChunks, kRow, kBlocks, kV9, kV23, kV28 };
 DecodeSchedule decode_schedule();  // unset: kChunks
 
 }  // namespace ascend_kernels

@@ -9,10 +9,11 @@ from 5 rows of x on, and a last single row where N is odd). Session 27: =chunks 
 stream) cuts K in chunks where x outgrows L1 (x packed per chunk, the weight in blocks of rows, accumulators kept
 between chunks: fp32 [257, 1030] at 8 rows and [130, 4099], bf16 [130, 8195] from 2 rows (widened to fp32 under the
 avx512 cap), the grouped [72, 4100] pieces and [256, 1024]'s of 8 rows; the chunks' sizes follow the CPU's L1d and
-L2). The arithmetic order is the same, so all must give bitwise the same results, and all must equal fp64 products
-at every edge: rows 1..8, weight rows not a multiple of the 3- / 4-row register blocks, K below, at and past a
-16-lane step, weight rows further apart than K (NaN in the gap: never read into a result), empty and unequal groups,
-rows no group owns, one and two threads."""
+L2). Session 29: the one-row stream leaves one-row pieces to the hardware prefetcher; =v28 prefetches them as
+session 28 did. The arithmetic order is the same, so all must give bitwise the same results, and all must equal
+fp64 products at every edge: rows 1..8, weight rows not a multiple of the 3- / 4-row register blocks, K below, at and
+past a 16-lane step, weight rows further apart than K (NaN in the gap: never read into a result), empty and unequal
+groups, rows no group owns, one and two threads."""
 
 from __future__ import annotations
 
@@ -45,10 +46,10 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 def all_schedules(monkeypatch, call):
     """The default schedule's result (chunks: skinny.h), asserted bitwise equal to chunks' named explicitly (so
     they stay compared if the default moves), the one-row stream's, the prefetched blocks', session 9's and
-    session 23's."""
+    session 23's and session 28's (one-row pieces prefetched too)."""
     monkeypatch.delenv(ENV, raising=False)
     new = call()
-    for old_schedule in ("chunks", "row", "blocks", "v9", "v23"):
+    for old_schedule in ("chunks", "row", "blocks", "v9", "v23", "v28"):
         monkeypatch.setenv(ENV, old_schedule)
         old = call()
         assert torch.equal(_bits(new), _bits(old)), old_schedule
@@ -121,7 +122,7 @@ def test_unknown_schedule_is_a_value_error(monkeypatch):
     x, w = torch.randn(2, 64), torch.randn(32, 64)
     monkeypatch.setenv(ENV, "v10")
     with pytest.raises(
-        ValueError, match="ASCEND_PASSES_DECODE_SCHEDULE must be unset, chunks, row, blocks, v9 or v23; got 'v10'"
+        ValueError, match="ASCEND_PASSES_DECODE_SCHEDULE must be unset, chunks, row, blocks, v9, v23 or v28; got 'v10'"
     ):
         K.linear(x, w, None)
     with pytest.raises(ValueError, match="got 'v10'"):

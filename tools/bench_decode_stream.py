@@ -14,7 +14,9 @@ runs once, alternated (``ASCEND_PASSES_DECODE_SCHEDULE``, read per call): ``row`
 kAheadBytes prefetched ahead), ``chunks`` (the kernel's own stream — row, or blocks for the bf16 kernels without
 AVX512_BF16 — and x beyond 24 KB in chunks of K that stay in L1, the weight in blocks of rows prefetched into L2;
 session 27, the default), ``blocks`` (blocks of 3-4 weight rows, each row prefetched kAheadBytes ahead) and ``v23``
-(session 23's blocks, the next block prefetched); the table prints the medians, each against row (kernels/skinny.h).
+(session 23's blocks, the next block prefetched) and ``v28`` (session 28's row: one-row pieces prefetched too,
+which row leaves to the hardware prefetcher since session 29); the table prints the medians, each against row
+(kernels/skinny.h).
 Same bits either way (tests/test_decode_stream.py). The machine may be shared and its memory speed drifts: read the
 ratios.
 
@@ -44,7 +46,7 @@ MODELS = {
     "medium": (64, 37, {"up": (512, 1024), "down": (1024, 256)}),
     "v3": (4, 4, {"up": (4096, 7168), "down": (7168, 2048)}),
 }
-SCHEDULES = ("row", "chunks", "blocks", "v23")
+SCHEDULES = ("row", "chunks", "blocks", "v23", "v28")
 # --caps: the dtypes worth timing under each ASCEND_PASSES_ISA cap (fp32 under avx512 is the default's kernel)
 CAPPED = {
     "avx512": (("bf16-widened", torch.bfloat16),),

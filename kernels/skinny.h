@@ -43,9 +43,10 @@ bool skinny_bf16_dot();
 //   vector, and the hardware prefetcher alone keeps its one stream ahead; the prefetches cost more than they hid.
 //   This AMD, 37 of 64 cold experts of one row, both threads, alternated in one process (40-60 rounds, 2-3 runs),
 //   without / with: bf16 up 1.05-1.15x, down 1.04-1.14x; fp32 up 1.05-1.07x, down 1.08-1.09x; AVX2 fp32 up
-//   1.06-1.09x, down 1.03x. At 2 rows it measured 0.78-1.04x, at 3-4 rows 0.60-0.78x: they keep it. The bench
-//   model's decode (ascend_inductor_cpp, 2 cold copies, 8 alternated rounds, guards skipped): fp32 10.15 -> 9.54 ms,
-//   bf16 5.11 -> 4.75, 5.84 -> 5.71 and 6.24 -> 6.34 (three memory phases of this host). v28 restores the prefetch.
+//   1.06-1.09x, down 1.03x. At 2 rows it measured 0.78-1.04x (median 0.97), at 3-4 rows 0.60-0.78x: they keep it.
+//   The bench model's decode (ascend_inductor_cpp, 2 cold copies, the two alternated in one process, guards skipped,
+//   nine runs): 6-9% faster in five (fp32 10.15 -> 9.54 ms, bf16 5.11 -> 4.75), within 3% either way in four (the
+//   host's memory phases; docs/benchmarks.md, session 29). v28 restores the prefetch.
 // - chunks (session 27; the default): each kernel's own stream (row for the fp32 and AVX512_BF16 kernels, blocks for
 //   the bf16 ones without AVX512_BF16: widened, AVX2; the measurements below), and where x passes 3/4 of L1d (and the
 //   call's weight rows are at least 8 times x's bytes) K cut in chunks whose x (packed, chunk by chunk) fits half of

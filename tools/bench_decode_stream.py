@@ -13,7 +13,7 @@ the case of the ``chunks`` schedule; the same kernel serves ``ascend.linear``'s 
 runs once, alternated (``ASCEND_PASSES_DECODE_SCHEDULE``, read per call): ``row`` (one weight row at a time,
 kAheadBytes prefetched ahead), ``chunks`` (the kernel's own stream — row, or blocks for the bf16 kernels without
 AVX512_BF16 — and x beyond 24 KB in chunks of K that stay in L1, the weight in blocks of rows prefetched into L2;
-session 27, the default), ``blocks`` (blocks of 3-4 weight rows, each row prefetched kAheadBytes ahead) and ``v23``
+session 27, the default), ``blocks`` (blocks of 3-4 weight rows, each row prefetched kAheadBytes ahead), ``v23``
 (session 23's blocks, the next block prefetched) and ``v28`` (session 28's row: one-row pieces prefetched too,
 which row leaves to the hardware prefetcher since session 29); the table prints the medians, each against row
 (kernels/skinny.h).

@@ -235,13 +235,20 @@ void skinny_piece(const T* x, const T* wt, int64_t ws, const T* bias, int64_t ac
   store(acc.data(), bias, act_type, y, ys, m, n);
 }
 
-// y = x @ w (+ bias, activation) by torch's bf16 mm (oneDNN on the tile units, the weight reordered per call)
+// y = x @ w (+ bias, activation) by torch's bf16 mm (oneDNN on the tile units, the weight reordered per call). The
+// bias enters the product's fp32 sums (addmm: y holds the bias, oneDNN adds the product to it and rounds once), as in
+// the other kernels; added after the product's rounding it left the result tens of ulps off where the two cancel
+// (session 29). The activation follows in fp32, rounded once more.
 template <typename T>
 void onednn_piece(const at::Tensor& x, const at::Tensor& w, const T* bias, int64_t act_type, at::Tensor& y) {
-  at::mm_out(y, x, w);
-  if (bias != nullptr || act_type != 0) {  // in fp32, rounded once more
+  if (bias != nullptr) {
+    y.copy_(at::from_blob(const_cast<T*>(bias), {w.size(1)}, x.options()).expand_as(y));
+    y.addmm_(x, w);
+  } else {
+    at::mm_out(y, x, w);
+  }
+  if (act_type != 0) {
     auto yf = y.to(at::kFloat);
-    if (bias) yf.add_(at::from_blob(const_cast<T*>(bias), {w.size(1)}, x.options()).to(at::kFloat));
     activate_inplace(yf, act_type);
     y.copy_(yf);
   }

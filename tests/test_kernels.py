@@ -173,6 +173,36 @@ def test_grouped_matmul_against_reference(dtype, tokens, layout):
         assert_same(K.grouped_matmul([x], [w], **kw), reference.grouped_matmul([x], [w], **kw), dtype)
 
 
+@pytest.mark.parametrize("act", [0, 5])
+@pytest.mark.parametrize("layout", ["kn", "nk"])
+def test_grouped_matmul_bf16_bias_enters_before_the_rounding(layout, act):
+    """bf16 pieces of many rows (oneDNN's mm on CPUs without AMX for the [K, N] layout; every route by its own rule)
+    add the bias to the product's fp32 sums and round once: where the bias cancels the product the result is the
+    small residual to within an ulp, not the product's rounding error (up to tens of ulps of the residual when the
+    product was rounded to bf16 first, session 29)."""
+    torch.manual_seed(0)
+    m, k, n = 100, 256, 48
+    x = torch.randn(2 * m, k).bfloat16()
+    w = torch.randn(2, k, n) / 2 if layout == "kn" else (torch.randn(2, n, k) / 2).transpose(1, 2)
+    w = w.bfloat16()
+    # each group's bias: minus its first row's product, rounded to bf16 (what is left: that rounding's residual)
+    bias = torch.stack([-(x[g * m].float() @ w[g].float()) for g in range(2)]).bfloat16()
+    kw = dict(bias=[bias], group_list=torch.tensor([m, 2 * m]), group_type=0, group_list_type=0, act_type=act)
+    got = K.grouped_matmul([x], [w], **kw)[0].float()
+    exact = torch.cat([x[g * m : (g + 1) * m].float() @ w[g].float() + bias[g].float() for g in range(2)])
+    if act == 5:
+        exact = torch.nn.functional.silu(exact)
+    rows = [0, m]  # the cancelled rows
+    ulp = exact[rows].abs().clamp_min(2**-30).log2().floor().exp2() * 2**-7
+    # one rounding of the residual, plus what a different fp32 summation order may leave (~2^-20 of the terms' sum)
+    terms = torch.stack([x[g * m].float().abs() @ w[g].float().abs() for g in range(2)])
+    bound = ulp + 2**-20 * terms
+    assert bool(((got[rows] - exact[rows]).abs() <= bound).all()), ((got[rows] - exact[rows]).abs() / bound).max()
+    # the product's own bf16 rounding (half an ulp at its magnitude, what rounding it first could leave) is far larger
+    product = torch.stack([x[g * m].float() @ w[g].float() for g in range(2)])
+    assert (product.abs().log2().floor().exp2() * 2**-8 > 8 * bound).float().mean() > 0.5
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("mode", [0, 2])
 def test_finalize_routing_against_reference(dtype, mode):

@@ -450,15 +450,15 @@ ASCEND_AVX512BF16 ASCEND_INLINE void block_dot(const c10::BFloat16* x, int64_t x
 }
 
 // every weight row n_lo..n_hi for MB rows of x, in blocks of NB weight rows (register budget: MB * NB
-// accumulators + NB weight vectors + one x vector <= 32)
-#define ASCEND_BF16_COLS(NAME, BLOCK, XT, TARGET, ROWS)                                                             \
+// accumulators + NB weight vectors + one x vector <= 32), each by BLOCK<MB, NB, PF> (PF: the schedule, as for block())
+#define ASCEND_BF16_COLS(NAME, BLOCK, PF, XT, TARGET, ROWS)                                                         \
   template <int MB>                                                                                                 \
   TARGET ASCEND_INLINE void NAME(const XT* x, int64_t xs, const c10::BFloat16* w, int64_t ws, float* y, int64_t ys, \
                                  int64_t k, int64_t n_lo, int64_t n_hi) {                                           \
     constexpr int NB = ROWS;                                                                                        \
     int64_t n = n_lo;                                                                                               \
-    for (; n + NB <= n_hi; n += NB) BLOCK<MB, NB>(x, xs, w + n * ws, ws, y + n, ys, k);                             \
-    for (; n < n_hi; ++n) BLOCK<MB, 1>(x, xs, w + n * ws, ws, y + n, ys, k);                                        \
+    for (; n + NB <= n_hi; n += NB) BLOCK<MB, NB, PF>(x, xs, w + n * ws, ws, y + n, ys, k);                         \
+    for (; n < n_hi; ++n) BLOCK<MB, 1, PF>(x, xs, w + n * ws, ws, y + n, ys, k);                                    \
   }                                                                                                                 \
   ASCEND_BF16_ROWS(NAME, XT, TARGET)
 // NAME##_rows: every row of x, kSkinnyRows at a time, by NAME<MB>
@@ -497,14 +497,9 @@ ASCEND_AVX512BF16 ASCEND_INLINE void block_dot(const c10::BFloat16* x, int64_t x
       }                                                                                                      \
     }                                                                                                        \
   }
-ASCEND_BF16_COLS(cols_widen, block_widen, float, ASCEND_AVX512, rows_of_w<16>(MB))
-template <int MB, int NB>
-ASCEND_AVX512 ASCEND_INLINE void block_widen_ahead(const float* x, int64_t xs, const c10::BFloat16* w, int64_t ws,
-                                                   float* y, int64_t ys, int64_t k) {
-  block_widen<MB, NB, kAhead>(x, xs, w, ws, y, ys, k);
-}
-ASCEND_BF16_COLS(cols_widen_ahead, block_widen_ahead, float, ASCEND_AVX512, 1)
-ASCEND_BF16_COLS(cols_widen_ahead_blocks, block_widen_ahead, float, ASCEND_AVX512, rows_of_w<16>(MB))
+ASCEND_BF16_COLS(cols_widen, block_widen, 0, float, ASCEND_AVX512, rows_of_w<16>(MB))
+ASCEND_BF16_COLS(cols_widen_ahead, block_widen, kAhead, float, ASCEND_AVX512, 1)
+ASCEND_BF16_COLS(cols_widen_ahead_blocks, block_widen, kAhead, float, ASCEND_AVX512, rows_of_w<16>(MB))
 
 // What the intrinsics kernels' parts for chunks_of_rows share: bf16 weights, their K tail masked in the last chunk
 // (which ends at K), 16-lane accumulators whose lane sums are the results
@@ -557,39 +552,14 @@ ASCEND_AVX512 ASCEND_INLINE void cols_widen_chunks(const float* x, int64_t xs, c
   else
     cols_widen_ahead_blocks<MB>(x, xs, w, ws, y, ys, k, n_lo, n_hi);
 }
-ASCEND_BF16_COLS(cols_dot, block_dot, c10::BFloat16, ASCEND_AVX512BF16, rows_of_w<16>(MB))
-template <int MB, int NB>
-ASCEND_AVX512BF16 ASCEND_INLINE void block_dot_pf(const c10::BFloat16* x, int64_t xs, const c10::BFloat16* w,
-                                                  int64_t ws, float* y, int64_t ys, int64_t k) {
-  block_dot<MB, NB, 1>(x, xs, w, ws, y, ys, k);
-}
-ASCEND_BF16_COLS(cols_dot_pf, block_dot_pf, c10::BFloat16, ASCEND_AVX512BF16, rows_of_w<16>(MB))
-template <int MB, int NB>
-ASCEND_AVX512BF16 ASCEND_INLINE void block_dot_far(const c10::BFloat16* x, int64_t xs, const c10::BFloat16* w,
-                                                   int64_t ws, float* y, int64_t ys, int64_t k) {
-  block_dot<MB, NB, 2>(x, xs, w, ws, y, ys, k);
-}
-ASCEND_BF16_COLS(cols_dot_far, block_dot_far, c10::BFloat16, ASCEND_AVX512BF16, rows_of_w<16>(MB))
-template <int MB, int NB>
-ASCEND_AVX512BF16 ASCEND_INLINE void block_dot_ahead(const c10::BFloat16* x, int64_t xs, const c10::BFloat16* w,
-                                                     int64_t ws, float* y, int64_t ys, int64_t k) {
-  block_dot<MB, NB, kAhead>(x, xs, w, ws, y, ys, k);
-}
+ASCEND_BF16_COLS(cols_dot, block_dot, 0, c10::BFloat16, ASCEND_AVX512BF16, rows_of_w<16>(MB))
+ASCEND_BF16_COLS(cols_dot_pf, block_dot, 1, c10::BFloat16, ASCEND_AVX512BF16, rows_of_w<16>(MB))
+ASCEND_BF16_COLS(cols_dot_far, block_dot, 2, c10::BFloat16, ASCEND_AVX512BF16, rows_of_w<16>(MB))
 // the row schedule: one weight row at a time, two adjacent ones from 5 rows of x: at 8 rows one row at a time loads 9
 // vectors per 8 dot products (x's 8 and w's one), and the load ports, not the memory, bound it (skinny.h)
-ASCEND_BF16_COLS(cols_dot_ahead, block_dot_ahead, c10::BFloat16, ASCEND_AVX512BF16, (MB >= 5 ? 2 : 1))
-template <int MB, int NB>
-ASCEND_AVX512BF16 ASCEND_INLINE void block_dot_ahead_all(const c10::BFloat16* x, int64_t xs, const c10::BFloat16* w,
-                                                         int64_t ws, float* y, int64_t ys, int64_t k) {
-  block_dot<MB, NB, kAheadAll>(x, xs, w, ws, y, ys, k);
-}
-ASCEND_BF16_COLS(cols_dot_ahead_all, block_dot_ahead_all, c10::BFloat16, ASCEND_AVX512BF16, (MB >= 5 ? 2 : 1))
-template <int MB, int NB>
-ASCEND_AVX512BF16 ASCEND_INLINE void block_dot_ahead_blocks(const c10::BFloat16* x, int64_t xs, const c10::BFloat16* w,
-                                                            int64_t ws, float* y, int64_t ys, int64_t k) {
-  block_dot<MB, NB, kAheadBlocks>(x, xs, w, ws, y, ys, k);
-}
-ASCEND_BF16_COLS(cols_dot_ahead_blocks, block_dot_ahead_blocks, c10::BFloat16, ASCEND_AVX512BF16, rows_of_w<16>(MB))
+ASCEND_BF16_COLS(cols_dot_ahead, block_dot, kAhead, c10::BFloat16, ASCEND_AVX512BF16, (MB >= 5 ? 2 : 1))
+ASCEND_BF16_COLS(cols_dot_ahead_all, block_dot, kAheadAll, c10::BFloat16, ASCEND_AVX512BF16, (MB >= 5 ? 2 : 1))
+ASCEND_BF16_COLS(cols_dot_ahead_blocks, block_dot, kAheadBlocks, c10::BFloat16, ASCEND_AVX512BF16, rows_of_w<16>(MB))
 
 // The AVX512_BF16 kernel's parts for chunks_of_rows: block_dot's loop over [k0, k1)
 struct DotStream : MaskedStream<c10::BFloat16> {

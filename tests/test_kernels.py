@@ -186,7 +186,8 @@ def test_grouped_matmul_bf16_bias_enters_before_the_rounding(layout, act):
     w = torch.randn(2, k, n) / 2 if layout == "kn" else (torch.randn(2, n, k) / 2).transpose(1, 2)
     w = w.bfloat16()
     # each group's bias: minus its first row's product, rounded to bf16 (what is left: that rounding's residual)
-    bias = torch.stack([-(x[g * m].float() @ w[g].float()) for g in range(2)]).bfloat16()
+    product = torch.stack([x[g * m].float() @ w[g].float() for g in range(2)])
+    bias = (-product).bfloat16()
     kw = dict(bias=[bias], group_list=torch.tensor([m, 2 * m]), group_type=0, group_list_type=0, act_type=act)
     got = K.grouped_matmul([x], [w], **kw)[0].float()
     exact = torch.cat([x[g * m : (g + 1) * m].float() @ w[g].float() + bias[g].float() for g in range(2)])
@@ -199,7 +200,6 @@ def test_grouped_matmul_bf16_bias_enters_before_the_rounding(layout, act):
     bound = ulp + 2**-20 * terms
     assert bool(((got[rows] - exact[rows]).abs() <= bound).all()), ((got[rows] - exact[rows]).abs() / bound).max()
     # the product's own bf16 rounding (half an ulp at its magnitude, what rounding it first could leave) is far larger
-    product = torch.stack([x[g * m].float() @ w[g].float() for g in range(2)])
     assert (product.abs().log2().floor().exp2() * 2**-8 > 8 * bound).float().mean() > 0.5
 
 
